@@ -1,0 +1,1 @@
+"""Pure functions implementing the K3 math (no parameters, no devices)."""

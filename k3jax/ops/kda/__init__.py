@@ -1,0 +1,157 @@
+"""Kimi Delta Attention (KDA), SPEC §1: public entry points.
+
+    kda(q, k, v, g, beta, ...)        -> (o [B,T,HV,V] in v.dtype, final_state [B,HV,K,V] fp32)
+    kda_step(q, k, v, g, beta, state) -> (o [B,HV,V], state)            one token
+    kda_gate(raw, A_log, dt_bias, lower_bound=None) -> g               log-space decay, fp32
+    l2_normalize(x)                                                     x / sqrt(sum x^2 + 1e-6)
+
+Recurrence per value head (state S in R^{K x V}, fp32):
+    S <- Diag(exp g_t) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = S^T (scale q_t)
+
+Value head j reads query/key head j // (HV / H) (grouped values). Implementations:
+"reference" (token-serial scan), "chunk" (WY/UT chunked form in XLA), "pallas" (fused
+kernels, when the platform has them); ``None`` picks the fastest for the default backend.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.ops.kda.chunk import chunk_kda
+from k3jax.ops.kda.gate import kda_gate
+from k3jax.ops.kda.reference import recurrent_kda, recurrent_step
+from k3jax.ops.norms import l2_normalize
+
+__all__ = ["kda", "kda_step", "kda_gate", "l2_normalize", "IMPLEMENTATIONS", "segment_starts"]
+
+IMPLEMENTATIONS = ("reference", "chunk")
+
+
+def _require_shape(name: str, x, expected: tuple, meaning: str) -> None:
+    if x.ndim != len(expected) or any(e is not None and s != e for s, e in zip(x.shape, expected)):
+        shown = tuple("?" if e is None else e for e in expected)
+        raise ValueError(f"{name} must have shape {meaning} = {shown}, got {tuple(x.shape)}")
+
+
+def _check_inputs(q, k, v, g, beta, state, token_axis: bool):
+    """Validate shapes (with or without the T axis); return (heads, value_heads, key_dim, value_dim)."""
+    lead = 2 if token_axis else 1
+    bt = "B, T, " if token_axis else "B, "
+    if q.ndim != lead + 2:
+        raise ValueError(f"q must have shape [{bt}H, K], got {tuple(q.shape)}")
+    *batch_time, heads, key_dim = q.shape
+    batch_time = tuple(batch_time)
+    _require_shape("k", k, (*batch_time, heads, key_dim), f"[{bt}H, K]")
+    if v.ndim != lead + 2 or tuple(v.shape[:lead]) != batch_time:
+        raise ValueError(f"v must have shape [{bt}HV, V] with {bt.rstrip(', ')} = {batch_time}, got {tuple(v.shape)}")
+    value_heads, value_dim = v.shape[-2:]
+    if value_heads % heads:
+        raise ValueError(f"v has HV = {value_heads} value heads, which must be a multiple of H = {heads}")
+    _require_shape("g", g, (*batch_time, value_heads, key_dim), f"[{bt}HV, K]")
+    _require_shape("beta", beta, (*batch_time, value_heads), f"[{bt}HV]")
+    if state is not None:
+        name = "initial_state" if token_axis else "state"
+        _require_shape(name, state, (batch_time[0], value_heads, key_dim, value_dim), "[B, HV, K, V]")
+    return heads, value_heads, key_dim, value_dim
+
+
+def _compute_dtype(*arrays) -> jnp.dtype:
+    """fp32, or float64 when an input is float64 (x64 mode, used to verify gradients)."""
+    return jnp.float64 if any(x.dtype == jnp.float64 for x in arrays if x is not None) else jnp.float32
+
+
+def _to_value_heads(q, k, value_heads, scale, dtype):
+    """Queries (scaled) and keys in the compute dtype, repeated so value head j reads head j // group."""
+    group = value_heads // q.shape[-2]
+    q = jnp.repeat(q.astype(dtype) * scale, group, axis=-2)
+    k = jnp.repeat(k.astype(dtype), group, axis=-2)
+    return q, k
+
+
+def segment_starts(segment_ids: jax.Array) -> jax.Array:
+    """``[B, T]`` bool, True where the segment id changes (never at t = 0: the initial state belongs
+    to the first segment)."""
+    changed = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return jnp.concatenate([jnp.zeros_like(changed[:, :1]), changed], axis=1)
+
+
+def default_implementation() -> str:
+    """The fastest implementation available for the default backend."""
+    return "chunk"
+
+
+def kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    chunk_size: int = 64,
+    implementation: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """KDA over a sequence.
+
+    Args:
+      q, k: ``[B, T, H, K]``, already L2-normalised.
+      v: ``[B, T, HV, V]``, HV a multiple of H.
+      g: ``[B, T, HV, K]`` log-space decay (<= 0).
+      beta: ``[B, T, HV]`` write strength in (0, 1).
+      scale: query scale, default ``K ** -0.5``.
+      initial_state: ``[B, HV, K, V]``; zeros when None.
+      segment_ids: ``[B, T]`` ints; the state restarts where the id changes (packed documents).
+      chunk_size: tokens per chunk of the chunked implementations (a multiple of 16).
+      implementation: "reference", "chunk", or None for the platform default.
+
+    Returns:
+      ``(o [B, T, HV, V] in v.dtype, final_state [B, HV, K, V] fp32)``. All arithmetic is fp32
+      (float64 when an input is float64, for verification in x64 mode).
+    """
+    _, value_heads, key_dim, value_dim = _check_inputs(q, k, v, g, beta, initial_state, token_axis=True)
+    batch, length = q.shape[:2]
+    if segment_ids is not None:
+        _require_shape("segment_ids", segment_ids, (batch, length), "[B, T]")
+    if chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
+        raise ValueError(f"chunk_size must be a positive multiple of 16 (or at most 16), got {chunk_size}")
+    implementation = implementation or default_implementation()
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+
+    scale = key_dim**-0.5 if scale is None else scale
+    dtype = _compute_dtype(q, k, v, g, beta, initial_state)
+    q32, k32 = _to_value_heads(q, k, value_heads, scale, dtype)
+    v32, g32, beta32 = (x.astype(dtype) for x in (v, g, beta))
+    if initial_state is None:
+        state = jnp.zeros((batch, value_heads, key_dim, value_dim), dtype)
+    else:
+        state = initial_state.astype(dtype)
+    starts = None if segment_ids is None else segment_starts(segment_ids)
+
+    if implementation == "reference":
+        o, final_state = recurrent_kda(q32, k32, v32, g32, beta32, state, starts)
+    else:
+        o, final_state = chunk_kda(q32, k32, v32, g32, beta32, state, starts, chunk_size)
+    return o.astype(v.dtype), final_state
+
+
+def kda_step(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state: jax.Array,
+    *,
+    scale: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """One decode token: q, k ``[B, H, K]``, v ``[B, HV, V]``, g ``[B, HV, K]``, beta ``[B, HV]``,
+    state ``[B, HV, K, V]``. Returns ``(o [B, HV, V] in v.dtype, new_state fp32)``."""
+    _, value_heads, key_dim, _ = _check_inputs(q, k, v, g, beta, state, token_axis=False)
+    scale = key_dim**-0.5 if scale is None else scale
+    dtype = _compute_dtype(q, k, v, g, beta, state)
+    q32, k32 = _to_value_heads(q, k, value_heads, scale, dtype)
+    o, new_state = recurrent_step(q32, k32, *(x.astype(dtype) for x in (v, g, beta, state)))
+    return o.astype(v.dtype), new_state
