@@ -1,0 +1,111 @@
+"""Reading user text: which files a path names, and the documents inside them.
+
+A path is a file or a directory. A directory is searched recursively, in sorted order, for
+``.txt``/``.md`` files (one document each) and ``.jsonl``/``.json`` files (one document per record);
+hidden files and folders are skipped. A file named directly is read by its extension: ``.jsonl`` and
+``.json`` as JSON, anything else as text. A JSON file holds one record per line (JSON Lines) or, when
+it starts with ``[``, an array of records; each record is an object whose ``field`` holds the text.
+
+Files must be UTF-8 (a leading byte-order mark is dropped). Every user mistake raises `DataError`
+naming the file, and the line or byte offset where there is one.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+from k3jax.data.errors import DataError
+
+TEXT_SUFFIXES = (".txt", ".md")
+JSON_SUFFIXES = (".jsonl", ".json")
+JSON_TYPE_NAMES = {dict: "an object", list: "an array", str: "a string", int: "a number",
+                   float: "a number", bool: "a boolean", type(None): "null"}
+
+
+def _is_hidden(name: str) -> bool:
+    return name.startswith(".")
+
+
+def _directory_files(directory: Path) -> list[Path]:
+    """Data files under ``directory`` (recursive, hidden entries skipped), sorted by path."""
+    found = []
+    for folder, subfolders, names in os.walk(directory):
+        subfolders[:] = [name for name in subfolders if not _is_hidden(name)]
+        found += [Path(folder, name) for name in names
+                  if not _is_hidden(name) and Path(name).suffix.lower() in TEXT_SUFFIXES + JSON_SUFFIXES]
+    return sorted(found)
+
+
+def find_data_files(path: str | os.PathLike) -> list[Path]:
+    """The data files ``path`` names: itself if a file, else the matching files beneath it."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such file or directory")
+    if not path.is_dir():
+        return [path]
+    files = _directory_files(path)
+    if not files:
+        raise DataError(f"{path}: no {', '.join(TEXT_SUFFIXES + JSON_SUFFIXES)} files in this directory")
+    return files
+
+
+def read_file_bytes(path: str | os.PathLike) -> bytes:
+    """The file's bytes; a missing or unreadable file is a `DataError`."""
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except OSError as error:
+        raise DataError(f"{path}: cannot read ({error.strerror or error})") from None
+
+
+def decode_utf8(data: bytes, path: str | os.PathLike) -> str:
+    """``data`` decoded as UTF-8, without a leading byte-order mark; naming the first bad byte otherwise."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        bad_byte = data[error.start]
+        raise DataError(f"{path}: not UTF-8 text (byte 0x{bad_byte:02x} at byte offset {error.start})") from None
+    return text.removeprefix("\ufeff")
+
+
+def _parse_json(text: str, path: Path, first_line: int = 1):
+    """``json.loads(text)``; ``text`` starts at line ``first_line`` of ``path`` (for the error message)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        line = first_line + error.lineno - 1
+        raise DataError(f"{path}:{line}: malformed JSON ({error.msg} at column {error.colno})") from None
+
+
+def _json_records(text: str, path: Path) -> Iterator[tuple[str, object]]:
+    """``(location, record)`` for each record of a JSON array or JSON Lines file; blank lines skipped."""
+    if text.lstrip().startswith("["):
+        for index, record in enumerate(_parse_json(text, path)):
+            yield f"{path}: record {index}", record
+        return
+    for line_number, line in enumerate(text.split("\n"), start=1):
+        if line.strip():
+            yield f"{path}:{line_number}", _parse_json(line, path, line_number)
+
+
+def _record_text(record, where: str, field: str) -> str:
+    """The string in ``record[field]``."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object with a {field!r} field, got {JSON_TYPE_NAMES[type(record)]}")
+    if field not in record:
+        raise DataError(f"{where}: no {field!r} field (its fields: {', '.join(map(repr, list(record)[:8])) or 'none'})")
+    value = record[field]
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field {field!r} is {JSON_TYPE_NAMES[type(value)]}, not a string")
+    return value
+
+
+def read_documents(path: Path, field: str = "text") -> list[str]:
+    """The documents in one data file: the whole text, or each JSON record's ``field``."""
+    text = decode_utf8(read_file_bytes(path), path)
+    if path.suffix.lower() in JSON_SUFFIXES:
+        return [_record_text(record, where, field) for where, record in _json_records(text, path)]
+    return [text]
