@@ -1,0 +1,169 @@
+"""Benchmark of the KDA operator on the local backend: reference scan vs chunked form.
+
+    python -m eval.bench_kda [--out bench_results/kda.json] [--repeats 5] [--quick]
+
+For each shape (B, T, H, K, V) it measures, in one process so the ratios are side by side:
+tokens/s of the forward and of forward+backward for each implementation, the chunked
+form's achieved GFLOP/s (its matmul FLOPs, counted by `chunk_matmul_flops`) against an
+fp32 GEMM rate measured in the same run, and peak temporary memory (from the compiled
+programs) of forward vs forward+backward at T = 8192. Gates are K3's bounded form; one
+extra row times Kimi Linear's unbounded gate at its extreme, where diagonal sub-blocks are
+computed exactly. Prints a table and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import time
+
+import k3jax  # noqa: F401  (XLA:CPU workaround before JAX starts)
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.ops.kda import kda, kda_gate, l2_normalize
+from k3jax.ops.kda.chunk import chunk_matmul_flops, effective_chunk_size
+
+SHAPES = [(1, 4096, 4, 128, 128), (4, 2048, 8, 64, 64)]
+MEMORY_SHAPE = (1, 8192, 4, 128, 128)
+
+
+def make_inputs(shape, gate: str, seed: int = 0):
+    """Random inputs: unit q, k; gates 'bounded' (K3, -5 < g < 0) or 'unbounded' (Kimi Linear, strong)."""
+    batch, length, heads, key_dim, value_dim = shape
+    keys = jax.random.split(jax.random.key(seed), 6)
+    normal = lambda key, s: jax.random.normal(key, s, jnp.float32)  # noqa: E731
+    q = l2_normalize(normal(keys[0], (batch, length, heads, key_dim)))
+    k = l2_normalize(normal(keys[1], (batch, length, heads, key_dim)))
+    v = normal(keys[2], (batch, length, heads, value_dim))
+    a_log = jnp.log(jax.random.uniform(keys[3], (heads,), minval=1.0, maxval=16.0))
+    raw = normal(keys[4], (batch, length, heads, key_dim)) * (1.0 if gate == "bounded" else 3.0)
+    g = kda_gate(raw, a_log, jnp.zeros((heads, key_dim)), lower_bound=-5.0 if gate == "bounded" else None)
+    beta = jax.nn.sigmoid(normal(keys[5], (batch, length, heads)))
+    return q, k, v, g, beta
+
+
+def forward_fn(implementation):
+    return jax.jit(lambda *x: kda(*x, implementation=implementation)[0])
+
+
+def forward_backward_fn(implementation):
+    def loss(*x):
+        o, state = kda(*x, implementation=implementation)
+        return jnp.sum(o * o) + jnp.sum(state * state)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5))))
+
+
+def best_time(fn, args, repeats: int) -> float:
+    """Minimum wall time over ``repeats`` runs after one compile-and-warm-up run."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def gemm_rate(repeats: int) -> float:
+    """Best fp32 GEMM rate (GFLOP/s) over n = 1024 and 2048."""
+    rates = []
+    for n in (1024, 2048):
+        a = jax.random.normal(jax.random.key(n), (n, n), jnp.float32)
+        seconds = best_time(jax.jit(lambda x: x @ x), (a,), repeats)
+        rates.append(2 * n**3 / seconds / 1e9)
+    return max(rates)
+
+
+def temp_bytes(fn, args) -> int:
+    """Peak temporary buffer bytes of the compiled program (XLA's memory analysis)."""
+    return int(fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+
+
+def run(repeats: int, quick: bool):
+    rows = []
+    gemm = gemm_rate(repeats)
+    shapes = [(1, 1024, 2, 64, 64)] if quick else SHAPES
+    cases = [(shape, "bounded", impl) for shape in shapes for impl in ("reference", "chunk")]
+    cases.append((shapes[0], "unbounded", "chunk"))
+    for shape, gate, implementation in cases:
+        args = make_inputs(shape, gate)
+        batch, length = shape[:2]
+        forward = best_time(forward_fn(implementation), args, repeats)
+        both = best_time(forward_backward_fn(implementation), args, max(1, repeats // 2))
+        row = dict(shape=list(shape), gate=gate, implementation=implementation,
+                   forward_s=forward, forward_backward_s=both,
+                   forward_tokens_per_s=batch * length / forward,
+                   forward_backward_tokens_per_s=batch * length / both)
+        if implementation == "chunk":
+            flops = chunk_matmul_flops(*shape, effective_chunk_size(length, 64))
+            row.update(forward_gflop=flops / 1e9, forward_gflop_per_s=flops / forward / 1e9,
+                       fraction_of_gemm=flops / forward / 1e9 / gemm)
+        rows.append(row)
+        print(f"  measured {implementation:9s} {gate:9s} {shape}", flush=True)
+    memory_args = make_inputs((1, 1024, 2, 64, 64) if quick else MEMORY_SHAPE, "bounded")
+    memory = dict(
+        shape=list(MEMORY_SHAPE) if not quick else [1, 1024, 2, 64, 64],
+        forward_temp_bytes=temp_bytes(forward_fn("chunk"), memory_args),
+        forward_backward_temp_bytes=temp_bytes(forward_backward_fn("chunk"), memory_args),
+    )
+    memory["ratio"] = memory["forward_backward_temp_bytes"] / memory["forward_temp_bytes"]
+    return dict(gemm_gflop_per_s=gemm, rows=rows, memory=memory)
+
+
+def ratios(rows):
+    """chunk / reference speed-ups per shape (bounded gates)."""
+    out = []
+    for shape in {tuple(r["shape"]) for r in rows}:
+        by = {r["implementation"]: r for r in rows if tuple(r["shape"]) == shape and r["gate"] == "bounded"}
+        if {"reference", "chunk"} <= by.keys():
+            out.append(dict(shape=list(shape),
+                            forward_speedup=by["reference"]["forward_s"] / by["chunk"]["forward_s"],
+                            forward_backward_speedup=by["reference"]["forward_backward_s"]
+                            / by["chunk"]["forward_backward_s"]))
+    return sorted(out, key=lambda r: r["shape"])
+
+
+def print_table(result):
+    print(f"\nfp32 GEMM rate measured in this run: {result['gemm_gflop_per_s']:.1f} GFLOP/s "
+          f"({jax.devices()[0].platform}, {jax.device_count()} device(s))")
+    header = f"{'B,T,H,K,V':22s} {'gate':9s} {'impl':9s} {'fwd tok/s':>11s} {'fwd+bwd tok/s':>14s} {'GFLOP/s':>8s} {'% GEMM':>7s}"
+    print(header)
+    print("-" * len(header))
+    for r in result["rows"]:
+        gf = f"{r['forward_gflop_per_s']:8.1f}" if "forward_gflop_per_s" in r else f"{'':8s}"
+        pct = f"{100 * r['fraction_of_gemm']:6.1f}%" if "fraction_of_gemm" in r else f"{'':7s}"
+        print(f"{str(tuple(r['shape'])):22s} {r['gate']:9s} {r['implementation']:9s} "
+              f"{r['forward_tokens_per_s']:11.0f} {r['forward_backward_tokens_per_s']:14.0f} {gf} {pct}")
+    print("\nchunk vs reference (same run):")
+    for r in result["ratios"]:
+        print(f"  {tuple(r['shape'])}: forward {r['forward_speedup']:.1f}x, "
+              f"forward+backward {r['forward_backward_speedup']:.1f}x")
+    m = result["memory"]
+    print(f"\npeak temporary memory at {tuple(m['shape'])}: forward {m['forward_temp_bytes'] / 2**20:.0f} MiB, "
+          f"forward+backward {m['forward_backward_temp_bytes'] / 2**20:.0f} MiB ({m['ratio']:.2f}x)")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench_results/kda.json", help="where to write the JSON results")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (best is kept)")
+    parser.add_argument("--quick", action="store_true", help="one small shape, for a smoke run")
+    args = parser.parse_args(argv)
+    result = run(args.repeats, args.quick)
+    result["ratios"] = ratios(result["rows"])
+    result["environment"] = dict(jax=jax.__version__, backend=jax.default_backend(),
+                                 processor=platform.processor() or platform.machine(),
+                                 cpu_count=len(jax.devices("cpu")))
+    print_table(result)
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
