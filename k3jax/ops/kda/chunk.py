@@ -1,40 +1,46 @@
-"""Chunked KDA in XLA: the WY / UT form of SPEC §1, safe in fp32 for any gate.
+"""Chunked KDA in XLA: the WY / UT form of SPEC §1, safe in fp32 for any gate, with its backward.
 
 Per value head and chunk of C tokens (rows r, columns i, key channels c), with the state S
 carried between chunks:
 
-    Gamma_t    = sum_{j <= t} g_j                     (inclusive, restarts every chunk)
+    Gamma_t    = sum_{j <= t} g_j                 sigma_t = Gamma_C - Gamma_t = sum_{j > t} g_j
     A_kk[r,i]  = beta_r sum_c k_r[c] k_i[c] exp(Gamma_r[c] - Gamma_i[c])      i <  r
     A_qk[r,i]  =        sum_c q_r[c] k_i[c] exp(Gamma_r[c] - Gamma_i[c])      i <= r
     [W | U]    = (I + A_kk)^{-1} Diag(beta) [exp(Gamma) * K | V]
-    V~         = U - W S                                   (sequential over chunks)
-    S         <- Diag(exp Gamma_C) S + (K * exp(Gamma_C - Gamma))^T V~
-    O          = (Q * exp Gamma) S_in + A_qk V~           (S_in: the state entering the chunk)
+    V~         = U - W S_in                              (sequential over chunks)
+    O          = (Q * exp Gamma) S_in + A_qk V~
+    S_out      = Diag(exp Gamma_C) S_in + (K * exp sigma)^T V~
 
-The chunk is split into sub-blocks of S = 16 tokens; every C x C matrix is kept as row
-blocks (a diagonal S x S block and the S x R*S block of earlier columns), never assembled.
+The chunk is split into sub-blocks of 16 tokens; every C x C matrix is kept as row blocks (the
+diagonal 16 x 16 block and the block of earlier columns), never assembled.
 
-Numerics. Gate sums are sums of same-sign terms (never differences of cumulative sums, so
-no precision is lost to cancellation), and no exp sees an argument that could overflow:
+Numerics. Gate sums are sums of same-sign terms (never differences of cumulative sums, so no
+precision is lost to cancellation), and no exp sees an argument that could overflow:
 
 * an off-diagonal block pair (row block R, column block I < R) factors
-  exp(Gamma_r - Gamma_i) = exp(lam_r) * exp(rho_i) * exp(between(I, R)), with lam_r the
-  inclusive gate sum from the start of block R to r, rho_i the exclusive sum from i to the end
-  of block I, and between(I, R) the sum over the blocks strictly between -- all three <= 0;
+  exp(Gamma_r - Gamma_i) = exp(lam_r) * exp(rho_i + between(I, R)), with lam_r the inclusive
+  gate sum from the start of block R to r, rho_i the exclusive sum from i to the end of block I,
+  and between(I, R) the sum over the blocks strictly between -- all <= 0;
 * a diagonal block factors as exp(lam_r) * exp(-lam_i) when no sub-block decays by more than
   `FACTORED_DECAY_LIMIT` (always so for K3's bounded gate: 16 * 5 = 80). Otherwise (Kimi
-  Linear's unbounded gate can reach -1000 per token) the diagonal blocks are recomputed from
-  exact pairwise sums sum_{i < j <= r} g_j, with masked exponents set to -inf *before* exp,
-  so neither values nor gradients meet exp(+huge) * 0. The factored columns are clamped so
-  they stay finite even when they are discarded.
+  Linear's unbounded gate can reach -1000 per token) diagonal blocks use exact pairwise decays
+  exp(sum_{i < j <= r} g_j), with masked exponents set to -inf *before* exp. The factored
+  column scale is clamped so it stays finite even when discarded.
 
 Packed documents: with segment indices, pairs across a boundary are masked out of A_kk and
 A_qk, rows after a boundary do not read the carried state, columns before the chunk's last
 boundary do not write it, and the carried state is dropped when the chunk holds a boundary.
 
-Gradients come from autodiff: the intra-chunk part is rematerialised (`jax.checkpoint`), so
-the backward pass stores one state per chunk and per-chunk [C, K] tensors, never a state per
-token.
+Backward (`jax.custom_vjp`): the forward saves only its inputs, the state entering each chunk
+and V~; the backward recomputes the intra-chunk terms, walks the chunks in reverse for dS (two
+matmuls per chunk, like the forward), and does everything else for all chunks at once:
+
+    dV~     = A_qk^T dO + (K * exp sigma) dS_out
+    dS_in   = (Q * exp Gamma)^T dO - W^T dV~ + Diag(exp Gamma_C) dS_out
+    dRHS    = (I + A_kk)^{-T} [-dV~ S_in^T | dV~],   dA_kk = -dRHS [W | U]^T,   dA_qk = dO V~^T
+    scores  s[r,i] = sum_c x_r[c] k_i[c] E_ri[c]:  dx_r = sum_i ds E k_i,  dk_i += sum_r ds E x_r,
+            dGamma_r += x_r dx_r,  dGamma_i -= k_i (dk_i from this term)
+    dg_j    = sum_{t >= j} dGamma_t + sum_{t < j} dsigma_t + dGamma_C
 """
 from __future__ import annotations
 
@@ -60,16 +66,44 @@ def effective_chunk_size(length: int, chunk_size: int) -> int:
 
 
 def _sum_matrix(size: int, upper: bool = False, inclusive: bool = True) -> np.ndarray:
-    """0/1 matrix M with (M @ x)[r] = sum_j x[j] over j <= r (lower) or j > r (upper, exclusive)."""
+    """0/1 matrix M with (M @ x)[r] = sum_j x[j] over j <= r (lower) or j >= r (upper); strict
+    inequalities when not ``inclusive``."""
     r, j = np.ogrid[:size, :size]
     if upper:
         return ((j >= r) if inclusive else (j > r)).astype(np.float32)
     return ((j <= r) if inclusive else (j < r)).astype(np.float32)
 
 
-def _masked_exp(mask, exponent):
-    """exp(exponent) where mask, 0 elsewhere; the exponent is masked before exp (NaN-safe)."""
-    return jnp.exp(jnp.where(mask, exponent, -jnp.inf))
+def _split(x, width: int, axis: int = -2):
+    """Split the chunk axis of ``x`` into ``[n, width]`` sub-blocks."""
+    axis %= x.ndim
+    return x.reshape(*x.shape[:axis], x.shape[axis] // width, width, *x.shape[axis + 1:])
+
+
+def _merge(x, axis: int = -3):
+    """Inverse of `_split`: merge the ``[n, width]`` axes at ``axis, axis + 1``."""
+    axis %= x.ndim
+    return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2:])
+
+
+def _mm(a, b):
+    return einsum("...ij,...jk->...ik", a, b)
+
+
+def _mm_t(a, b):
+    return einsum("...ik,...jk->...ij", a, b)
+
+
+def _t_mm(a, b):
+    return einsum("...ji,...jk->...ik", a, b)
+
+
+def _pad_rows(x, rows: int):
+    """Zero-pad axis -2 of ``x`` at the end to ``rows``."""
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, rows - x.shape[-2]), (0, 0)])
+
+
+# ----------------------------------------------------------------------------- gate sums
 
 
 class GateSums(NamedTuple):
@@ -84,14 +118,15 @@ class GateSums(NamedTuple):
     to_block_end: jax.Array  # rho: from the token to the end of its sub-block, exclusive
     block_total: jax.Array   # each sub-block's total
     prefix: jax.Array        # Gamma: from the chunk start to the token, inclusive
-    suffix: jax.Array        # Gamma_C - Gamma: from the token to the chunk end, exclusive
+    suffix: jax.Array        # sigma = Gamma_C - Gamma: from the token to the chunk end, exclusive
     total: jax.Array         # Gamma_C
     between: jax.Array       # over the sub-blocks strictly between I and R
 
 
-def gate_sums(gb: jax.Array) -> GateSums:
-    """All gate sums the chunk form needs, from the gates in sub-blocks ``gb [.., n, S, K]``."""
-    blocks, width = gb.shape[-3:-1]
+def gate_sums(g: jax.Array, width: int) -> GateSums:
+    """All gate sums the chunk form needs, from the gates of each chunk ``g [.., C, K]``."""
+    gb = _split(g, width)
+    blocks = gb.shape[-3]
     local = einsum("rj,...jk->...rk", _sum_matrix(width), gb)
     to_block_end = einsum("rj,...jk->...rk", _sum_matrix(width, upper=True, inclusive=False), gb)
     block_total = local[..., -1, :]
@@ -99,63 +134,171 @@ def gate_sums(gb: jax.Array) -> GateSums:
     after = einsum("bj,...jk->...bk", _sum_matrix(blocks, upper=True, inclusive=False), block_total)
     R, I, b = np.ogrid[:blocks, :blocks, :blocks]
     strictly_between = ((I < b) & (b < R)).astype(np.float32)
-    chunk_shape = (*gb.shape[:-3], blocks * width, gb.shape[-1])
     return GateSums(
         local=local,
         to_block_end=to_block_end,
         block_total=block_total,
-        prefix=(before[..., None, :] + local).reshape(chunk_shape),
-        suffix=(after[..., None, :] + to_block_end).reshape(chunk_shape),
+        prefix=_merge(before[..., None, :] + local),
+        suffix=_merge(after[..., None, :] + to_block_end),
         total=jnp.sum(block_total, axis=-2),
         between=einsum("RIb,...bk->...RIk", strictly_between, block_total),
     )
 
 
-def _exact_diagonal(rows, kb, gb):
-    """Diagonal blocks ``[.., n, R, S]`` for raw ``rows [.., n, R, K]`` (query rows then key rows,
-    R = 2S) from exact pairwise sums sum_{i<j<=r} g_j: valid for any gate magnitude."""
-    width = gb.shape[-2]
-    r, i, j = np.ogrid[:width, :width, :width]
-    path = ((i < j) & (j <= r)).astype(np.float32)
-    pair_sum = einsum("rij,...njk->...nrik", path, gb)                     # [.., n, S, S, K]
-    decay = _masked_exp(r >= i, pair_sum)
-    decay = jnp.concatenate([decay, decay], axis=-3)                       # rows: queries, keys
-    return jnp.sum(rows[..., :, None, :] * kb[..., None, :, :] * decay, axis=-1)
+def gate_gradient(d_prefix, d_suffix, d_total):
+    """dg from the gradients of Gamma (prefix), sigma (suffix) ``[.., C, K]`` and Gamma_C ``[.., K]``:
+    dg_j = sum_{t >= j} dGamma_t + sum_{t < j} dsigma_t + dGamma_C."""
+    chunk = d_prefix.shape[-2]
+    from_prefix = einsum("jt,...tk->...jk", _sum_matrix(chunk, upper=True), d_prefix)
+    from_suffix = einsum("jt,...tk->...jk", _sum_matrix(chunk, inclusive=False), d_suffix)
+    return from_prefix + from_suffix + d_total[..., None, :]
 
 
-class RowBlockScores(NamedTuple):
-    """Scores sum_c row_r[c] k_i[c] exp(Gamma_r[c] - Gamma_i[c]) by row block, unmasked.
+# ----------------------------------------------------------------------------- scores
 
-    ``diagonal [.., n, 2S, S]``: block R against its own columns; ``earlier[R] [.., 2S, R*S]``
-    (R >= 1): block R against the columns of blocks < R. Rows 0..S-1 are queries, S..2S-1 keys.
+
+class ScoreFactors(NamedTuple):
+    """Anchored decay factors (see the module docstring); scores are products of these with q, k.
+
+    ``row_scale [.., n, S, K]`` exp(lam); ``own_scale [.., n, S, K]`` exp(-lam) (clamped);
+    ``earlier_scale[R - 1] [.., R*S, K]`` exp(rho + between(., R)) for the columns before block R;
+    ``safe``: whether the diagonal blocks may use the factored form.
     """
+
+    row_scale: jax.Array
+    own_scale: jax.Array
+    earlier_scale: tuple
+    safe: jax.Array
+
+
+class Scores(NamedTuple):
+    """Scores by row block: ``diagonal [.., n, 2S, S]`` and ``earlier[R - 1] [.., 2S, R*S]``.
+    Rows 0..S-1 of each block are queries, S..2S-1 keys."""
 
     diagonal: jax.Array
     earlier: tuple
 
 
-def row_block_scores(qb, kb, gb, sums: GateSums) -> RowBlockScores:
-    """Query-row and key-row scores for all chunks, anchored at each row block's start."""
-    blocks, width = qb.shape[-3:-1]
-    local_twice = jnp.concatenate([sums.local, sums.local], axis=-2)
-    raw_rows = jnp.concatenate([qb, kb], axis=-2)                           # [.., n, 2S, K]
-    rows = raw_rows * jnp.exp(local_twice)
-    own_columns = kb * jnp.exp(jnp.minimum(-sums.local, FACTORED_DECAY_LIMIT))
-    factored = einsum("...nrc,...nic->...nri", rows, own_columns)
-    safe = jnp.max(-sums.block_total) <= FACTORED_DECAY_LIMIT
-    # The exact branch is rematerialised: differentiating a cond saves the union of both branches'
-    # intermediates (zero-filled for the branch not taken), which for [.., S, S, K] would dominate.
-    exact = jax.lax.cond(
-        safe, lambda: jnp.zeros_like(factored), lambda: jax.checkpoint(_exact_diagonal)(raw_rows, kb, gb)
+def score_factors(sums: GateSums) -> ScoreFactors:
+    blocks, width = sums.local.shape[-3:-1]
+    rho_scale = jnp.exp(sums.to_block_end)
+    between_scale = jnp.exp(sums.between)
+    earlier = tuple(
+        _merge(rho_scale[..., :R, :, :] * between_scale[..., R, :R, None, :]) for R in range(1, blocks)
     )
-    keys_to_block_end = kb * jnp.exp(sums.to_block_end)
-    decay_between = jnp.exp(sums.between)                                   # [.., R, I, K]
-    earlier = []
-    for R in range(1, blocks):
-        cols = keys_to_block_end[..., :R, :, :] * decay_between[..., R, :R, None, :]
-        cols = cols.reshape(*cols.shape[:-3], R * width, cols.shape[-1])
-        earlier.append(einsum("...rc,...ic->...ri", rows[..., R, :, :], cols))
-    return RowBlockScores(jnp.where(safe, factored, exact), tuple(earlier))
+    return ScoreFactors(
+        row_scale=jnp.exp(sums.local),
+        own_scale=jnp.exp(jnp.minimum(-sums.local, FACTORED_DECAY_LIMIT)),
+        earlier_scale=earlier,
+        safe=jnp.max(-sums.block_total) <= FACTORED_DECAY_LIMIT,
+    )
+
+
+def _row_blocks(q, k, width):
+    """Query rows then key rows per sub-block: ``[.., n, 2S, K]``."""
+    return jnp.concatenate([_split(q, width), _split(k, width)], axis=-2)
+
+
+def _pairwise_decay(g, width):
+    """Exact diagonal-block decays exp(sum_{i<j<=r} g_j) for i <= r, else 0, for query and key rows:
+    ``[.., n, 2S, S, K]``."""
+    r, i, j = np.ogrid[:width, :width, :width]
+    path = ((i < j) & (j <= r)).astype(np.float32)
+    decay = jnp.exp(jnp.where(r >= i, einsum("rij,...njk->...nrik", path, _split(g, width)), -jnp.inf))
+    return jnp.concatenate([decay, decay], axis=-3)
+
+
+def scores(q, k, g, f: ScoreFactors, width: int) -> Scores:
+    """sum_c x_r[c] k_i[c] exp(Gamma_r[c] - Gamma_i[c]) for query and key rows x_r and every column i
+    at or before the row's sub-block."""
+    x, kb = _row_blocks(q, k, width), _split(k, width)
+    rows = x * jnp.concatenate([f.row_scale, f.row_scale], axis=-2)
+
+    def factored():
+        return _mm_t(rows, kb * f.own_scale)
+
+    def exact():
+        decay = _pairwise_decay(g, width)
+        return jnp.sum(x[..., :, None, :] * kb[..., None, :, :] * decay, axis=-1)
+
+    earlier = tuple(_mm_t(rows[..., R, :, :], k[..., : R * width, :] * scale)
+                    for R, scale in enumerate(f.earlier_scale, start=1))
+    return Scores(jax.lax.cond(f.safe, factored, exact), earlier)
+
+
+def score_gradients(q, k, g, f: ScoreFactors, d: Scores, width: int):
+    """Given dScores, the gradients (dq, dk, dGamma) of `scores`, each ``[.., C, K]``."""
+    blocks = q.shape[-2] // width
+    x, kb = _row_blocks(q, k, width), _split(k, width)
+    row_scale2 = jnp.concatenate([f.row_scale, f.row_scale], axis=-2)
+    rows = x * row_scale2
+
+    def factored():  # dx for the diagonal part, and the column-side dk
+        return row_scale2 * _mm(d.diagonal, kb * f.own_scale), f.own_scale * _t_mm(d.diagonal, rows)
+
+    def exact():
+        weighted = d.diagonal[..., None] * _pairwise_decay(g, width)      # [.., n, 2S, S, K]
+        return jnp.sum(weighted * kb[..., None, :, :], axis=-2), jnp.sum(weighted * x[..., :, None, :], axis=-3)
+
+    d_x, d_own = jax.lax.cond(f.safe, factored, exact)
+    d_cols = _merge(d_own)
+    d_x_earlier = [jnp.zeros_like(d_x[..., 0, :, :])]
+    for R, scale in enumerate(f.earlier_scale, start=1):
+        d_x_earlier.append(row_scale2[..., R, :, :] * _mm(d.earlier[R - 1], k[..., : R * width, :] * scale))
+        d_cols = d_cols + _pad_rows(scale * _t_mm(d.earlier[R - 1], rows[..., R, :, :]), blocks * width)
+    d_x = d_x + jnp.stack(d_x_earlier, axis=-3)
+    d_q, d_k_rows = _merge(d_x[..., :width, :]), _merge(d_x[..., width:, :])
+    d_gamma = q * d_q + k * d_k_rows - k * d_cols
+    return d_q, d_k_rows + d_cols, d_gamma
+
+
+# ----------------------------------------------------------------------------- intra-chunk terms
+
+
+class Masks(NamedTuple):
+    """Multiplicative masks of the chunk terms (None entries: no packed-document boundaries).
+
+    ``diagonal [.., n, 2S, S]`` and ``earlier[R - 1] [.., 2S, R*S]`` for the scores (causal for
+    query rows, strictly causal for key rows, same segment); ``reads_carry``, ``writes_carry``
+    ``[.., C, 1]`` and ``keeps_carry [.., 1]`` for the carried state.
+    """
+
+    diagonal: jax.Array
+    earlier: tuple | None
+    reads_carry: jax.Array | None
+    writes_carry: jax.Array | None
+    keeps_carry: jax.Array | None
+
+
+def chunk_masks(segments, chunk: int, width: int) -> Masks:
+    """Masks from ``segments``: None, or (segment index per token ``[.., C]``, index carried into the
+    chunk ``[.., 1]``)."""
+    r, i = np.ogrid[:width, :width]
+    causal = np.concatenate([r >= i, r > i]).astype(np.float32)            # [2S, S]
+    if segments is None:
+        return Masks(causal, None, None, None, None)
+    index, carried = segments
+    blocks = _split(index, width, axis=-1)                                  # [.., n, S]
+    same = lambda rows, cols: (rows[..., :, None] == cols[..., None, :]).astype(jnp.float32)  # noqa: E731
+    twice = lambda m: jnp.concatenate([m, m], axis=-2)  # noqa: E731
+    earlier = tuple(twice(same(blocks[..., R, :], index[..., : R * width])) for R in range(1, chunk // width))
+    reads = (index == carried).astype(jnp.float32)[..., None]
+    return Masks(
+        diagonal=causal * twice(same(blocks, blocks)),
+        earlier=earlier,
+        reads_carry=reads,
+        writes_carry=(index == index[..., -1:]).astype(jnp.float32)[..., None],
+        keeps_carry=reads[..., -1, :],
+    )
+
+
+def _masked(x, mask):
+    return x if mask is None else x * mask
+
+
+def mask_scores(s: Scores, m: Masks) -> Scores:
+    earlier = s.earlier if m.earlier is None else tuple(a * b for a, b in zip(s.earlier, m.earlier))
+    return Scores(s.diagonal * m.diagonal, earlier)
 
 
 def unit_lower_inverse(lower):
@@ -164,109 +307,230 @@ def unit_lower_inverse(lower):
     power = -lower
     inverse = jnp.eye(lower.shape[-1], dtype=lower.dtype) + power
     for _ in range(int(math.log2(lower.shape[-1])) - 1):
-        power = einsum("...ij,...jk->...ik", power, power)
-        inverse = inverse + einsum("...ij,...jk->...ik", inverse, power)
+        power = _mm(power, power)
+        inverse = inverse + _mm(inverse, power)
     return inverse
 
 
-class ChunkTerms(NamedTuple):
-    """Per-chunk tensors that do not depend on the carried state, ``[N, B, HV, ...]``."""
+class Intra(NamedTuple):
+    """Per-chunk terms that do not depend on the carried state, ``[N, B, HV, ...]``."""
 
-    w: jax.Array            # (I + A_kk)^-1 Diag(beta) (exp(Gamma) * K)     [.., C, K]
-    u: jax.Array            # (I + A_kk)^-1 Diag(beta) V                    [.., C, V]
-    queries: jax.Array      # Q * exp(Gamma)                                [.., C, K]
-    a_qk_diagonal: jax.Array  # causal query scores, diagonal blocks       [.., n, S, S]
-    a_qk_earlier: tuple     # query scores against earlier blocks           [.., S, R*S]
-    keys_to_end: jax.Array  # K * exp(Gamma_C - Gamma)                      [.., C, K]
-    decay_total: jax.Array  # exp(Gamma_C)                                  [.., K]
+    sums: GateSums
+    factors: ScoreFactors
+    masks: Masks
+    scores: Scores            # masked; query rows are A_qk, key rows are A_kk before beta
+    inverse: jax.Array        # (I + A_kk)^{-1} diagonal blocks                    [.., n, S, S]
+    written: jax.Array        # [exp(Gamma) K | V] (the solve's right side before Diag(beta)) [.., C, K + V]
+    solved: jax.Array         # [W | U]                                              [.., C, K + V]
+    queries: jax.Array        # Q exp(Gamma)                                         [.., C, K]
+    keys_to_end: jax.Array    # K exp(sigma)                                         [.., C, K]
+    decay_total: jax.Array    # exp(Gamma_C)                                         [.., K]
 
 
-def intra_chunk(q, k, v, g, beta, segments, sub_block: int) -> ChunkTerms:
-    """Everything that does not depend on the carried state, for all chunks at once.
+def _beta_rows(beta_blocks):
+    """beta per key row of the row blocks: ``[.., n, S] -> [.., n, S, 1]``."""
+    return beta_blocks[..., None]
 
-    Inputs ``[.., C, ...]`` (fp32, q scaled); ``segments`` is None or a pair of segment indices
-    ``([.., C], [.., 1])``: each token's, and the one carried into the chunk.
-    """
+
+def intra_chunk(q, k, v, g, beta, segments, width: int) -> Intra:
+    """Everything that does not depend on the carried state, for all chunks at once (fp32,
+    q scaled; ``[.., C, ...]``)."""
     chunk, key_dim = q.shape[-2:]
-    blocks, width = chunk // sub_block, sub_block
-
-    def to_blocks(x, axis=-2):  # split the chunk axis into [n, S]
-        axis %= x.ndim
-        return x.reshape(*x.shape[:axis], blocks, width, *x.shape[axis + 1:])
-
-    qb, kb, gb, beta_b = to_blocks(q), to_blocks(k), to_blocks(g), to_blocks(beta, axis=-1)
-    sums = gate_sums(gb)
-    scores = row_block_scores(qb, kb, gb, sums)
-
-    r, i = np.ogrid[:width, :width]
-    q_diagonal = scores.diagonal[..., :width, :] * (r >= i)
-    k_diagonal = scores.diagonal[..., width:, :] * (r > i) * beta_b[..., :, None]
-    q_earlier = [s[..., :width, :] for s in scores.earlier]
-    k_earlier = [s[..., width:, :] * beta_b[..., R + 1, :, None] for R, s in enumerate(scores.earlier)]
+    blocks = chunk // width
+    sums = gate_sums(g, width)
+    factors = score_factors(sums)
+    masks = chunk_masks(segments, chunk, width)
+    s = mask_scores(scores(q, k, g, factors, width), masks)
+    beta_b = _split(beta, width, axis=-1)[..., None]                        # [.., n, S, 1]
+    a_kk_diagonal = s.diagonal[..., width:, :] * beta_b
+    inverse = unit_lower_inverse(a_kk_diagonal)
 
     decay_prefix = jnp.exp(sums.prefix)
-    carried_keys, queries = k * decay_prefix, q * decay_prefix
-    keys_to_end, decay_total = k * jnp.exp(sums.suffix), jnp.exp(sums.total)
-    if segments is not None:
-        index, carried = segments
-        index_b = to_blocks(index, axis=-1)
-        same = lambda rows, cols: (rows[..., :, None] == cols[..., None, :]).astype(q.dtype)  # noqa: E731
-        diagonal_same = same(index_b, index_b)
-        q_diagonal, k_diagonal = q_diagonal * diagonal_same, k_diagonal * diagonal_same
-        earlier_same = [same(index_b[..., R + 1, :], index[..., : (R + 1) * width]) for R in range(blocks - 1)]
-        q_earlier = [a * m for a, m in zip(q_earlier, earlier_same)]
-        k_earlier = [a * m for a, m in zip(k_earlier, earlier_same)]
-        reads_carry = (index == carried).astype(q.dtype)[..., None]
-        writes_carry = (index == index[..., -1:]).astype(q.dtype)[..., None]
-        carried_keys, queries = carried_keys * reads_carry, queries * reads_carry
-        keys_to_end, decay_total = keys_to_end * writes_carry, decay_total * reads_carry[..., -1, :]
-
-    # Block forward substitution for (I + A_kk) X = Diag(beta) [exp(Gamma) K | V].
-    rhs = to_blocks(beta[..., None] * jnp.concatenate([carried_keys, v], axis=-1))
-    inverse = unit_lower_inverse(k_diagonal)
-    solved = [einsum("...ij,...jd->...id", inverse[..., 0, :, :], rhs[..., 0, :, :])]
+    carried_keys = _masked(k * decay_prefix, masks.reads_carry)
+    written = jnp.concatenate([carried_keys, v], axis=-1)
+    rhs_b = _split(beta[..., None] * written, width)
+    solved = [_mm(inverse[..., 0, :, :], rhs_b[..., 0, :, :])]
     for R in range(1, blocks):
-        acc = rhs[..., R, :, :] - einsum("...ij,...jd->...id", k_earlier[R - 1], jnp.concatenate(solved, axis=-2))
-        solved.append(einsum("...ij,...jd->...id", inverse[..., R, :, :], acc))
-    solved = jnp.concatenate(solved, axis=-2)
-    return ChunkTerms(solved[..., :key_dim], solved[..., key_dim:], queries, q_diagonal, tuple(q_earlier),
-                      keys_to_end, decay_total)
+        a_kk_earlier = s.earlier[R - 1][..., width:, :] * beta_b[..., R, :, :]
+        acc = rhs_b[..., R, :, :] - _mm(a_kk_earlier, jnp.concatenate(solved, axis=-2))
+        solved.append(_mm(inverse[..., R, :, :], acc))
+    return Intra(
+        sums=sums,
+        factors=factors,
+        masks=masks,
+        scores=s,
+        inverse=inverse,
+        written=written,
+        solved=jnp.concatenate(solved, axis=-2),
+        queries=_masked(q * decay_prefix, masks.reads_carry),
+        keys_to_end=_masked(k * jnp.exp(sums.suffix), masks.writes_carry),
+        decay_total=_masked(jnp.exp(sums.total), masks.keeps_carry),
+    )
 
 
-def pass_state(terms: ChunkTerms, initial_state):
-    """The sequential part: carry S across chunks (axis 0 of the terms).
+def _query_scores(s: Scores, width: int) -> Scores:
+    return Scores(s.diagonal[..., :width, :], tuple(e[..., :width, :] for e in s.earlier))
 
-    Per chunk, one matmul [W; Q exp Gamma] S gives both the state's prediction for the delta rule
-    and the state's contribution to the outputs. Returns ``(new_values V~ [N, B, HV, C, V],
-    outputs_from_state [N, B, HV, C, V], final_state)``.
+
+def apply_query_scores(s: Scores, values, width: int):
+    """A_qk @ values by row blocks: ``[.., C, V] -> [.., C, V]``."""
+    q = _query_scores(s, width)
+    out = _mm(q.diagonal, _split(values, width))
+    rows = [out[..., 0, :, :]] + [
+        out[..., R, :, :] + _mm(q.earlier[R - 1], values[..., : R * width, :]) for R in range(1, out.shape[-3])
+    ]
+    return jnp.concatenate(rows, axis=-2)
+
+
+def apply_query_scores_transposed(s: Scores, d_out, width: int):
+    """A_qk^T @ d_out by row blocks: ``[.., C, V] -> [.., C, V]``."""
+    q = _query_scores(s, width)
+    d_blocks = _split(d_out, width)
+    result = _merge(_t_mm(q.diagonal, d_blocks))
+    chunk = d_out.shape[-2]
+    for R in range(1, d_blocks.shape[-3]):
+        result = result + _pad_rows(_t_mm(q.earlier[R - 1], d_blocks[..., R, :, :]), chunk)
+    return result
+
+
+# ----------------------------------------------------------------------------- forward and backward
+
+
+def pass_state(intra: Intra, initial_state):
+    """The sequential part, over axis 0 (chunks): per chunk one matmul [W; Q exp Gamma] S_in gives the
+    delta rule's prediction and the state's share of the outputs.
+
+    Returns ``(new_values V~, outputs_from_state, entering states S_in [N, B, HV, K, V], final_state)``.
     """
-    chunk = terms.w.shape[-2]
+    chunk, key_dim = intra.queries.shape[-2:]
+    w = intra.solved[..., :key_dim]
+    u = intra.solved[..., key_dim:]
 
     def body(state, xs):
-        w_and_queries, u, keys_to_end, decay_total = xs
-        read = einsum("bhck,bhkv->bhcv", w_and_queries, state)
-        new_values = u - read[..., :chunk, :]
-        next_state = decay_total[..., None] * state + einsum("bhck,bhcv->bhkv", keys_to_end, new_values)
-        return next_state, (new_values, read[..., chunk:, :])
+        w_and_queries, u_c, keys_to_end, decay_total = xs
+        read = _mm(w_and_queries, state)
+        new_values = u_c - read[..., :chunk, :]
+        next_state = decay_total[..., None] * state + _t_mm(keys_to_end, new_values)
+        return next_state, (new_values, read[..., chunk:, :], state)
 
-    stacked = jnp.concatenate([terms.w, terms.queries], axis=-2)
-    final_state, (new_values, from_state) = jax.lax.scan(
-        body, initial_state, (stacked, terms.u, terms.keys_to_end, terms.decay_total)
+    stacked = jnp.concatenate([w, intra.queries], axis=-2)
+    final_state, (new_values, from_state, entering) = jax.lax.scan(
+        body, initial_state, (stacked, u, intra.keys_to_end, intra.decay_total)
     )
-    return new_values, from_state, final_state
+    return new_values, from_state, entering, final_state
 
 
-def intra_outputs(terms: ChunkTerms, new_values):
-    """A_qk V~ by row blocks: the diagonal blocks in one batched matmul, then earlier columns."""
-    *lead, chunk, value_dim = new_values.shape
-    blocks, width = terms.a_qk_diagonal.shape[-3:-1]
-    values_b = new_values.reshape(*lead, blocks, width, value_dim)
-    out = einsum("...nri,...niv->...nrv", terms.a_qk_diagonal, values_b)
-    rows = [out[..., 0, :, :]]
-    for R in range(1, blocks):
-        rows.append(out[..., R, :, :] + einsum("...ri,...iv->...rv", terms.a_qk_earlier[R - 1],
-                                               new_values[..., : R * width, :]))
-    return jnp.concatenate(rows, axis=-2)
+def _forward(q, k, v, g, beta, initial_state, segments, width):
+    intra = intra_chunk(q, k, v, g, beta, segments, width)
+    new_values, from_state, entering, final_state = pass_state(intra, initial_state)
+    o = from_state + apply_query_scores(intra.scores, new_values, width)
+    return o, final_state, entering, new_values
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def chunked(q, k, v, g, beta, initial_state, segments, width):
+    """Chunked KDA on chunk-major fp32 arrays ``[N, B, HV, C, ...]``; returns ``(o, final_state)``."""
+    o, final_state, _, _ = _forward(q, k, v, g, beta, initial_state, segments, width)
+    return o, final_state
+
+
+def _chunked_fwd(q, k, v, g, beta, initial_state, segments, width):
+    o, final_state, entering, new_values = _forward(q, k, v, g, beta, initial_state, segments, width)
+    return (o, final_state), (q, k, v, g, beta, segments, entering, new_values)
+
+
+def _reverse_pass(intra: Intra, d_o, d_final_state):
+    """Walk the chunks backwards: returns ``(dV~, dS_out per chunk, d initial_state)``."""
+    key_dim = intra.queries.shape[-1]
+    w = intra.solved[..., :key_dim]
+    from_outputs = apply_query_scores_transposed(intra.scores, d_o, intra.inverse.shape[-1])
+    state_from_outputs = _t_mm(intra.queries, d_o)                           # [.., K, V]
+
+    def body(d_state, xs):
+        from_out, state_out, w_c, keys_to_end, decay_total = xs
+        d_values = from_out + _mm(keys_to_end, d_state)
+        d_state_in = state_out - _t_mm(w_c, d_values) + decay_total[..., None] * d_state
+        return d_state_in, (d_values, d_state)
+
+    d_initial, (d_values, d_state_out) = jax.lax.scan(
+        body, d_final_state, (from_outputs, state_from_outputs, w, intra.keys_to_end, intra.decay_total),
+        reverse=True,
+    )
+    return d_values, d_state_out, d_initial
+
+
+def _solve_backward(intra: Intra, d_solved, beta_blocks, width):
+    """Gradients through [W | U] = (I + A_kk)^{-1} rhs: returns ``(d rhs, d A_kk diagonal, d A_kk earlier)``."""
+    blocks = d_solved.shape[-2] // width
+    d_blocks, solved = _split(d_solved, width), intra.solved
+    a_kk_earlier = [e[..., width:, :] * beta_blocks[..., R, :, :] for R, e in enumerate(intra.scores.earlier, 1)]
+    pending = jnp.zeros_like(d_solved)            # -sum_J A_kk[J, I]^T d_acc_J for earlier blocks I
+    d_acc = [None] * blocks
+    for R in reversed(range(blocks)):
+        rows = slice(R * width, (R + 1) * width)
+        d_acc[R] = _t_mm(intra.inverse[..., R, :, :], d_blocks[..., R, :, :] + pending[..., rows, :])
+        if R:
+            pending = pending - _pad_rows(_t_mm(a_kk_earlier[R - 1], d_acc[R]), d_solved.shape[-2])
+    d_rhs = jnp.concatenate(d_acc, axis=-2)
+    d_diagonal = -_mm_t(_split(d_rhs, width), _split(solved, width))            # [.., n, S, S]
+    d_earlier = tuple(-_mm_t(d_acc[R], solved[..., : R * width, :]) for R in range(1, blocks))
+    return d_rhs, d_diagonal, d_earlier
+
+
+def _chunked_bwd(width, residuals, cotangents):
+    q, k, v, g, beta, segments, entering, new_values = residuals
+    d_o, d_final_state = cotangents
+    key_dim = q.shape[-1]
+    intra = intra_chunk(q, k, v, g, beta, segments, width)
+    d_values, d_state_out, d_initial = _reverse_pass(intra, d_o, d_final_state)
+
+    # Through the carried state.
+    d_queries = _mm_t(d_o, entering)                                         # [.., C, K]
+    d_keys_to_end = _mm_t(new_values, d_state_out)
+    d_decay_total = jnp.sum(d_state_out * entering, axis=-1) * intra.decay_total
+    d_solved = jnp.concatenate([-_mm_t(d_values, entering), d_values], axis=-1)
+
+    # Through the solve and beta.
+    beta_b = _split(beta, width, axis=-1)[..., None]
+    d_rhs, d_kk_diagonal, d_kk_earlier = _solve_backward(intra, d_solved, beta_b, width)
+    key_rows = lambda x: x[..., width:, :]  # noqa: E731
+    d_beta_rows = jnp.sum(d_kk_diagonal * key_rows(intra.scores.diagonal), axis=-1)          # [.., n, S]
+    d_beta_earlier = [jnp.zeros_like(d_beta_rows[..., 0, :])] + [
+        jnp.sum(d_e * key_rows(s_e), axis=-1) for d_e, s_e in zip(d_kk_earlier, intra.scores.earlier)
+    ]
+    d_beta = jnp.sum(d_rhs * intra.written, axis=-1) + _merge(d_beta_rows + jnp.stack(d_beta_earlier, -2), axis=-2)
+
+    # Through the scores (query rows: dA_qk = dO V~^T; key rows: beta dA_kk), masked as in the forward.
+    d_o_b, values_b = _split(d_o, width), _split(new_values, width)
+    d_scores = Scores(
+        diagonal=jnp.concatenate([_mm_t(d_o_b, values_b), d_kk_diagonal * beta_b], axis=-2),
+        earlier=tuple(
+            jnp.concatenate([_mm_t(d_o_b[..., R, :, :], new_values[..., : R * width, :]),
+                             d_kk_earlier[R - 1] * beta_b[..., R, :, :]], axis=-2)
+            for R in range(1, d_o_b.shape[-3])
+        ),
+    )
+    d_q, d_k, d_prefix = score_gradients(q, k, g, intra.factors, mask_scores(d_scores, intra.masks), width)
+
+    # Through Q exp(Gamma), exp(Gamma) K, K exp(sigma) and exp(Gamma_C).
+    decay_prefix = jnp.exp(intra.sums.prefix)
+    d_carried_keys = _masked(beta[..., None] * d_rhs[..., :key_dim], intra.masks.reads_carry)
+    d_queries = _masked(d_queries, intra.masks.reads_carry)
+    d_q = d_q + d_queries * decay_prefix
+    d_k = d_k + d_carried_keys * decay_prefix
+    d_prefix = d_prefix + (d_queries * q + d_carried_keys * k) * decay_prefix
+    d_keys_to_end = _masked(d_keys_to_end, intra.masks.writes_carry)
+    d_k = d_k + d_keys_to_end * jnp.exp(intra.sums.suffix)
+    d_suffix = d_keys_to_end * intra.keys_to_end
+    d_g = gate_gradient(d_prefix, d_suffix, d_decay_total)
+    d_v = beta[..., None] * d_rhs[..., key_dim:]
+    return d_q, d_k, d_v, d_g, d_beta, d_initial, None
+
+
+chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+# ----------------------------------------------------------------------------- entry point
 
 
 def _segment_index_chunks(segment_starts, padded_length, chunk):
@@ -292,7 +556,7 @@ def chunk_kda(q, k, v, g, beta, initial_state, segment_starts, chunk_size: int):
     """
     batch, length, heads, _ = q.shape
     chunk = effective_chunk_size(length, chunk_size)
-    sub_block = SUB_BLOCK if chunk % SUB_BLOCK == 0 else chunk
+    width = SUB_BLOCK if chunk % SUB_BLOCK == 0 else chunk
     n_chunks = -(-length // chunk)
     padded = n_chunks * chunk
 
@@ -302,11 +566,7 @@ def chunk_kda(q, k, v, g, beta, initial_state, segment_starts, chunk_size: int):
         return jnp.moveaxis(x, (1, 3), (0, 2))
 
     segments = None if segment_starts is None else _segment_index_chunks(segment_starts, padded, chunk)
-    terms = jax.checkpoint(functools.partial(intra_chunk, sub_block=sub_block))(
-        *map(to_chunks, (q, k, v, g, beta)), segments
-    )
-    new_values, from_state, final_state = pass_state(terms, initial_state)
-    o = from_state + intra_outputs(terms, new_values)                      # [N, B, HV, C, V]
+    o, final_state = chunked(*map(to_chunks, (q, k, v, g, beta)), initial_state, segments, width)
     o = jnp.moveaxis(o, (0, 2), (1, 3)).reshape(batch, padded, heads, -1)[:, :length]
     return o, final_state
 
@@ -314,20 +574,21 @@ def chunk_kda(q, k, v, g, beta, initial_state, segment_starts, chunk_size: int):
 def chunk_matmul_flops(batch: int, length: int, value_heads: int, key_dim: int, value_dim: int,
                        chunk: int, sub_block: int = SUB_BLOCK) -> int:
     """Matmul FLOPs (2 per multiply-add) of one forward of `chunk_kda`, as it computes them
-    (factored diagonal blocks); elementwise work (exp, masks, gate sums) is not counted.
+    (factored diagonal blocks); elementwise work (exp, masks) is not counted.
 
     Per (batch, head, chunk), with n = C / S sub-blocks, D = K + V:
-        scores   n 2 (2S) S K + sum_{R>=1} 2 (2S) (R S) K     query and key rows
-        solve    n (log2 S - 1) 4 S^3 + n 2 S^2 D + sum_{R>=1} 2 S (R S) D
-        state    2 (2C) K V + 2 C K V                         [W; Q] S and K^T V~
-        output   n 2 S^2 V + sum_{R>=1} 2 S (R S) V           A_qk V~
+        gate sums  2 (2 S^2 K) n                                  lam and rho
+        scores     n 2 (2S) S K + sum_{R>=1} 2 (2S) (R S) K       query and key rows
+        solve      n (log2 S - 1) 4 S^3 + n 2 S^2 D + sum_{R>=1} 2 S (R S) D
+        state      2 (2C) K V + 2 C K V                           [W; Q] S_in and K^T V~
+        output     n 2 S^2 V + sum_{R>=1} 2 S (R S) V             A_qk V~
     """
-    sub_block = min(sub_block, chunk)
-    blocks, d = chunk // sub_block, key_dim + value_dim
-    s = sub_block
-    lower_pairs = sum(range(1, blocks))  # number of (R, I < R) block pairs
+    s = min(sub_block, chunk)
+    blocks, d = chunk // s, key_dim + value_dim
+    lower_pairs = blocks * (blocks - 1) // 2
+    gates = 2 * 2 * s * s * key_dim * blocks
     scores_ = blocks * 2 * (2 * s) * s * key_dim + lower_pairs * 2 * (2 * s) * s * key_dim
     solve = blocks * (int(math.log2(s)) - 1) * 4 * s**3 + blocks * 2 * s * s * d + lower_pairs * 2 * s * s * d
     state = 2 * (2 * chunk) * key_dim * value_dim + 2 * chunk * key_dim * value_dim
     output = blocks * 2 * s * s * value_dim + lower_pairs * 2 * s * s * value_dim
-    return batch * value_heads * -(-length // chunk) * (scores_ + solve + state + output)
+    return batch * value_heads * -(-length // chunk) * (gates + scores_ + solve + state + output)

@@ -1,0 +1,97 @@
+"""Independent float64 NumPy reference of SPEC §4 (feed-forward, router, MoE, balancing).
+
+Written from the spec, loop- and dense-style: every expert runs on every token and the top-k
+outputs are gathered. Never imports k3jax.
+"""
+import numpy as np
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def situ_glu(a, u, beta=4.0, beta_linear=25.0):
+    a, u = np.asarray(a, np.float64), np.asarray(u, np.float64)
+    return beta * np.tanh(a / beta) * sigmoid(a) * beta_linear * np.tanh(u / beta_linear)
+
+
+def swiglu(a, u):
+    a, u = np.asarray(a, np.float64), np.asarray(u, np.float64)
+    return a * sigmoid(a) * u
+
+
+ACTIVATIONS = {"situ": situ_glu, "swiglu": swiglu}
+
+
+def glu(x, w_gate, w_up, w_down, activation):
+    return ACTIVATIONS[activation](x @ w_gate, x @ w_up) @ w_down
+
+
+def route(scores, bias, top_k, routed_scale=1.0, bias_in_weights=False):
+    """(indices [N,k], weights [N,k]): top-k of s + b by a full descending sort; weights from s
+    (or from s + b with the HF quirk), normalised over the selection, times routed_scale."""
+    scores = np.asarray(scores, np.float64)
+    biased = scores + np.asarray(bias, np.float64)
+    indices = np.argsort(-biased, axis=-1, kind="stable")[:, :top_k]
+    source = biased if bias_in_weights else scores
+    chosen = np.take_along_axis(source, indices, axis=-1)
+    return indices, chosen / (chosen.sum(-1, keepdims=True) + 1e-20) * routed_scale
+
+
+def routed_experts_dense(x, indices, weights, w_gate, w_up, w_down, activation):
+    """Run every expert on every token, then gather each token's k outputs and weight them."""
+    x = np.asarray(x, np.float64)
+    all_outputs = np.stack(
+        [glu(x, w_gate[e], w_up[e], w_down[e], activation) for e in range(w_gate.shape[0])]
+    )  # [E, N, d]
+    tokens = np.arange(x.shape[0])[:, None]
+    return np.einsum("tkd,tk->td", all_outputs[indices, tokens], weights)
+
+
+def rms_norm(x, weight, eps):
+    return weight * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def moe_forward(x, p, top_k, activation, routed_scale=1.0, norm_eps=1e-5, bias_in_weights=False):
+    """MoE layer on x [N, d] from a dict of float64 parameters (keys as below; latent ones optional)."""
+    scores = sigmoid(x @ p["router"])
+    indices, weights = route(scores, p["bias"], top_k, routed_scale, bias_in_weights)
+    experts = (p["w_gate"], p["w_up"], p["w_down"])
+    if "latent_down" in p:
+        u = routed_experts_dense(x @ p["latent_down"], indices, weights, *experts, activation)
+        if "latent_norm" in p:
+            u = rms_norm(u, p["latent_norm"], norm_eps)
+        y = u @ p["latent_up"]
+    else:
+        y = routed_experts_dense(x, indices, weights, *experts, activation)
+    if "shared_gate" in p:
+        y = y + glu(x, p["shared_gate"], p["shared_up"], p["shared_down"], activation)
+    return y, scores, indices
+
+
+def expert_load(indices, num_experts, mask=None):
+    load = np.zeros(num_experts)
+    for t, row in enumerate(indices):
+        if mask is None or mask[t]:
+            for e in row:
+                load[e] += 1
+    return load
+
+
+def sign_update(bias, load, rate):
+    mean = load.mean()
+    return np.array([b + rate * (1.0 if l < mean else -1.0 if l > mean else 0.0) for b, l in zip(bias, load)])
+
+
+def quantile_update(scores, bias, top_k, mask=None):
+    """alpha_t = (k+1)-th largest of s_t + b; r_tj = alpha_t - s_tj; b_j = the ceil(k n / E)-th
+    smallest r_tj over the n kept tokens; centred to mean zero."""
+    scores, bias = np.asarray(scores, np.float64), np.asarray(bias, np.float64)
+    keep = np.ones(len(scores), bool) if mask is None else np.asarray(mask, bool)
+    num_experts = scores.shape[1]
+    alpha = np.sort(scores[keep] + bias, axis=-1)[:, ::-1][:, top_k]
+    required = alpha[:, None] - scores[keep]
+    n = int(keep.sum())
+    rank = -(-top_k * n // num_experts)  # ceil without floats
+    new = np.array([np.sort(required[:, j])[rank - 1] for j in range(num_experts)])
+    return new - new.mean()
