@@ -123,17 +123,27 @@ class GateSums(NamedTuple):
     between: jax.Array       # over the sub-blocks strictly between I and R
 
 
+def _left_multiply(matrix: np.ndarray, x: jax.Array) -> jax.Array:
+    """``matrix @ x`` for a constant ``matrix [m, j]`` and ``x [.., j, k]``, as a batched matmul so
+    the result keeps ``x``'s layout (an einsum would contract into a transposed layout)."""
+    return jnp.matmul(jnp.broadcast_to(matrix, (*x.shape[:-2], *matrix.shape)), x,
+                      precision=jax.lax.Precision.HIGHEST)
+
+
 def gate_sums(g: jax.Array, width: int) -> GateSums:
     """All gate sums the chunk form needs, from the gates of each chunk ``g [.., C, K]``."""
     gb = _split(g, width)
     blocks = gb.shape[-3]
-    local = einsum("rj,...jk->...rk", _sum_matrix(width), gb)
-    to_block_end = einsum("rj,...jk->...rk", _sum_matrix(width, upper=True, inclusive=False), gb)
+    within = _left_multiply(np.concatenate([_sum_matrix(width), _sum_matrix(width, upper=True, inclusive=False)]), gb)
+    local, to_block_end = within[..., :width, :], within[..., width:, :]
     block_total = local[..., -1, :]
-    before = einsum("bj,...jk->...bk", _sum_matrix(blocks, inclusive=False), block_total)
-    after = einsum("bj,...jk->...bk", _sum_matrix(blocks, upper=True, inclusive=False), block_total)
     R, I, b = np.ogrid[:blocks, :blocks, :blocks]
-    strictly_between = ((I < b) & (b < R)).astype(np.float32)
+    strictly_between = ((I < b) & (b < R)).astype(np.float32).reshape(blocks * blocks, blocks)
+    across = _left_multiply(
+        np.concatenate([_sum_matrix(blocks, inclusive=False), _sum_matrix(blocks, upper=True, inclusive=False),
+                        strictly_between]), block_total)
+    before, after = across[..., :blocks, :], across[..., blocks: 2 * blocks, :]
+    between = across[..., 2 * blocks:, :].reshape(*block_total.shape[:-2], blocks, blocks, block_total.shape[-1])
     return GateSums(
         local=local,
         to_block_end=to_block_end,
@@ -141,7 +151,7 @@ def gate_sums(g: jax.Array, width: int) -> GateSums:
         prefix=_merge(before[..., None, :] + local),
         suffix=_merge(after[..., None, :] + to_block_end),
         total=jnp.sum(block_total, axis=-2),
-        between=einsum("RIb,...bk->...RIk", strictly_between, block_total),
+        between=between,
     )
 
 
@@ -149,9 +159,8 @@ def gate_gradient(d_prefix, d_suffix, d_total):
     """dg from the gradients of Gamma (prefix), sigma (suffix) ``[.., C, K]`` and Gamma_C ``[.., K]``:
     dg_j = sum_{t >= j} dGamma_t + sum_{t < j} dsigma_t + dGamma_C."""
     chunk = d_prefix.shape[-2]
-    from_prefix = einsum("jt,...tk->...jk", _sum_matrix(chunk, upper=True), d_prefix)
-    from_suffix = einsum("jt,...tk->...jk", _sum_matrix(chunk, inclusive=False), d_suffix)
-    return from_prefix + from_suffix + d_total[..., None, :]
+    both = np.concatenate([_sum_matrix(chunk, upper=True), _sum_matrix(chunk, inclusive=False)], axis=1)
+    return _left_multiply(both, jnp.concatenate([d_prefix, d_suffix], axis=-2)) + d_total[..., None, :]
 
 
 # ----------------------------------------------------------------------------- scores
@@ -204,7 +213,9 @@ def _pairwise_decay(g, width):
     ``[.., n, 2S, S, K]``."""
     r, i, j = np.ogrid[:width, :width, :width]
     path = ((i < j) & (j <= r)).astype(np.float32)
-    decay = jnp.exp(jnp.where(r >= i, einsum("rij,...njk->...nrik", path, _split(g, width)), -jnp.inf))
+    pair_sum = _left_multiply(path.reshape(width * width, width), _split(g, width))
+    pair_sum = pair_sum.reshape(*pair_sum.shape[:-2], width, width, pair_sum.shape[-1])
+    decay = jnp.exp(jnp.where(r >= i, pair_sum, -jnp.inf))
     return jnp.concatenate([decay, decay], axis=-3)
 
 
