@@ -19,12 +19,13 @@ import jax.numpy as jnp
 
 from k3jax.ops.kda.chunk import chunk_kda
 from k3jax.ops.kda.gate import kda_gate
+from k3jax.ops.kda.pallas import pallas_kda
 from k3jax.ops.kda.reference import recurrent_kda, recurrent_step
 from k3jax.ops.norms import l2_normalize
 
 __all__ = ["kda", "kda_step", "kda_gate", "l2_normalize", "IMPLEMENTATIONS", "segment_starts"]
 
-IMPLEMENTATIONS = ("reference", "chunk")
+IMPLEMENTATIONS = ("reference", "chunk", "pallas")
 
 
 def _require_shape(name: str, x, expected: tuple, meaning: str) -> None:
@@ -76,8 +77,9 @@ def segment_starts(segment_ids: jax.Array) -> jax.Array:
 
 
 def default_implementation() -> str:
-    """The fastest implementation available for the default backend."""
-    return "chunk"
+    """The fastest implementation available for the default backend: the Pallas kernels on
+    GPU/TPU, the XLA chunk form on CPU (where Pallas only interprets)."""
+    return "pallas" if jax.default_backend() in ("gpu", "tpu") else "chunk"
 
 
 def kda(
@@ -104,7 +106,7 @@ def kda(
       initial_state: ``[B, HV, K, V]``; zeros when None.
       segment_ids: ``[B, T]`` ints; the state restarts where the id changes (packed documents).
       chunk_size: tokens per chunk of the chunked implementations (a multiple of 16).
-      implementation: "reference", "chunk", or None for the platform default.
+      implementation: "reference", "chunk", "pallas", or None for the platform default.
 
     Returns:
       ``(o [B, T, HV, V] in v.dtype, final_state [B, HV, K, V] fp32)``. All arithmetic is fp32
@@ -121,6 +123,9 @@ def kda(
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
 
     scale = key_dim**-0.5 if scale is None else scale
+    starts = None if segment_ids is None else segment_starts(segment_ids)
+    if implementation == "pallas":
+        return pallas_kda(q, k, v, g, beta, initial_state, starts, scale=scale, chunk_size=chunk_size)
     dtype = _compute_dtype(q, k, v, g, beta, initial_state)
     q32, k32 = _to_value_heads(q, k, value_heads, scale, dtype)
     v32, g32, beta32 = (x.astype(dtype) for x in (v, g, beta))
@@ -128,7 +133,6 @@ def kda(
         state = jnp.zeros((batch, value_heads, key_dim, value_dim), dtype)
     else:
         state = initial_state.astype(dtype)
-    starts = None if segment_ids is None else segment_starts(segment_ids)
 
     if implementation == "reference":
         o, final_state = recurrent_kda(q32, k32, v32, g32, beta32, state, starts)
