@@ -4,7 +4,7 @@
 
 For each shape (B, T, H, K, V) it measures, in one process so the ratios are side by side:
 tokens/s of the forward and of forward+backward for each implementation, the chunked
-form's achieved GFLOP/s (its matmul FLOPs, counted by `chunk_matmul_flops`) against an
+form's achieved GFLOP/s (the algorithm's FLOPs, counted by `chunk_algorithm_flops`) against an
 fp32 GEMM rate measured in the same run, and peak temporary memory (from the compiled
 programs) of forward vs forward+backward at T = 8192. Gates are K3's bounded form; one
 extra row times Kimi Linear's unbounded gate at its extreme, where diagonal sub-blocks are
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.ops.kda import kda, kda_gate, l2_normalize
-from k3jax.ops.kda.chunk import chunk_matmul_flops, effective_chunk_size
+from k3jax.ops.kda.chunk import chunk_algorithm_flops, effective_chunk_size
 
 SHAPES = [(1, 4096, 4, 128, 128), (4, 2048, 8, 64, 64)]
 MEMORY_SHAPE = (1, 8192, 4, 128, 128)
@@ -99,7 +99,7 @@ def run(repeats: int, quick: bool):
                    forward_tokens_per_s=batch * length / forward,
                    forward_backward_tokens_per_s=batch * length / both)
         if implementation == "chunk":
-            flops = chunk_matmul_flops(*shape, effective_chunk_size(length, 64))
+            flops = chunk_algorithm_flops(*shape, effective_chunk_size(length, 64))
             row.update(forward_gflop=flops / 1e9, forward_gflop_per_s=flops / forward / 1e9,
                        fraction_of_gemm=flops / forward / 1e9 / gemm)
         rows.append(row)

@@ -493,26 +493,18 @@ def chunk_kda(q, k, v, g, beta, initial_state, segment_starts, chunk_size: int):
     return o, final_state
 
 
-def chunk_matmul_flops(batch: int, length: int, value_heads: int, key_dim: int, value_dim: int,
-                       chunk: int, sub_block: int = SUB_BLOCK) -> int:
-    """Matmul FLOPs (2 per multiply-add) of one forward of `chunk_kda` as it computes them (factored
-    diagonal blocks); elementwise work (exp, masks) is not counted.
+def chunk_algorithm_flops(batch: int, length: int, value_heads: int, key_dim: int, value_dim: int,
+                          chunk: int) -> int:
+    """FLOPs (2 per multiply-add) of the chunk algorithm's forward, counting only the work the
+    algorithm needs (causal halves of the C x C matrices, a triangular solve) -- not what this
+    implementation computes in full squares and masks away:
 
-    Per (batch, head, chunk), with n = C / S sub-blocks, f = ceil(log2 n) Neumann factors:
-        gate sums  2 (2 S^2 K) n + small
-        scores     2 * 2 C^2 K                                 query and key rows, all anchors
-        solve      (log2 S - 1) 4 S^3 n + 2 S^2 C n + f 2 C^2 (K + V) + (f - 1) 2 C^3
-                   + 2 S^2 (K + V) n                          block inverses, N, Neumann, (I+D)^-1
-        state      3 * 2 C K V                                 W S_in, Q S_in, K^T V~
-        output     2 C^2 V                                     A_qk V~
+        scores   A_qk (causal) and A_kk (strictly causal)        C^2 * 2K
+        solve    (I + A_kk)^{-1} [exp(Gamma) K | V]             C^2 (K + V)
+        state    W S_in, (Q exp Gamma) S_in, (K exp sigma)^T V~   3 * 2 C K V
+        output   A_qk V~ (causal)                                 C^2 V
+    per (batch, value head, chunk).
     """
-    s = min(sub_block, chunk)
-    n, d = chunk // s, key_dim + value_dim
-    f = math.ceil(math.log2(n)) if n > 1 else 0
-    gates = 2 * 2 * s * s * key_dim * n
-    scores_ = 2 * 2 * chunk * chunk * key_dim
-    solve = ((math.ceil(math.log2(s)) - 1) * 4 * s**3 * n + 2 * s * s * chunk * n
-             + f * 2 * chunk * chunk * d + max(f - 1, 0) * 2 * chunk**3 + 2 * s * s * d * n)
-    state = 3 * 2 * chunk * key_dim * value_dim
-    output = 2 * chunk * chunk * value_dim
-    return batch * value_heads * -(-length // chunk) * (gates + scores_ + solve + state + output)
+    per_chunk = (2 * chunk * chunk * key_dim + chunk * chunk * (key_dim + value_dim)
+                 + 6 * chunk * key_dim * value_dim + chunk * chunk * value_dim)
+    return batch * value_heads * -(-length // chunk) * per_chunk
