@@ -7,6 +7,8 @@
         tokens, targets (int32), loss_mask (float32), segment_ids (int32; 0 = padding)
     ds.vocab_size, ds.describe(), ds.content_hash();   splits: "train", "heldout"
 
+    make_dataset(config.data)  -> the dataset a run's `k3jax.config.DataConfig` describes
+
 Bad input raises `DataError` (a ValueError) with a one-line message naming the file.
 """
 from k3jax.data.batching import SPLITS, Batch, Dataset
@@ -16,4 +18,17 @@ from k3jax.data.text import TextDataset
 from k3jax.data.tokenizers import ByteTokenizer, TiktokenTokenizer, Tokenizer, load_tokenizer
 
 __all__ = ["SPLITS", "Batch", "Dataset", "DataError", "MQARDataset", "mqar_recall", "TextDataset",
-           "ByteTokenizer", "TiktokenTokenizer", "Tokenizer", "load_tokenizer"]
+           "ByteTokenizer", "TiktokenTokenizer", "Tokenizer", "load_tokenizer", "make_dataset"]
+
+
+def make_dataset(data_config, seq_len: int | None = None) -> Dataset:
+    """The dataset of a `k3jax.config.DataConfig` (optionally at another sequence length)."""
+    seq_len = seq_len or data_config.seq_len
+    if data_config.kind == "mqar":
+        return MQARDataset(seq_len, num_pairs=data_config.num_pairs, num_keys=data_config.num_keys,
+                           num_values=data_config.num_values, num_queries=data_config.num_queries,
+                           num_filler=data_config.num_filler, noise_vocab_size=data_config.noise_vocab_size,
+                           seed=data_config.seed)
+    return TextDataset(data_config.path, seq_len, seed=data_config.seed,
+                       heldout_fraction=data_config.heldout_fraction, jsonl_field=data_config.jsonl_field,
+                       tokenizer_path=data_config.tokenizer)

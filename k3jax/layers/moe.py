@@ -20,10 +20,10 @@ from flax import nnx
 from k3jax.layers.ffn import DenseGLU
 from k3jax.layers.params import param, truncated_normal
 from k3jax.ops.moe import (
+    EXPERT_MATMULS,
     MoEStats,
     expert_load,
     glu_activation,
-    routed_experts,
     router_scores,
     select_experts,
 )
@@ -81,8 +81,9 @@ class RoutedExperts(nnx.Module):
     """E GLU experts of width m on ``input_axis``-named inputs of width ``input_width``, stacked:
     w_gate / w_up [E, in, m] ("experts", in, "expert_mlp"), w_down [E, m, in].
 
-    The call is ``k3jax.ops.moe.routed_experts`` (dropless, ``lax.ragged_dot``); an
-    expert-parallel dispatch replaces that call and keeps these weights.
+    The call is ``k3jax.ops.moe.routed_experts`` (dropless, ``lax.ragged_dot``) or, with
+    ``expert_matmul="dense"``, ``dense_experts`` (the same function, every expert on every token);
+    an expert-parallel dispatch replaces that call and keeps these weights.
     """
 
     def __init__(
@@ -99,8 +100,12 @@ class RoutedExperts(nnx.Module):
         dtype,
         param_dtype,
         rngs: nnx.Rngs,
+        expert_matmul: str = "ragged_dot",
     ):
         glu_activation(activation)  # fail at construction on an unknown name
+        if expert_matmul not in EXPERT_MATMULS:
+            raise ValueError(f"expert_matmul must be one of {tuple(EXPERT_MATMULS)}, got {expert_matmul!r}")
+        self.expert_matmul = expert_matmul
         init = truncated_normal(init_std)
         up_axes = ("experts", input_axis, "expert_mlp")
         self.w_gate = param(rngs, init, (num_experts, input_width, expert_width), up_axes, param_dtype)
@@ -117,7 +122,8 @@ class RoutedExperts(nnx.Module):
         """x [N, in], indices / weights [N, k] -> sum_i weights_i E_{indices_i}(x) [N, in] in ``dtype``."""
         w_gate, w_up, w_down = (w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
         activation = glu_activation(self.activation, self.situ_beta, self.situ_beta_linear)
-        return routed_experts(x.astype(self.dtype), indices, weights, w_gate, w_up, w_down, activation)
+        compute = EXPERT_MATMULS[self.expert_matmul]
+        return compute(x.astype(self.dtype), indices, weights, w_gate, w_up, w_down, activation)
 
 
 class MoE(nnx.Module):
@@ -139,6 +145,8 @@ class MoE(nnx.Module):
       init_std: truncated-normal std of every weight matrix.
       dtype: compute dtype (fp32 or bf16); router, norm and activations run in fp32.
       param_dtype: storage dtype of the weights (the router bias is always fp32).
+      expert_matmul: "ragged_dot" (grouped GEMMs, for many experts / accelerators) or "dense"
+        (every expert on every token; faster for a few experts on CPU). Same function.
       rngs: ``nnx.Rngs`` with a ``params`` stream.
 
     Parameters: ``router`` (weight, e_score_correction_bias), ``experts`` (w_gate, w_up, w_down
@@ -165,6 +173,7 @@ class MoE(nnx.Module):
         init_std: float = 0.02,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
+        expert_matmul: str = "ragged_dot",
         rngs: nnx.Rngs,
     ):
         if latent_norm and latent_dim is None:
@@ -192,6 +201,7 @@ class MoE(nnx.Module):
             dtype=dtype,
             param_dtype=param_dtype,
             rngs=rngs,
+            expert_matmul=expert_matmul,
         )
         if latent_dim is not None:
             self.latent_down = param(rngs, init, (d_model, latent_dim), ("embed", "latent"), param_dtype)

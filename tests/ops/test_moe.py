@@ -121,26 +121,19 @@ def test_sort_by_expert_groups_copies_and_unsort_inverts_it():
     np.testing.assert_allclose(combined, x * weights.sum(-1, keepdims=True), rtol=1e-5)
 
 
+@pytest.mark.parametrize("expert_matmul", ["ragged_dot", "dense"])
 @pytest.mark.parametrize("activation", ["situ", "swiglu"])
-def test_routed_experts_match_dense_numpy(activation):
+def test_routed_experts_match_dense_numpy(activation, expert_matmul):
     x, indices, weights, (w_gate, w_up, w_down) = routing_case(5)
-    y = moe.routed_experts(
+    y = moe.EXPERT_MATMULS[expert_matmul](
         *f32(x), jnp.asarray(indices), *f32(weights, w_gate, w_up, w_down), moe.glu_activation(activation)
     )
     expected = ref.routed_experts_dense(x, indices, weights, w_gate, w_up, w_down, activation)
     assert rel_err(y, expected) < 1e-5
 
 
-def dense_routed_experts(x, indices, weights, w_gate, w_up, w_down, activation):
-    """Every expert on every token, combined through a dense [N, E] weight matrix (for gradients)."""
-    hidden = activation(jnp.einsum("nd,edf->enf", x, w_gate), jnp.einsum("nd,edf->enf", x, w_up))
-    outputs = jnp.einsum("enf,efd->end", hidden, w_down)
-    combine = jnp.einsum("nk,nke->ne", weights, jax.nn.one_hot(indices, w_gate.shape[0], dtype=weights.dtype))
-    return jnp.einsum("ne,end->nd", combine, outputs)
-
-
 @pytest.mark.parametrize("activation", ["situ", "swiglu"])
-def test_routed_experts_gradients_match_dense_formulation(activation):
+def test_ragged_and_dense_expert_gradients_agree(activation):
     x, indices, weights, experts = routing_case(6)
     probe = np.random.default_rng(7).standard_normal(x.shape)
     args = f32(x, weights, *experts)
@@ -150,17 +143,19 @@ def test_routed_experts_gradients_match_dense_formulation(activation):
         return jnp.sum(fn(x, jnp.asarray(indices), weights, *experts, act) * probe)
 
     grads = jax.grad(functools.partial(loss, moe.routed_experts), argnums=range(5))(*args)
-    dense_grads = jax.grad(functools.partial(loss, dense_routed_experts), argnums=range(5))(*args)
+    dense_grads = jax.grad(functools.partial(loss, moe.dense_experts), argnums=range(5))(*args)
     for name, grad, dense_grad in zip(["x", "weights", "w_gate", "w_up", "w_down"], grads, dense_grads):
         assert rel_err(grad, dense_grad) < 1e-5, name
     assert np.all(np.asarray(grads[2][0]) == 0)  # the starved expert gets no gradient
 
 
-def test_routed_experts_gradients_match_finite_differences_in_float64():
+@pytest.mark.parametrize("expert_matmul", ["ragged_dot", "dense"])
+def test_routed_experts_gradients_match_finite_differences_in_float64(expert_matmul):
     x, indices, weights, experts = routing_case(8, tokens=6, num_experts=4, width=4, hidden=3)
     with jax.enable_x64(True):
         def fn(x, weights, w_gate, w_up, w_down):
-            return moe.routed_experts(x, jnp.asarray(indices), weights, w_gate, w_up, w_down, moe.situ_glu)
+            return moe.EXPERT_MATMULS[expert_matmul](x, jnp.asarray(indices), weights, w_gate, w_up, w_down,
+                                                     moe.situ_glu)
 
         check_grads(fn, tuple(jnp.asarray(a, jnp.float64) for a in (x, weights, *experts)), order=1, modes=("rev",))
 

@@ -73,7 +73,7 @@ def segment_starts(segment_ids: jax.Array) -> jax.Array:
     """``[B, T]`` bool, True where the segment id changes (never at t = 0: the initial state belongs
     to the first segment)."""
     changed = segment_ids[:, 1:] != segment_ids[:, :-1]
-    return jnp.concatenate([jnp.zeros_like(changed[:, :1]), changed], axis=1)
+    return jnp.concatenate([jnp.zeros((segment_ids.shape[0], 1), bool), changed], axis=1)
 
 
 def default_implementation() -> str:

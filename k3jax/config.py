@@ -1,0 +1,473 @@
+"""Typed, frozen configuration: YAML files + ``key=value`` overrides, validated into dataclasses.
+
+    cfg = load_config("configs/tiny.yaml", overrides=["model.num_layers=8", "model.mla_layers=[3,7]"])
+    cfg.model.kda.num_heads
+
+A YAML file may name another as ``base: other.yaml`` (relative to itself); its keys are merged
+over the base's (mappings merge key by key, everything else is replaced). Overrides are
+``dotted.key=value`` with the value parsed as a YAML scalar or list.
+
+Every section is a frozen dataclass; the loader converts nested mappings by the dataclass field
+types, so a later section (train, data, ...) is one more dataclass field on `Config`. An unknown
+key, a wrong type or an invalid value raises a one-line `ConfigError` naming the full dotted key
+(with a close-match suggestion for misspelt keys).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import pathlib
+import types
+import typing
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """An invalid configuration: ``key`` is the dotted path of the offending entry."""
+
+    def __init__(self, key: str, message: str):
+        self.key, self.message = key, message
+        super().__init__(f"{key}: {message}" if key else message)
+
+    def under(self, prefix: str) -> "ConfigError":
+        """The same error with its key placed under section ``prefix``."""
+        return ConfigError(f"{prefix}.{self.key}" if self.key else prefix, self.message)
+
+
+def _require(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(key, message)
+
+
+def _positive(section, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if value is not None:
+            _require(value > 0, name, f"must be positive, got {value}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Model schema (SPEC §§1-6)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KDAConfig:
+    """Kimi Delta Attention (SPEC §1). The low-rank gates have rank ``head_dim``."""
+
+    num_heads: int                        # H (query/key heads)
+    head_dim: int                         # K = V
+    value_heads: int | None = None        # HV = m * H (grouped values); None: H
+    conv_size: int = 4                    # W, causal depthwise conv taps
+    gate: Literal["softplus", "lower_bound"] = "lower_bound"
+    lower_bound: float = -5.0             # b of the lower_bound gate
+    output_gate: Literal["full", "low_rank"] = "full"
+    chunk_size: int = 64
+    implementation: Literal["reference", "chunk"] | None = None   # None: the platform default
+
+    def __post_init__(self):
+        _positive(self, "num_heads", "head_dim", "value_heads", "conv_size", "chunk_size")
+        _require(self.value_heads is None or self.value_heads % self.num_heads == 0, "value_heads",
+                 f"{self.value_heads} is not a multiple of num_heads = {self.num_heads}")
+        _require(self.lower_bound < 0, "lower_bound", f"must be negative, got {self.lower_bound}")
+        _require(self.chunk_size <= 16 or self.chunk_size % 16 == 0, "chunk_size",
+                 f"must be at most 16 or a multiple of 16, got {self.chunk_size}")
+
+    @property
+    def num_value_heads(self) -> int:
+        return self.value_heads or self.num_heads
+
+    @property
+    def key_width(self) -> int:
+        """P = H K, the width of the q and k projections."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def value_width(self) -> int:
+        """HV V, the width of the v projection, the gates and the output."""
+        return self.num_value_heads * self.head_dim
+
+    @property
+    def conv_width(self) -> int:
+        """Channels of the q|k|v short convolution (and of its carried tail)."""
+        return 2 * self.key_width + self.value_width
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Gated Multi-head Latent Attention without positional encoding (SPEC §2)."""
+
+    num_heads: int
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = None        # None: a full-rank query projection
+    nope_head_dim: int = 128              # n
+    rope_head_dim: int = 64               # r (learned, never rotated)
+    value_head_dim: int = 128             # V
+    output_gate: bool = False             # o <- o * sigmoid(W_g x)
+    norm_eps: float = 1e-6                # of the q_a / kv_a RMSNorms
+
+    def __post_init__(self):
+        _positive(self, "num_heads", "kv_lora_rank", "q_lora_rank", "nope_head_dim", "value_head_dim", "norm_eps")
+        _require(self.rope_head_dim >= 0, "rope_head_dim", f"must be non-negative, got {self.rope_head_dim}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.nope_head_dim + self.rope_head_dim
+
+    @property
+    def latent_width(self) -> int:
+        """Values cached per token: the latent c plus the shared key slice k_r."""
+        return self.kv_lora_rank + self.rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnResConfig:
+    """Residual stream (SPEC §3): ``block`` Attention Residuals or the plain PreNorm ``none``."""
+
+    kind: Literal["block", "none"] = "block"
+    block_size: int = 12                  # layers per block
+
+    def __post_init__(self):
+        _positive(self, "block_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts (SPEC §4): Stable LatentMoE when ``latent_dim`` is set, else plain MoE."""
+
+    num_experts: int
+    top_k: int
+    expert_width: int                     # m
+    latent_dim: int | None = None         # l; None: plain MoE
+    latent_norm: bool = False             # RMSNorm before W_up (Stable LatentMoE)
+    num_shared_experts: int = 0           # one shared GLU of width num_shared_experts * m
+    routed_scale: float = 1.0
+    router_bias_in_weights: bool = False  # the Kimi Linear HF quirk (SPEC §4); vLLM's behaviour is False
+    balancing: Literal["quantile", "sign"] = "quantile"
+    bias_update_rate: float = 1e-3        # of the `sign` balancer
+    expert_matmul: Literal["ragged_dot", "dense"] = "ragged_dot"   # dense: every expert on every token
+
+    def __post_init__(self):
+        _positive(self, "num_experts", "top_k", "expert_width", "latent_dim", "routed_scale", "bias_update_rate")
+        _require(self.num_shared_experts >= 0, "num_shared_experts", f"must be non-negative, got {self.num_shared_experts}")
+        _require(self.top_k < self.num_experts, "top_k",
+                 f"must be below num_experts = {self.num_experts} (the balancer ranks a top-(k+1)), got {self.top_k}")
+        _require(not self.latent_norm or self.latent_dim is not None, "latent_norm",
+                 "needs a latent_dim (plain MoE has no latent norm)")
+
+    @property
+    def shared_width(self) -> int | None:
+        return self.num_shared_experts * self.expert_width or None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The K3 stack (SPEC §§0-6)."""
+
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    kda: KDAConfig
+    mla: MLAConfig
+    moe: MoEConfig
+    dense_width: int                      # width of the dense FFN of the first `dense_layers` layers
+    mla_period: int = 4                   # layers p-1, 2p-1, ... are MLA (3 KDA : 1 MLA for p = 4)
+    mla_layers: tuple[int, ...] | None = None   # explicit MLA layers (replaces mla_period's placement)
+    last_layer_full_attention: bool = True
+    dense_layers: int = 1
+    activation: Literal["situ", "swiglu"] = "situ"
+    attn_res: AttnResConfig = AttnResConfig()
+    norm_eps: float = 1e-5
+    init_std: float = 0.02                # linear weights, truncated normal
+    embed_init_std: float = 1.0
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def __post_init__(self):
+        _positive(self, "vocab_size", "d_model", "num_layers", "dense_width", "mla_period", "norm_eps",
+                  "init_std", "embed_init_std")
+        _require(0 <= self.dense_layers <= self.num_layers, "dense_layers",
+                 f"must be in [0, num_layers = {self.num_layers}], got {self.dense_layers}")
+        if self.mla_layers is not None:
+            for index in self.mla_layers:
+                _require(0 <= index < self.num_layers, "mla_layers",
+                         f"layer {index} is outside [0, num_layers = {self.num_layers})")
+            _require(list(self.mla_layers) == sorted(set(self.mla_layers)), "mla_layers",
+                     f"must be increasing without repeats, got {list(self.mla_layers)}")
+            _require(not self.last_layer_full_attention or self.num_layers - 1 in self.mla_layers, "mla_layers",
+                     f"must end with the last layer {self.num_layers - 1} when last_layer_full_attention is set")
+
+    @property
+    def mla_layer_indices(self) -> tuple[int, ...]:
+        """The MLA layers, in order: the explicit list, or every `mla_period`-th layer (plus the last)."""
+        if self.mla_layers is not None:
+            return tuple(self.mla_layers)
+        layers = set(range(self.mla_period - 1, self.num_layers, self.mla_period))
+        if self.last_layer_full_attention:
+            layers.add(self.num_layers - 1)
+        return tuple(sorted(layers))
+
+    def is_mla(self, layer: int) -> bool:
+        return layer in self.mla_layer_indices
+
+    def is_dense(self, layer: int) -> bool:
+        return layer < self.dense_layers
+
+    @property
+    def pattern_period(self) -> int:
+        """Layers per repeating unit of the mixer pattern and the AttnRes blocks (for scanning)."""
+        if self.attn_res.kind == "block":
+            return math.lcm(self.mla_period, self.attn_res.block_size)
+        return self.mla_period
+
+
+# ---------------------------------------------------------------------------------------------
+# Run schema: data, optimizer, training loop, checkpoints, logging
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Training data: the embedded MQAR task (`k3jax.data.MQARDataset`) or local text
+    (`k3jax.data.TextDataset`: a file, a JSONL file or a directory)."""
+
+    kind: Literal["mqar", "text"] = "mqar"
+    seq_len: int = 128
+    seed: int = 0
+    # mqar
+    num_pairs: int = 16
+    num_keys: int = 256
+    num_values: int = 256
+    num_queries: int | None = None
+    num_filler: int = 0
+    noise_vocab_size: int = 64
+    # text
+    path: str | None = None
+    jsonl_field: str = "text"
+    tokenizer: str | None = None          # a tiktoken BPE file (K3's tiktoken.model); None: bytes
+    heldout_fraction: float = 0.05
+
+    def __post_init__(self):
+        _positive(self, "seq_len", "num_pairs", "num_keys", "num_values", "num_queries")
+        _require(self.kind != "text" or self.path is not None, "path", "text data needs a path (file or directory)")
+        _require(0.0 <= self.heldout_fraction < 1.0, "heldout_fraction", f"must be in [0, 1), got {self.heldout_fraction}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """`k3jax.optim`: AdamW, or per-head Muon for matrices with AdamW for the rest."""
+
+    name: Literal["adamw", "muon"] = "adamw"
+    learning_rate: float = 1e-3
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    decay_fraction: float = 0.2           # wsd: the final fraction of steps that decays
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0         # global norm; None: no clipping
+
+    def __post_init__(self):
+        _positive(self, "learning_rate", "eps", "grad_clip")
+        _require(self.warmup_steps >= 0, "warmup_steps", f"must be non-negative, got {self.warmup_steps}")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        _require(0.0 < self.decay_fraction <= 1.0, "decay_fraction", f"must be in (0, 1], got {self.decay_fraction}")
+        _require(self.weight_decay >= 0, "weight_decay", f"must be non-negative, got {self.weight_decay}")
+        for name in ("beta1", "beta2"):
+            _require(0.0 <= getattr(self, name) < 1.0, name, f"must be in [0, 1), got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The training loop."""
+
+    steps: int = 1000
+    batch_size: int = 32                  # sequences per optimizer step (global)
+    grad_accum: int = 1                   # micro-batches per step
+    seed: int = 0                         # parameter initialisation
+    log_every: int = 10
+    eval_batches: int = 8                 # held-out batches evaluated at the end
+    max_nonfinite_steps: int = 5          # consecutive skipped steps before the run stops
+
+    def __post_init__(self):
+        _positive(self, "steps", "batch_size", "grad_accum", "log_every", "max_nonfinite_steps")
+        _require(self.eval_batches >= 0, "eval_batches", f"must be non-negative, got {self.eval_batches}")
+        _require(self.batch_size % self.grad_accum == 0, "grad_accum",
+                 f"must divide batch_size = {self.batch_size}, got {self.grad_accum}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints in ``<run_dir>/checkpoints``."""
+
+    every: int = 200                      # steps between saves (also at the end and on SIGTERM/SIGINT)
+    keep: int = 3                         # most recent checkpoints kept
+    async_save: bool = True
+
+    def __post_init__(self):
+        _positive(self, "every", "keep")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    progress: bool = True                 # a progress bar on stderr
+    tensorboard: bool = False             # event files in <run_dir>/tensorboard (needs tensorboardX)
+    peak_tflops: float | None = None      # the device's peak for utilisation; None: measured matmul rate
+
+    def __post_init__(self):
+        _positive(self, "peak_tflops")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The root: one field per section."""
+
+    model: ModelConfig
+    data: DataConfig = DataConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+    run_dir: str = "runs/default"         # checkpoints, the resolved config and metrics
+    init_from: str | None = None          # fine-tune: parameters from this run or checkpoint directory
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp, key: str) -> Any:
+    """``value`` (parsed YAML) as type ``tp``, or a ConfigError naming ``key``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return _convert(value, option, key)
+            except ConfigError as error:
+                errors.append(error)
+        raise errors[0] if len(errors) == 1 else ConfigError(key, f"{value!r} is not one of {[_type_name(o) for o in options]}")
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(key, f"{value!r} is not one of {list(args)}{hint}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, f"expected a list, got {value!r}")
+        return tuple(_convert(item, args[0], f"{key}[{i}]") for i, item in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    if tp is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+        try:   # ints, and YAML 1.1 exponents without a dot ("1e-5"), which PyYAML reads as strings
+            return float(value)
+        except ValueError:
+            raise ConfigError(key, f"expected float, got {value!r}") from None
+    if tp in (int, float, str, bool) and (type(value) is not tp):
+        raise ConfigError(key, f"expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def _build(cls, data: Any, prefix: str):
+    """Construct dataclass ``cls`` from mapping ``data``; keys are reported under ``prefix``."""
+    join = lambda name: f"{prefix}.{name}" if prefix else name  # noqa: E731
+    if not isinstance(data, dict):
+        raise ConfigError(prefix, f"expected a mapping of {cls.__name__} fields, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for name in data:
+        if name not in fields:
+            close = difflib.get_close_matches(str(name), fields, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; {cls.__name__} keys: {', '.join(fields)}"
+            raise ConfigError(join(name), f"unknown key{hint}")
+    missing = [name for name, f in fields.items() if name not in data
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(join(missing[0]), "required key is missing")
+    values = {name: _convert(value, hints[name], join(name)) for name, value in data.items()}
+    try:
+        return cls(**values)
+    except ConfigError as error:
+        raise error.under(prefix) if prefix else error
+
+
+def _merge(base: dict, update: dict) -> dict:
+    """``update`` over ``base``: mappings merge key by key, other values replace."""
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _read_yaml(path: pathlib.Path, seen: tuple[pathlib.Path, ...] = ()) -> dict:
+    """The mapping in ``path`` merged over the file its ``base:`` key names, recursively."""
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError("base", f"{path} includes itself")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as error:
+        raise ConfigError("", f"cannot read config {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError("", f"{path} is not valid YAML: {' '.join(str(error).split())}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("", f"{path} must hold a mapping at the top level")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    return _merge(_read_yaml(path.parent / base, (*seen, path)), data)
+
+
+def apply_override(data: dict, override: str) -> dict:
+    """``data`` with one ``dotted.key=value`` set (the value parsed as YAML)."""
+    key, sep, text = override.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError("", f"override {override!r} is not of the form dotted.key=value")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise ConfigError(key, f"cannot parse the value {text!r}") from None
+    update = value
+    for part in reversed(key.split(".")):
+        update = {part: update}
+    return _merge(data, update)
+
+
+def config_from_dict(data: dict, overrides: typing.Sequence[str] = ()) -> Config:
+    """Validate a parsed mapping (plus overrides) into a `Config`."""
+    for override in overrides:
+        data = apply_override(data, override)
+    return _build(Config, data, "")
+
+
+def load_config(path: str | pathlib.Path, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read ``path`` (following ``base:``), apply ``key=value`` overrides, validate."""
+    return config_from_dict(_read_yaml(pathlib.Path(path)), overrides)
+
+
+def to_dict(config) -> dict:
+    """A plain mapping (YAML-ready) of any config section."""
+    def plain(value):
+        if isinstance(value, tuple):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+    return plain(dataclasses.asdict(config))

@@ -1,0 +1,118 @@
+"""Autoregressive generation on the memory bank: one prefill, then one-token decode steps.
+
+    model = K3Model(load_config("configs/tiny.yaml").model, rngs=nnx.Rngs(0))
+    out = generate(model, prompt, max_new_tokens=64, temperature=0.8, top_p=0.9, seed=0, eos_id=2)
+    out.tokens[b, :out.lengths[b]]                      # the new tokens of sequence b
+
+The whole loop is one jitted program (`lax.while_loop` over decode steps) that stops when every
+sequence has produced ``eos_id`` or after ``max_new_tokens``. Sampling per step, on fp32 logits:
+
+    greedy        temperature == 0: argmax
+    temperature   logits / temperature
+    top-k         keep the k largest logits
+    top-p         keep the smallest set of most likely tokens whose probability reaches p
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.memory import init_memory
+from k3jax.model import K3Model
+
+
+class Generation(NamedTuple):
+    """tokens ``[B, max_new_tokens]`` (after a sequence's EOS: ``eos_id``, or 0 without one);
+    lengths ``[B]``: new tokens per sequence, its EOS included."""
+
+    tokens: jax.Array
+    lengths: jax.Array
+
+
+def sample_logits(logits: jax.Array, key: jax.Array, temperature, top_k, top_p) -> jax.Array:
+    """One token per row of ``logits [B, V]`` -> ``[B]`` int32.
+
+    ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 switch those filters off. All three
+    may be traced scalars, so one compiled program serves every sampling setting.
+    """
+    logits = logits.astype(jnp.float32)
+    order = jnp.argsort(-logits, axis=-1)
+    ranked = jnp.take_along_axis(logits, order, axis=-1) / jnp.maximum(temperature, 1e-6)
+    rank = jnp.arange(logits.shape[-1])
+    keep = (rank < top_k) | (top_k <= 0)
+    probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf), axis=-1)
+    keep = keep & ((jnp.cumsum(probs, axis=-1) - probs < top_p) | (top_p >= 1))   # the top token always stays
+    choice = jax.random.categorical(key, jnp.where(keep, ranked, -jnp.inf), axis=-1)
+    choice = jnp.where(temperature > 0, choice, 0)
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"))
+def _generate(graphdef, state, prompt, key, sampling, eos_id, *, max_new_tokens):
+    model = nnx.merge(graphdef, state)
+    batch, prompt_length = prompt.shape
+    memory = init_memory(model.config, batch, prompt_length + max_new_tokens - 1)
+    out = model(prompt, memory=memory)
+    fill = jnp.maximum(eos_id, 0)
+
+    def emit(index, tokens, logits, done, key):
+        """Sample token ``index`` of every unfinished sequence (``fill`` for finished ones)."""
+        key, sample_key = jax.random.split(key)
+        token = jnp.where(done, fill, sample_logits(logits, sample_key, *sampling))
+        return token, tokens.at[:, index].set(token), done | (token == eos_id), key
+
+    def step(carry):
+        index, tokens, memory, logits, done, key = carry
+        token, tokens, done, key = emit(index, tokens, logits, done, key)
+        out = model(token[:, None], memory=memory)
+        return index + 1, tokens, out.memory, out.logits[:, -1], done, key
+
+    def running(carry):
+        index, *_, done, _ = carry
+        return (index < max_new_tokens - 1) & ~jnp.all(done)
+
+    tokens = jnp.full((batch, max_new_tokens), fill, jnp.int32)
+    done = jnp.zeros((batch,), bool)
+    carry = (jnp.zeros((), jnp.int32), tokens, out.memory, out.logits[:, -1], done, key)
+    index, tokens, _, logits, done, key = jax.lax.while_loop(running, step, carry)
+    tokens = emit(index, tokens, logits, done, key)[1]      # the last token needs no forward pass
+    is_eos = tokens == eos_id
+    lengths = jnp.where(jnp.any(is_eos, axis=-1), jnp.argmax(is_eos, axis=-1) + 1, max_new_tokens)
+    return Generation(tokens, lengths.astype(jnp.int32))
+
+
+def generate(
+    model: K3Model,
+    prompt_tokens,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    eos_id: int | None = None,
+) -> Generation:
+    """Continue ``prompt_tokens`` (``[T]`` or ``[B, T]``, every prompt of equal length T >= 1).
+
+    The memory bank holds T + max_new_tokens - 1 tokens. Same arguments give the same tokens.
+    Compiles once per model structure, prompt shape and ``max_new_tokens``; the sampling
+    settings, seed and EOS are runtime values.
+    """
+    prompt = jnp.asarray(prompt_tokens, jnp.int32)
+    squeeze = prompt.ndim == 1
+    prompt = prompt[None] if squeeze else prompt
+    if prompt.ndim != 2 or prompt.shape[1] < 1:
+        raise ValueError(f"prompt_tokens must have shape [T] or [B, T] with T >= 1, got {prompt.shape}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
+        raise ValueError(f"need temperature >= 0, top_k >= 1, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
+    sampling = (jnp.float32(temperature), jnp.int32(top_k or 0), jnp.float32(1.0 if top_p is None else top_p))
+    graphdef, state = nnx.split(model)
+    result = _generate(graphdef, state, prompt, jax.random.key(seed), sampling,
+                       jnp.int32(-1 if eos_id is None else eos_id), max_new_tokens=max_new_tokens)
+    return Generation(result.tokens[0], result.lengths[0]) if squeeze else result

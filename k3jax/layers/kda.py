@@ -1,0 +1,134 @@
+"""The KDA token mixer (SPEC §1): projections, short convolution, gates, the delta rule, output.
+
+For x in R^d, with H query/key heads, HV = m H value heads, K = V = head_dim, P = H K:
+
+    q, k, v = SiLU(CausalDepthwiseConv_W([W_q x | W_k x | W_v x]))       per channel, carried tail
+    q, k    = l2_normalize per head (fp32); q is scaled by K^-0.5 inside the op
+    g       = kda_gate(W_fb W_fa x, A_log, dt_bias)                      softplus or lower_bound form
+    beta    = sigmoid(W_b x)                                             one scalar per value head
+    o, S    = kda(q, k, v, g, beta, S)                                   the delta rule, state S fp32
+    y       = W_o [RMSNorm_V(o) * sigmoid(gate(x))]                      gate full (W_g x) or low rank (W_gb W_ga x)
+
+The low-rank gates have rank K. Parameters are stored per head ([d, H, K] etc.) so per-head
+optimizers and head sharding see the head axis.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.config import KDAConfig
+from k3jax.layers.linear import project
+from k3jax.layers.params import param, truncated_normal
+from k3jax.memory import KDAMemory
+from k3jax.ops.conv import causal_depthwise_conv
+from k3jax.ops.kda import kda, kda_gate, kda_step, l2_normalize
+from k3jax.ops.norms import rms_norm
+
+OUTPUT_NORM_EPS = 1e-5
+
+
+def _conv_init(key, shape, dtype):
+    """PyTorch's Conv1d default: U(-1/sqrt(W), 1/sqrt(W)) for W taps (the last axis)."""
+    bound = 1.0 / math.sqrt(shape[-1])
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def _a_log_init(key, shape, dtype):
+    """A_log = log U(1, 16)."""
+    return jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0))
+
+
+def _dt_bias_init(key, shape, dtype):
+    """Mamba's dt bias: dt ~ logU[1e-3, 1e-1], stored as softplus^-1(dt) = dt + log(1 - exp(-dt))."""
+    dt = jnp.exp(jax.random.uniform(key, shape, dtype, np.log(1e-3), np.log(1e-1)))
+    return dt + jnp.log(-jnp.expm1(-dt))
+
+
+class KDALayer(nnx.Module):
+    """Kimi Delta Attention with its projections (SPEC §1).
+
+    Args:
+      d_model: model width d.
+      config: heads, head dim, grouped value heads, conv taps, gate forms, chunking.
+      init_std: truncated-normal std of the projections.
+      dtype: compute dtype of the projections (the gate, beta, norms and the state are fp32).
+    """
+
+    def __init__(self, d_model: int, config: KDAConfig, *, init_std: float, dtype=jnp.float32, rngs: nnx.Rngs):
+        heads, value_heads, dim, taps = config.num_heads, config.num_value_heads, config.head_dim, config.conv_size
+        linear = truncated_normal(init_std)
+        self.q_proj = param(rngs, linear, (d_model, heads, dim), ("embed", "heads", "head_dim"))
+        self.k_proj = param(rngs, linear, (d_model, heads, dim), ("embed", "heads", "head_dim"))
+        self.v_proj = param(rngs, linear, (d_model, value_heads, dim), ("embed", "value_heads", "head_dim"))
+        self.q_conv = param(rngs, _conv_init, (heads, dim, taps), ("heads", "head_dim", "conv"))
+        self.k_conv = param(rngs, _conv_init, (heads, dim, taps), ("heads", "head_dim", "conv"))
+        self.v_conv = param(rngs, _conv_init, (value_heads, dim, taps), ("value_heads", "head_dim", "conv"))
+        self.f_a_proj = param(rngs, linear, (d_model, dim), ("embed", "gate_rank"))
+        self.f_b_proj = param(rngs, linear, (dim, value_heads, dim), ("gate_rank", "value_heads", "head_dim"))
+        self.A_log = param(rngs, _a_log_init, (value_heads,), ("value_heads",))
+        self.dt_bias = param(rngs, _dt_bias_init, (value_heads, dim), ("value_heads", "head_dim"))
+        self.b_proj = param(rngs, linear, (d_model, value_heads), ("embed", "value_heads"))
+        if config.output_gate == "full":
+            self.g_proj = param(rngs, linear, (d_model, value_heads, dim), ("embed", "value_heads", "head_dim"))
+        else:
+            self.g_a_proj = param(rngs, linear, (d_model, dim), ("embed", "gate_rank"))
+            self.g_b_proj = param(rngs, linear, (dim, value_heads, dim), ("gate_rank", "value_heads", "head_dim"))
+        self.o_norm = param(rngs, nnx.initializers.ones, (dim,), ("head_dim",))
+        self.o_proj = param(rngs, linear, (value_heads, dim, d_model), ("value_heads", "head_dim", "embed"))
+        self.config = config
+        self.dtype = dtype
+
+    def __call__(
+        self, x: jax.Array, memory: KDAMemory | None = None, segment_ids: jax.Array | None = None
+    ) -> tuple[jax.Array, KDAMemory]:
+        """x ``[B, T, d]`` -> ``(y [B, T, d] in dtype, updated KDAMemory)``.
+
+        ``memory`` (state ``[B, HV, K, V]``, conv ``[B, W-1, C]``) continues a sequence; None
+        starts from zeros. ``segment_ids [B, T]`` restarts state and conv window at boundaries.
+        """
+        cfg = self.config
+        batch, length, _ = x.shape
+        heads, value_heads, dim = cfg.num_heads, cfg.num_value_heads, cfg.head_dim
+        projected = jnp.concatenate(
+            [project(x, w[...], self.dtype).reshape(batch, length, -1) for w in (self.q_proj, self.k_proj, self.v_proj)],
+            axis=-1,
+        )
+        conv_weight = jnp.concatenate([w[...].reshape(-1, cfg.conv_size) for w in (self.q_conv, self.k_conv, self.v_conv)])
+        conv_state = None if memory is None else memory.conv
+        mixed, conv_tail = causal_depthwise_conv(projected, conv_weight, conv_state, segment_ids)
+        mixed = jax.nn.silu(mixed)
+        q, k, v = jnp.split(mixed, [cfg.key_width, 2 * cfg.key_width], axis=-1)
+        q = l2_normalize(q.reshape(batch, length, heads, dim).astype(jnp.float32))
+        k = l2_normalize(k.reshape(batch, length, heads, dim).astype(jnp.float32))
+        v = v.reshape(batch, length, value_heads, dim)
+
+        raw_gate = project(project(x, self.f_a_proj[...], self.dtype), self.f_b_proj[...], self.dtype)
+        lower_bound = cfg.lower_bound if cfg.gate == "lower_bound" else None
+        g = kda_gate(raw_gate, self.A_log[...], self.dt_bias[...], lower_bound=lower_bound)
+        beta = jax.nn.sigmoid(project(x, self.b_proj[...], self.dtype).astype(jnp.float32))
+
+        state = None if memory is None else memory.state
+        if length == 1 and state is not None:
+            o, state = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+            o = o[:, None]
+        else:
+            o, state = kda(q, k, v, g, beta, initial_state=state, segment_ids=segment_ids,
+                           chunk_size=cfg.chunk_size, implementation=cfg.implementation)
+
+        o = rms_norm(o.astype(jnp.float32), self.o_norm[...], OUTPUT_NORM_EPS)
+        o = o * jax.nn.sigmoid(self._output_gate(x).astype(jnp.float32))
+        y = project(o, self.o_proj[...], self.dtype, contract=2)
+        if memory is not None:
+            conv_tail = conv_tail.astype(memory.conv.dtype)
+        return y, KDAMemory(state=state, conv=conv_tail)
+
+    def _output_gate(self, x: jax.Array) -> jax.Array:
+        """Gate pre-activation ``[B, T, HV, V]``: W_g x (full rank) or W_gb W_ga x (rank K)."""
+        if self.config.output_gate == "full":
+            return project(x, self.g_proj[...], self.dtype)
+        return project(project(x, self.g_a_proj[...], self.dtype), self.g_b_proj[...], self.dtype)

@@ -1,0 +1,133 @@
+"""Gated Multi-head Latent Attention without positional encoding (SPEC §2).
+
+For x in R^d, H heads of n (nope) + r (rope, never rotated) query/key dims and V value dims:
+
+    q            = W_qb RMSNorm(W_qa x)   (q-LoRA)   or   W_q x             [H, n + r]
+    [c | k_r]    = W_kva x                                                  [kv_lora + r]
+    c~           = RMSNorm(c);  [k_nope | v] = W_kvb c~                     [H, n + V]
+    k            = [k_nope | k_r broadcast to every head]
+    o            = softmax(q k^T (n + r)^-0.5, causal, same segment) v
+    y            = W_o (o * sigmoid(W_g x))      (the gate only when configured)
+
+Training (no cache) runs this expanded form. With a cache, each call appends [c~ | k_r] for its
+tokens and attends in the absorbed form: queries q_lat = W_kvb,k^T q_nope (per head) and [q_lat | q_r]
+score against the shared cached [c~ | k_r]; the mixed latent is expanded by W_kvb,v afterwards.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import MLAConfig
+from k3jax.layers.linear import project
+from k3jax.layers.params import param, truncated_normal
+from k3jax.memory import MLAMemory
+from k3jax.ops.attention import attention, causal_mask
+from k3jax.ops.norms import rms_norm
+
+
+def _write_rows(buffer: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
+    """``buffer [B, S, ...]`` with ``rows [B, T, ...]`` written at ``start[b]`` of each sequence."""
+    return jax.vmap(lambda b, r, s: jax.lax.dynamic_update_slice_in_dim(b, r, s, axis=0))(buffer, rows, start)
+
+
+class MLALayer(nnx.Module):
+    """Gated MLA (SPEC §2) with an optional query low rank and an optional output gate.
+
+    Args:
+      d_model: model width d.
+      config: heads, ranks, head dims, gate, norm eps.
+      init_std: truncated-normal std of the projections.
+      dtype: compute dtype of the projections (norms and softmax are fp32).
+    """
+
+    def __init__(self, d_model: int, config: MLAConfig, *, init_std: float, dtype=jnp.float32, rngs: nnx.Rngs):
+        heads = config.num_heads
+        linear = truncated_normal(init_std)
+        ones = nnx.initializers.ones
+        if config.q_lora_rank is None:
+            self.q_proj = param(rngs, linear, (d_model, heads, config.qk_head_dim), ("embed", "heads", "head_dim"))
+        else:
+            self.q_a_proj = param(rngs, linear, (d_model, config.q_lora_rank), ("embed", "q_lora"))
+            self.q_a_norm = param(rngs, ones, (config.q_lora_rank,), ("q_lora",))
+            self.q_b_proj = param(rngs, linear, (config.q_lora_rank, heads, config.qk_head_dim), ("q_lora", "heads", "head_dim"))
+        self.kv_a_proj = param(rngs, linear, (d_model, config.latent_width), ("embed", "kv_lora"))
+        self.kv_a_norm = param(rngs, ones, (config.kv_lora_rank,), ("kv_lora",))
+        self.kv_b_proj = param(
+            rngs, linear, (config.kv_lora_rank, heads, config.nope_head_dim + config.value_head_dim),
+            ("kv_lora", "heads", "head_dim"),
+        )
+        if config.output_gate:
+            self.g_proj = param(rngs, linear, (d_model, heads, config.value_head_dim), ("embed", "heads", "head_dim"))
+        self.o_proj = param(rngs, linear, (heads, config.value_head_dim, d_model), ("heads", "head_dim", "embed"))
+        self.config = config
+        self.dtype = dtype
+
+    def __call__(
+        self, x: jax.Array, memory: MLAMemory | None = None, segment_ids: jax.Array | None = None
+    ) -> tuple[jax.Array, MLAMemory | None]:
+        """x ``[B, T, d]`` -> ``(y [B, T, d] in dtype, updated MLAMemory or None)``.
+
+        ``memory`` (latent ``[B, S, kv_lora + r]``, length and document_start ``[B]``) holds
+        earlier tokens; the call writes its T tokens at slots [length, length + T), which must
+        fit in S. The call's first segment continues the cached document (slots from
+        document_start on); a later segment sees only its own tokens.
+        """
+        cfg = self.config
+        q = self._queries(x)
+        latent = project(x, self.kv_a_proj[...], self.dtype)
+        c = rms_norm(latent[..., : cfg.kv_lora_rank], self.kv_a_norm[...], cfg.norm_eps)
+        latent = jnp.concatenate([c, latent[..., cfg.kv_lora_rank :]], axis=-1)     # [B, T, kv_lora + r]
+        segments = jnp.zeros(x.shape[:2], jnp.int32) if segment_ids is None else segment_ids
+        if memory is None:
+            o, new_memory = self._attend_expanded(q, latent, segments), None
+        else:
+            o, new_memory = self._attend_cached(q, latent, memory, segments)
+        if cfg.output_gate:
+            gate = project(x, self.g_proj[...], self.dtype)
+            o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(self.dtype)
+        return project(o, self.o_proj[...], self.dtype, contract=2), new_memory
+
+    def _attend_expanded(self, q, latent, segments):
+        """Causal attention among the call's tokens with per-head keys and values expanded from c~."""
+        cfg = self.config
+        batch, length = segments.shape
+        positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
+        c, k_rope = latent[..., : cfg.kv_lora_rank], latent[..., cfg.kv_lora_rank :]
+        kv = project(c, self.kv_b_proj[...], self.dtype)                           # [B, T, H, n + V]
+        k_nope, v = kv[..., : cfg.nope_head_dim], kv[..., cfg.nope_head_dim :]
+        k_rope = jnp.broadcast_to(k_rope[:, :, None].astype(self.dtype), (*k_nope.shape[:-1], cfg.rope_head_dim))
+        mask = causal_mask(positions, positions, segments, segments)
+        return attention(q, jnp.concatenate([k_nope, k_rope], axis=-1), v, mask, scale=cfg.qk_head_dim**-0.5)
+
+    def _attend_cached(self, q, latent, memory: MLAMemory, segments):
+        """Write the call's [c~ | k_r] into the cache, attend over it in the absorbed form."""
+        cfg = self.config
+        length = segments.shape[1]
+        cache = _write_rows(memory.latent, latent.astype(memory.latent.dtype), memory.length)
+        slots = jnp.arange(cache.shape[1])[None]
+        key_segments = _write_rows(jnp.broadcast_to(segments[:, :1], cache.shape[:2]), segments, memory.length)
+        positions = memory.length[:, None] + jnp.arange(length)
+        mask = causal_mask(positions, slots, segments, key_segments)
+        mask = mask & (slots >= memory.document_start[:, None])[:, None, :]
+
+        kv_b = self.kv_b_proj[...].astype(self.dtype)
+        key_proj, value_proj = kv_b[..., : cfg.nope_head_dim], kv_b[..., cfg.nope_head_dim :]
+        q_latent = jnp.einsum("bthn,chn->bthc", q[..., : cfg.nope_head_dim], key_proj)
+        queries = jnp.concatenate([q_latent, q[..., cfg.nope_head_dim :]], axis=-1)   # [B, T, H, kv_lora + r]
+        keys = cache.astype(self.dtype)[:, :, None, :]                                 # one shared head
+        mixed = attention(queries, keys, keys[..., : cfg.kv_lora_rank], mask, scale=cfg.qk_head_dim**-0.5)
+        o = jnp.einsum("bthc,chv->bthv", mixed, value_proj)
+
+        starts = jnp.concatenate([jnp.zeros_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+        last_start = jnp.max(jnp.where(starts, jnp.arange(length), 0), axis=1)
+        document_start = jnp.where(jnp.any(starts, axis=1), memory.length + last_start, memory.document_start)
+        return o, MLAMemory(cache, memory.length + length, document_start)
+
+    def _queries(self, x: jax.Array) -> jax.Array:
+        """``[B, T, H, n + r]``: W_q x, or W_qb RMSNorm(W_qa x) with q-LoRA."""
+        if self.config.q_lora_rank is None:
+            return project(x, self.q_proj[...], self.dtype)
+        q_latent = rms_norm(project(x, self.q_a_proj[...], self.dtype), self.q_a_norm[...], self.config.norm_eps)
+        return project(q_latent, self.q_b_proj[...], self.dtype)

@@ -1,0 +1,103 @@
+"""The memory bank: everything a K3 model carries from one call to the next, as an explicit pytree.
+
+    Memory
+      kda: KDAMemory   one entry per KDA layer, in layer order (leading axis N_kda)
+        state   [N_kda, B, HV, K, V]      fp32   the delta-rule state S (constant in context length)
+        conv    [N_kda, B, W-1, 2P + HV V]       the last W-1 inputs of the q|k|v short convolution
+      mla: MLAMemory   one entry per MLA layer, in layer order (leading axis N_mla)
+        latent  [N_mla, B, S, kv_lora + r]       per token: RMSNorm(c) and the shared key slice k_r
+        length  [N_mla, B]                int32  tokens written so far (cache slots [0, length) are filled)
+        document_start [N_mla, B]         int32  first slot of the current packed document (earlier
+                                                 slots are invisible to later tokens)
+
+Packed documents: a call's first segment continues the bank; at a boundary inside a call the
+KDA state and conv window restart and MLA hides the slots before it, and the bank then carries
+the last document on. The conv tails and latent caches are stored in the config's compute dtype. A layer sees the same
+types without the leading layer axis. Training calls pass ``memory=None``; prefill and decode
+pass a bank from `init_memory` (or a saved one) and get the updated bank back.
+
+    python -m k3jax.memory configs/k3.yaml [configs/tiny.yaml ...]     # bytes per sequence vs context
+"""
+from __future__ import annotations
+
+import sys
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import ConfigError, ModelConfig, load_config
+
+
+class KDAMemory(NamedTuple):
+    state: jax.Array
+    conv: jax.Array
+
+
+class MLAMemory(NamedTuple):
+    latent: jax.Array
+    length: jax.Array
+    document_start: jax.Array
+
+
+class Memory(NamedTuple):
+    kda: KDAMemory
+    mla: MLAMemory
+
+
+def init_memory(config: ModelConfig, batch_size: int, max_length: int) -> Memory:
+    """An empty bank for ``batch_size`` sequences of up to ``max_length`` tokens (zeros)."""
+    kda, mla = config.kda, config.mla
+    dtype = jnp.dtype(config.compute_dtype)
+    num_mla = len(config.mla_layer_indices)
+    num_kda = config.num_layers - num_mla
+    return Memory(
+        kda=KDAMemory(
+            state=jnp.zeros((num_kda, batch_size, kda.num_value_heads, kda.head_dim, kda.head_dim), jnp.float32),
+            conv=jnp.zeros((num_kda, batch_size, kda.conv_size - 1, kda.conv_width), dtype),
+        ),
+        mla=MLAMemory(
+            latent=jnp.zeros((num_mla, batch_size, max_length, mla.latent_width), dtype),
+            length=jnp.zeros((num_mla, batch_size), jnp.int32),
+            document_start=jnp.zeros((num_mla, batch_size), jnp.int32),
+        ),
+    )
+
+
+def _nbytes(tree) -> int:
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+
+def memory_bytes(config: ModelConfig, max_length: int) -> dict[str, int]:
+    """Bytes of the bank per sequence at context ``max_length``, by part (from shapes only)."""
+    shapes = jax.eval_shape(lambda: init_memory(config, 1, max_length))
+    return {"kda": _nbytes(shapes.kda), "mla": _nbytes(shapes.mla)}
+
+
+def memory_report(configs: dict[str, ModelConfig], lengths=(4096, 32768, 131072, 1048576)) -> str:
+    """A table of bank bytes per sequence vs context length for each named config."""
+    rows = [f"{'config':<22}{'context':>10}{'KDA (MiB)':>14}{'MLA (MiB)':>14}{'total (MiB)':>14}{'KDA share':>11}"]
+    for name, config in configs.items():
+        for length in lengths:
+            parts = memory_bytes(config, length)
+            total = parts["kda"] + parts["mla"]
+            rows.append(f"{name:<22}{length:>10}{parts['kda'] / 2**20:>14.2f}{parts['mla'] / 2**20:>14.2f}"
+                        f"{total / 2**20:>14.2f}{parts['kda'] / total:>11.1%}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("usage: python -m k3jax.memory CONFIG.yaml [CONFIG.yaml ...]", file=sys.stderr)
+        return 2
+    try:
+        configs = {path.rsplit("/", 1)[-1]: load_config(path).model for path in argv}
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(memory_report(configs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

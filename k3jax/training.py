@@ -1,0 +1,186 @@
+"""The pure parts of training: the train state, the loss, the train and eval steps.
+
+The model's NNX state is kept as two flat dicts keyed by parameter path (``"body/layers/0/
+mixer/q_proj"``): ``params`` (`nnx.Param`s, trained by the optimizer) and ``buffers`` (the
+routers' selection biases, updated by the balancer). Flat string-keyed dicts make the optimizer
+state, the checkpoints and the sharding rules simple; `StateCodec` converts back to NNX.
+
+One train step (jitted, donated):
+    loss    = sum(mask * CE(logits, targets)) / sum(mask)     over the global batch; with
+              gradient accumulation the batch is split into micro-batches whose gradients add up
+    update  optax; skipped (state unchanged) when the loss or the gradient norm is not finite
+    balance the routers' selection biases from this step's routing statistics (SPEC §4)
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from k3jax.config import ModelConfig
+from k3jax.layers.moe import RouterBias
+from k3jax.layers.params import logical_axes
+from k3jax.model import param_counts
+from k3jax.ops.kda.chunk import chunk_algorithm_flops
+from k3jax.ops.moe import MoEStats, load_metrics
+
+
+class StateCodec:
+    """Converts an NNX state to a flat ``{path: array}`` dict and back (the Variable types and
+    metadata come from the template the codec was built with)."""
+
+    def __init__(self, template: nnx.State):
+        self._entries = [("/".join(map(str, path)), path, variable) for path, variable in nnx.to_flat_state(template)]
+
+    def flatten(self, state: nnx.State) -> dict[str, jax.Array]:
+        return {"/".join(map(str, path)): variable.get_value() for path, variable in nnx.to_flat_state(state)}
+
+    def unflatten(self, flat: dict[str, jax.Array]) -> nnx.State:
+        return nnx.from_flat_state([(path, variable.replace(flat[key])) for key, path, variable in self._entries])
+
+    def axes(self) -> dict[str, tuple[str, ...]]:
+        """Logical axis names of every entry."""
+        return {key: logical_axes(variable) for key, _, variable in self._entries}
+
+
+class ModelParts(NamedTuple):
+    """A model split for functional use: its graph and the codecs of its params and buffers."""
+
+    graphdef: Any
+    params: StateCodec
+    buffers: StateCodec
+
+    def merge(self, params: dict, buffers: dict):
+        """The model with these parameter and buffer values."""
+        return nnx.merge(self.graphdef, self.params.unflatten(params), self.buffers.unflatten(buffers))
+
+
+def split_model(model: nnx.Module) -> tuple[ModelParts, dict, dict]:
+    """``(parts, params, buffers)`` of a model (concrete or abstract from `nnx.eval_shape`)."""
+    graphdef, params, buffers = nnx.split(model, nnx.Param, RouterBias)
+    parts = ModelParts(graphdef, StateCodec(params), StateCodec(buffers))
+    return parts, parts.params.flatten(params), parts.buffers.flatten(buffers)
+
+
+class TrainState(NamedTuple):
+    step: jax.Array           # optimizer steps taken (int32)
+    params: dict              # {path: fp32 array}
+    buffers: dict             # {path: array}: router selection biases
+    opt_state: Any
+    skipped: jax.Array        # consecutive non-finite steps skipped so far (int32)
+
+
+def init_train_state(params: dict, buffers: dict, optimizer: optax.GradientTransformation) -> TrainState:
+    return TrainState(jnp.zeros((), jnp.int32), params, buffers, optimizer.init(params), jnp.zeros((), jnp.int32))
+
+
+def masked_cross_entropy(logits, targets, mask):
+    """``(sum of mask * CE, sum of mask)`` with fp32 logits ``[B, T, V]``."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(losses * mask), jnp.sum(mask)
+
+
+def _forward_loss(parts: ModelParts, params, buffers, batch):
+    """``(loss sum, (mask sum, MoE stats))`` of one micro-batch."""
+    model = parts.merge(params, buffers)
+    out = model(batch["tokens"], segment_ids=batch["segment_ids"])
+    loss_sum, count = masked_cross_entropy(out.logits, batch["targets"], batch["loss_mask"])
+    return loss_sum, (count, out.moe_stats)
+
+
+def _merge_micro_batch_stats(stats: MoEStats | None) -> MoEStats | None:
+    """Stats stacked ``[A, layers, ...]`` over micro-batches -> one step's ``[layers, ...]``."""
+    if stats is None:
+        return None
+    tokens = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])  # noqa: E731
+    return MoEStats(jnp.sum(stats.expert_load, axis=0), tokens(stats.router_scores), tokens(stats.token_mask))
+
+
+def _gradients(parts, params, buffers, batch, accumulation: int):
+    """Summed loss, mask count, summed gradients and MoE stats over ``accumulation`` micro-batches."""
+    grad_fn = jax.value_and_grad(functools.partial(_forward_loss, parts), has_aux=True)
+    if accumulation == 1:
+        (loss_sum, (count, stats)), grads = grad_fn(params, buffers, batch)
+        return loss_sum, count, grads, stats
+    micro = jax.tree.map(lambda x: x.reshape(accumulation, -1, *x.shape[1:]), batch)
+
+    def accumulate(carry, micro_batch):
+        loss_sum, count, grads = carry
+        (loss, (n, stats)), g = grad_fn(params, buffers, micro_batch)
+        return (loss_sum + loss, count + n, jax.tree.map(jnp.add, grads, g)), stats
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (loss_sum, count, grads), stats = jax.lax.scan(accumulate, (0.0, 0.0, zeros), micro)
+    return loss_sum, count, grads, _merge_micro_batch_stats(stats)
+
+
+def make_train_step(parts: ModelParts, optimizer: optax.GradientTransformation, *, accumulation: int = 1,
+                    schedule: optax.Schedule | None = None):
+    """The jitted ``train_step(state, batch) -> (state, metrics)`` (the state is donated)."""
+
+    def train_step(state: TrainState, batch):
+        loss_sum, count, grads, stats = _gradients(parts, state.params, state.buffers, batch, accumulation)
+        count = jnp.maximum(count, 1.0)
+        loss = loss_sum / count
+        grads = jax.tree.map(lambda g: g / count, grads)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        buffers = state.buffers
+        if stats is not None:
+            model = parts.merge(params, buffers)
+            model.update_router_bias(stats)
+            buffers = parts.buffers.flatten(nnx.state(model, RouterBias))
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        new_state = TrainState(
+            step=state.step + finite.astype(jnp.int32),
+            params=keep(params, state.params),
+            buffers=keep(buffers, state.buffers),
+            opt_state=keep(opt_state, state.opt_state),
+            skipped=jnp.where(finite, 0, state.skipped + 1),
+        )
+        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite, "tokens": count}
+        if schedule is not None:
+            metrics["learning_rate"] = schedule(state.step)
+        if stats is not None:
+            load = load_metrics(stats.expert_load)
+            metrics["expert_load_max_over_mean"] = load.max_over_mean
+            metrics["experts_idle_fraction"] = load.zero_fraction
+        return new_state, metrics
+
+    return jax.jit(train_step, donate_argnums=0)
+
+
+def make_eval_step(parts: ModelParts):
+    """The jitted ``eval_step(params, buffers, batch) -> (loss sum, mask sum, argmax predictions)``."""
+
+    def eval_step(params, buffers, batch):
+        model = parts.merge(params, buffers)
+        out = model(batch["tokens"], segment_ids=batch["segment_ids"])
+        loss_sum, count = masked_cross_entropy(out.logits, batch["targets"], batch["loss_mask"])
+        return loss_sum, count, jnp.argmax(out.logits, axis=-1)
+
+    return jax.jit(eval_step)
+
+
+def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward), for throughput and utilisation:
+
+        6 * active parameters (input embedding excluded, routed experts at top-k)
+        + MLA attention: 3 * 2 * heads * (qk dim + value dim) * seq_len / 2 per MLA layer (causal)
+        + KDA: 3 * the chunk algorithm's forward FLOPs per token per KDA layer
+    """
+    _, active = param_counts(config)
+    n_mla = len(config.mla_layer_indices)
+    mla = config.mla
+    attention = 3 * 2 * mla.num_heads * (mla.qk_head_dim + mla.value_head_dim) * seq_len / 2
+    kda = config.kda
+    delta_rule = 3 * chunk_algorithm_flops(1, seq_len, kda.num_value_heads, kda.head_dim, kda.head_dim,
+                                           min(kda.chunk_size, seq_len)) / seq_len
+    return 6 * active + n_mla * attention + (config.num_layers - n_mla) * delta_rule

@@ -1,0 +1,92 @@
+"""Config schema: the shipped files (SPEC §6), overrides, base files, one-line errors."""
+import pathlib
+
+import pytest
+
+from k3jax.config import ConfigError, load_config
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+
+
+def load(name, *overrides):
+    return load_config(CONFIGS / name, list(overrides)).model
+
+
+def test_k3_matches_spec_table():
+    m = load("k3.yaml")
+    assert (m.num_layers, m.d_model, m.vocab_size) == (93, 7168, 163840)
+    assert m.mla_layer_indices == tuple(range(3, 92, 4)) + (92,) and len(m.mla_layer_indices) == 24
+    assert (m.kda.num_heads, m.kda.head_dim, m.kda.conv_size, m.kda.gate, m.kda.lower_bound, m.kda.output_gate) == \
+        (96, 128, 4, "lower_bound", -5.0, "full")
+    assert (m.mla.num_heads, m.mla.q_lora_rank, m.mla.kv_lora_rank, m.mla.output_gate) == (96, 1536, 512, True)
+    assert (m.mla.nope_head_dim, m.mla.rope_head_dim, m.mla.value_head_dim) == (128, 64, 128)
+    assert (m.attn_res.kind, m.attn_res.block_size, m.dense_width, m.activation) == ("block", 12, 33792, "situ")
+    assert (m.moe.num_experts, m.moe.top_k, m.moe.expert_width, m.moe.latent_dim, m.moe.latent_norm) == \
+        (896, 16, 3072, 3584, True)
+    assert (m.moe.shared_width, m.moe.routed_scale, m.moe.balancing) == (6144, 1.0, "quantile")
+
+
+def test_kimi_linear_matches_spec_table():
+    m = load("kimi-linear-48b.yaml")
+    assert (m.num_layers, m.d_model, m.vocab_size) == (27, 2304, 163840)
+    assert m.mla_layer_indices == (3, 7, 11, 15, 19, 23, 26)
+    assert (m.kda.num_heads, m.kda.gate, m.kda.output_gate) == (32, "softplus", "low_rank")
+    assert (m.mla.num_heads, m.mla.q_lora_rank, m.mla.output_gate, m.attn_res.kind) == (32, None, False, "none")
+    assert (m.dense_width, m.activation, m.moe.num_experts, m.moe.top_k, m.moe.expert_width) == \
+        (9216, "swiglu", 256, 8, 1024)
+    assert (m.moe.latent_dim, m.moe.shared_width, m.moe.routed_scale, m.moe.balancing) == (None, 1024, 2.446, "sign")
+
+
+def test_tiny_inherits_from_k3_and_keeps_every_feature():
+    m = load("tiny.yaml")
+    assert m.mla_layer_indices == (3, 7) and m.num_layers == 8
+    assert m.kda.gate == "lower_bound" and m.kda.output_gate == "full"
+    assert m.mla.q_lora_rank is not None and m.mla.output_gate
+    assert m.attn_res.kind == "block" and m.dense_layers == 1 and m.activation == "situ"
+    assert m.moe.latent_dim is not None and m.moe.latent_norm and m.moe.shared_width and m.moe.balancing == "quantile"
+    assert m.vocab_size == 1024 and m.compute_dtype == "float32"
+
+
+def test_overrides_parse_yaml_scalars_and_lists():
+    m = load("tiny.yaml", "model.moe.top_k=4", "model.mla_layers=[3,7]", "model.kda.lower_bound=-3",
+             "model.compute_dtype=bfloat16", "model.mla.q_lora_rank=null")
+    assert (m.moe.top_k, m.mla_layers, m.kda.lower_bound, m.compute_dtype) == (4, (3, 7), -3.0, "bfloat16")
+    assert m.mla.q_lora_rank is None
+
+
+@pytest.mark.parametrize("override, key, words", [
+    ("model.moe.topk=4", "model.moe.topk", "did you mean 'top_k'"),
+    ("model.attn_res.kindd=none", "model.attn_res.kindd", "did you mean 'kind'"),
+    ("modle.d_model=8", "modle", "did you mean 'model'"),
+    ("model.moe.top_k=9", "model.moe.top_k", "num_experts = 8"),
+    ("model.kda.value_heads=3", "model.kda.value_heads", "multiple of num_heads"),
+    ("model.mla_layers=[3,5]", "model.mla_layers", "last layer 7"),
+    ("model.mla_layers=[3,9]", "model.mla_layers", "outside"),
+    ("model.kda.gate=sofplus", "model.kda.gate", "did you mean 'softplus'"),
+    ("model.kda.lower_bound=2", "model.kda.lower_bound", "negative"),
+    ("model.d_model=0", "model.d_model", "positive"),
+    ("model.num_layers=eight", "model.num_layers", "expected int"),
+    ("model.moe.latent_dim=null", "model.moe.latent_norm", "latent_dim"),
+    ("model.attn_res.kind=blocks", "model.attn_res.kind", "did you mean 'block'"),
+    ("model.kda=3", "model.kda", "mapping"),
+])
+def test_errors_are_one_line_and_name_the_dotted_key(override, key, words):
+    with pytest.raises(ConfigError) as info:
+        load("tiny.yaml", override)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{key}: ") and words in message, message
+    assert isinstance(info.value, ValueError) and info.value.key == key
+
+
+def test_missing_key_bad_override_and_base_loops(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="includes itself"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("model:\n  d_model: 8\n")
+    with pytest.raises(ConfigError, match=r"^model.vocab_size: required key is missing$"):
+        load_config(tmp_path / "c.yaml")
+    with pytest.raises(ConfigError, match="dotted.key=value"):
+        load_config(CONFIGS / "tiny.yaml", ["model.d_model"])
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")

@@ -1,0 +1,250 @@
+"""The K3 stack: prefill/decode consistency, causality, packed documents, AttnRes at init,
+training, gradients, parameter metadata and counts, memory bank, generation (SPEC §§0-6)."""
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from k3jax.config import load_config
+from k3jax.generate import generate
+from k3jax.layers.params import logical_axes
+from k3jax.memory import init_memory, memory_bytes
+from k3jax.model import K3Model, param_counts
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+# tiny.yaml with a 2-layer period (1 KDA : 1 MLA, AttnRes blocks of 2) and 7 layers, so a short
+# stack has every group: unrolled prefix (0, 1), scanned body (2, 3) x 2, unrolled suffix (6).
+MICRO = ["model.num_layers=7", "model.mla_period=2", "model.attn_res.block_size=2"]
+BATCH, LENGTH = 2, 12
+
+forward = nnx.jit(lambda model, tokens, segment_ids: model(tokens, segment_ids=segment_ids))
+continue_ = nnx.jit(lambda model, tokens, memory: model(tokens, memory=memory))
+
+
+def micro_config(*overrides):
+    return load_config(CONFIGS / "tiny.yaml", MICRO + list(overrides)).model
+
+
+def rel_err(actual, expected):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.abs(actual - expected).max() / np.abs(expected).max())
+
+
+@pytest.fixture(scope="module")
+def model():
+    return K3Model(micro_config(), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def tokens(model):
+    return jax.random.randint(jax.random.key(1), (BATCH, LENGTH), 0, model.config.vocab_size)
+
+
+def no_segments(tokens):
+    return jnp.zeros(tokens.shape, jnp.int32)
+
+
+def test_layer_groups_cover_prefix_scanned_body_and_suffix(model):
+    assert model.groups.prefix == (0, 1) and model.groups.body == (2, 3)
+    assert model.groups.repeats == 2 and model.groups.suffix == (6,)
+
+
+def test_prefill_then_decode_equals_one_forward(model, tokens):
+    full = forward(model, tokens, no_segments(tokens)).logits
+    out = continue_(model, tokens[:, :8], init_memory(model.config, BATCH, LENGTH))
+    logits = [out.logits]
+    memory = out.memory
+    for t in range(8, LENGTH):
+        out = continue_(model, tokens[:, t : t + 1], memory)
+        logits.append(out.logits)
+        memory = out.memory
+    assert rel_err(jnp.concatenate(logits, axis=1), full) <= 1e-4
+    np.testing.assert_array_equal(memory.mla.length, LENGTH)
+
+    memory, logits = init_memory(model.config, BATCH, LENGTH), []
+    for start, stop in [(0, 8), (8, 11), (11, 12)]:   # three uneven pieces
+        out = continue_(model, tokens[:, start:stop], memory)
+        logits.append(out.logits)
+        memory = out.memory
+    assert rel_err(jnp.concatenate(logits, axis=1), full) <= 1e-4
+
+
+KIMI_LINEAR_STYLE = ["model.attn_res.kind=none", "model.kda.gate=softplus", "model.kda.output_gate=low_rank",
+                     "model.kda.value_heads=4", "model.mla.q_lora_rank=null", "model.mla.output_gate=false",
+                     "model.activation=swiglu", "model.moe.latent_dim=null", "model.moe.latent_norm=false",
+                     "model.moe.routed_scale=2.446", "model.moe.balancing=sign"]
+
+
+@pytest.mark.slow
+def test_kimi_linear_style_stack_prefill_then_decode_equals_one_forward(tokens):
+    """The other reference family at tiny size: PreNorm residual, softplus gate, low-rank output
+    gate, grouped values, ungated MLA without q-LoRA, SwiGLU, plain MoE, sign balancing."""
+    model = K3Model(micro_config(*KIMI_LINEAR_STYLE), rngs=nnx.Rngs(0))
+    full = forward(model, tokens, no_segments(tokens))
+    out = continue_(model, tokens[:, :8], init_memory(model.config, BATCH, LENGTH))
+    logits, memory = [out.logits], out.memory
+    for t in range(8, LENGTH):
+        out = continue_(model, tokens[:, t : t + 1], memory)
+        logits.append(out.logits)
+        memory = out.memory
+    assert rel_err(jnp.concatenate(logits, axis=1), full.logits) <= 1e-4
+    model.update_router_bias(full.moe_stats)   # sign balancing: each bias moves by -rate, 0 or +rate
+    steps = np.round(np.asarray(model.router_bias()) / model.config.moe.bias_update_rate)
+    assert set(np.unique(steps)) <= {-1.0, 0.0, 1.0} and np.abs(steps).sum() > 0
+
+
+def test_changing_a_token_changes_no_earlier_logit(model, tokens):
+    changed = tokens.at[:, 6].set((tokens[:, 6] + 1) % model.config.vocab_size)
+    before = forward(model, tokens, no_segments(tokens)).logits
+    after = forward(model, changed, no_segments(tokens)).logits
+    np.testing.assert_allclose(after[:, :6], before[:, :6], rtol=1e-6, atol=1e-6)
+    assert np.abs(after[:, 6:] - before[:, 6:]).max() > 1e-3
+
+
+def test_packed_documents_equal_documents_run_alone(model, tokens):
+    """Rows of ``tokens`` start with documents a and b; by causality, their first 6 logits are the
+    documents run alone. Packing [a | b] and [b | a] with segment ids must reproduce them."""
+    half = LENGTH // 2
+    a, b = tokens[0, :half], tokens[1, :half]
+    alone = forward(model, tokens, no_segments(tokens)).logits[:, :half]
+    packed = jnp.stack([jnp.concatenate([a, b]), jnp.concatenate([b, a])])
+    segments = jnp.asarray([[3] * half + [4] * half] * 2)
+    together = forward(model, packed, segments).logits
+    assert rel_err(together[0, :half], alone[0]) <= 1e-5 and rel_err(together[0, half:], alone[1]) <= 1e-5
+    assert rel_err(together[1, :half], alone[1]) <= 1e-5 and rel_err(together[1, half:], alone[0]) <= 1e-5
+
+
+def test_fresh_block_attnres_equals_prenorm_residual(model, tokens):
+    """Zero pseudo-queries make every Mix a mean of the sources, i.e. the running sum / n; the
+    next RMSNorm removes the 1/n (exactly so for eps -> 0, hence the tiny eps here)."""
+    block = K3Model(micro_config("model.norm_eps=1e-12"), rngs=nnx.Rngs(0))
+    plain = K3Model(micro_config("model.norm_eps=1e-12", "model.attn_res.kind=none"), rngs=nnx.Rngs(7))
+    assert plain.groups == block.groups
+    block_params = dict(nnx.to_flat_state(nnx.state(block, nnx.Param)))
+    plain_state = nnx.state(plain, nnx.Param)
+    for path, variable in nnx.to_flat_state(plain_state):
+        variable[...] = block_params[path][...]
+    nnx.update(plain, plain_state)
+    assert len(block_params) > len(list(nnx.to_flat_state(plain_state)))   # block has the AttnRes pairs
+    logits = [forward(m, tokens, no_segments(tokens)).logits for m in (block, plain)]
+    assert rel_err(*logits) <= 1e-5
+
+
+def next_token_loss(model, tokens):
+    logits = model(tokens[:, :-1]).logits
+    return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
+
+
+def test_adamw_steps_reduce_loss_and_gradients_reach_every_parameter(tokens):
+    # The token-serial KDA compiles its backward ~2.5x faster than the chunked form; the op tests
+    # check that both give the same values and gradients.
+    model = K3Model(micro_config("model.kda.implementation=reference"), rngs=nnx.Rngs(3))
+    optimizer = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, tokens):
+        loss, grads = nnx.value_and_grad(next_token_loss)(model, tokens)
+        optimizer.update(model, grads)
+        return loss, grads
+
+    losses = []
+    for _ in range(4):
+        loss, grads = train_step(model, optimizer, tokens)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] - 0.05, losses
+
+    # The last step's gradients (after updates, so pseudo-queries are no longer zero and the
+    # key-norm gains see gradient too): only layer 0's attention-res pair is unused (SPEC §3).
+    unused = {("prefix", "layers", 0, "attention_res", "query"), ("prefix", "layers", 0, "attention_res", "key_norm")}
+    for path, grad in nnx.to_flat_state(grads):
+        grad = np.asarray(grad[...])
+        if path in unused:
+            assert not grad.any(), path
+            continue
+        per_layer = grad.reshape(model.groups.repeats, -1) if path[0] == "body" else grad.reshape(1, -1)
+        assert np.all(np.abs(per_layer).max(axis=1) > 0), path
+
+
+def test_parameters_carry_logical_axes_and_stacked_ones_name_layers(model):
+    for path, variable in nnx.to_flat_state(nnx.state(model)):
+        axes = logical_axes(variable)
+        assert len(axes) == variable[...].ndim, path
+        assert (axes[0] == "layers") == (path[0] == "body"), path
+
+
+def test_moe_stats_and_router_bias_follow_layer_order(model, tokens):
+    out = forward(model, tokens, no_segments(tokens))
+    num_moe, experts = model.config.num_layers - 1, model.config.moe.num_experts
+    assert out.moe_stats.expert_load.shape == (num_moe, experts)
+    np.testing.assert_allclose(out.moe_stats.expert_load.sum(-1), BATCH * LENGTH * model.config.moe.top_k)
+    bias = model.router_bias()
+    assert bias.shape == (num_moe, experts) and not bias.any()
+    new_bias = jnp.arange(num_moe * experts, dtype=jnp.float32).reshape(num_moe, experts)
+    model.set_router_bias(new_bias)
+    np.testing.assert_array_equal(model.router_bias(), new_bias)
+    np.testing.assert_array_equal(model.suffix.layers[0].ffn.router.e_score_correction_bias[...], new_bias[-1])
+    np.testing.assert_array_equal(model.body.layers[1].ffn.router.e_score_correction_bias[...][1], new_bias[4])
+
+    model.update_router_bias(out.moe_stats)   # quantile balancing: overwritten, centred per layer
+    bias = model.router_bias()
+    assert np.all(np.abs(bias - new_bias).max(axis=1) > 0)
+    np.testing.assert_allclose(bias.mean(axis=1), 0.0, atol=1e-4)
+    model.set_router_bias(jnp.zeros_like(new_bias))
+
+
+def test_greedy_generation_matches_decoding_and_stops_at_eos(model, tokens):
+    prompt = tokens[:, :8]
+    greedy = generate(model, prompt, max_new_tokens=4)
+    out = continue_(model, prompt, init_memory(model.config, BATCH, LENGTH))
+    expected = []
+    for _ in range(4):
+        expected.append(jnp.argmax(out.logits[:, -1], axis=-1))
+        out = continue_(model, expected[-1][:, None], out.memory)
+    np.testing.assert_array_equal(greedy.tokens, jnp.stack(expected, axis=1))
+    np.testing.assert_array_equal(greedy.lengths, 4)
+
+    eos = int(greedy.tokens[0, 1])
+    stopped = generate(model, prompt, max_new_tokens=4, eos_id=eos)
+    assert int(stopped.lengths[0]) == 2 and np.all(stopped.tokens[0, 1:] == eos)
+
+    sampled = [generate(model, prompt, max_new_tokens=4, temperature=1.0, top_p=0.9, seed=s).tokens for s in (5, 5, 6)]
+    np.testing.assert_array_equal(sampled[0], sampled[1])
+    assert not np.array_equal(sampled[0], sampled[2])
+    top1 = generate(model, prompt, max_new_tokens=4, temperature=2.0, top_k=1, seed=3)
+    np.testing.assert_array_equal(top1.tokens, greedy.tokens)
+
+
+@pytest.mark.parametrize("name, total, active", [("k3.yaml", 2779.5e9, 104.2e9),
+                                                 ("kimi-linear-48b.yaml", 49.1e9, 3.1e9)])
+def test_param_counts_match_the_released_models(name, total, active):
+    counted_total, counted_active = param_counts(load_config(CONFIGS / name).model)
+    assert abs(counted_total / total - 1) < 0.005 and abs(counted_active / active - 1) < 0.005, \
+        (counted_total, counted_active)
+
+
+def test_memory_bank_kda_share_is_constant_and_mla_share_linear():
+    for name in ("tiny.yaml", "k3.yaml"):
+        config = load_config(CONFIGS / name).model
+        sizes = [memory_bytes(config, length) for length in (1024, 2048, 3072)]
+        assert sizes[0]["kda"] == sizes[1]["kda"] == sizes[2]["kda"]
+        assert sizes[1]["mla"] - sizes[0]["mla"] == sizes[2]["mla"] - sizes[1]["mla"] > 0
+    k3 = load_config(CONFIGS / "k3.yaml").model
+    state_per_layer = 96 * 128 * 128 * 4                        # SPEC §1: ~6.3 MB per layer
+    conv_per_layer = 3 * (3 * 96 * 128) * 2                     # W-1 taps of q|k|v in bf16
+    assert memory_bytes(k3, 1)["kda"] == 69 * (state_per_layer + conv_per_layer)
+    assert sizes[1]["mla"] - sizes[0]["mla"] == 24 * 1024 * 576 * 2
+
+
+def test_init_memory_layout(model):
+    memory = init_memory(model.config, 3, 10)
+    kda, mla = model.config.kda, model.config.mla
+    assert model.config.mla_layer_indices == (1, 3, 5, 6)
+    assert memory.kda.state.shape == (3, 3, kda.num_value_heads, kda.head_dim, kda.head_dim)
+    assert memory.kda.state.dtype == jnp.float32
+    assert memory.kda.conv.shape == (3, 3, kda.conv_size - 1, 3 * kda.num_heads * kda.head_dim)
+    assert memory.mla.latent.shape == (4, 3, 10, mla.kv_lora_rank + mla.rope_head_dim)
+    assert memory.mla.length.shape == memory.mla.document_start.shape == (4, 3)

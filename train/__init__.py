@@ -1,0 +1,1 @@
+"""The training launcher: ``python -m train CONFIG [key=value ...]`` (see `train.cli`)."""

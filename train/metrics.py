@@ -1,0 +1,101 @@
+"""Where a run's numbers go: a JSONL file, optional TensorBoard events, a progress bar.
+
+``<run_dir>/metrics.jsonl`` holds one JSON object per logged step. On resume the lines of steps
+after the restored checkpoint are dropped first (they are about to be recomputed), so the file
+always reads as one uninterrupted run.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import sys
+from typing import Any
+
+from tqdm import tqdm
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain JSON values from numpy / jax scalars and arrays (non-finite floats become strings)."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+class MetricsLog:
+    """Append-only JSONL of ``{"step": ..., ...}`` records."""
+
+    def __init__(self, path: pathlib.Path, resume_step: int):
+        self.path = path
+        self._drop_after(resume_step)
+        self._file = open(path, "a", encoding="utf-8")
+
+    def _drop_after(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text(encoding="utf-8").splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        temporary = self.path.with_suffix(".jsonl.tmp")
+        temporary.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(temporary, self.path)
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    """The records of a run's metrics file (empty when there is none)."""
+    path = pathlib.Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+class TensorBoard:
+    """Scalar summaries through tensorboardX (an optional dependency: ``pip install k3jax[tensorboard]``)."""
+
+    def __init__(self, directory: pathlib.Path):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError as error:
+            raise RuntimeError("logging.tensorboard=true needs tensorboardX: pip install 'k3jax[tensorboard]'") from error
+        self._writer = SummaryWriter(str(directory))
+
+    def write(self, record: dict) -> None:
+        step = record["step"]
+        for name, value in record.items():
+            if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(name, value, step)
+            elif isinstance(value, list):
+                for index, item in enumerate(value):
+                    self._writer.add_scalar(f"{name}/{index}", item, step)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class Progress:
+    """A progress bar (step, loss, tokens/s, ETA) on stderr, or nothing."""
+
+    def __init__(self, enabled: bool, start: int, total: int):
+        self._bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr,
+                         disable=not enabled, smoothing=0.1)
+
+    def update(self, steps: int, loss: float, tokens_per_second: float) -> None:
+        self._bar.set_postfix_str(f"loss {loss:.4f}, {tokens_per_second:,.0f} tok/s", refresh=False)
+        self._bar.update(steps)
+
+    def write(self, message: str) -> None:
+        self._bar.write(message, file=sys.stderr)
+
+    def close(self) -> None:
+        self._bar.close()

@@ -1,0 +1,266 @@
+"""One training run: set up (or resume), train, checkpoint, evaluate.
+
+    Trainer(config).run() -> summary dict
+
+The run directory holds ``config.yaml`` (the resolved config), ``checkpoints/`` (Orbax),
+``metrics.jsonl``, ``summary.json`` and, when enabled, ``tensorboard/``. If it already holds a
+checkpoint the run resumes from the latest one exactly: the state is restored bit for bit and
+the data continues at the saved position (batches are a pure function of the data seed and the
+step). ``init_from`` starts a fresh run from another run's parameters (fine-tuning).
+
+SIGTERM and SIGINT finish the current step, save a checkpoint and end the run cleanly.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+from flax import nnx
+
+from k3jax.checkpoint import CheckpointError, RunCheckpoints, restore_subtree
+from k3jax.config import Config, ConfigError, to_dict
+from k3jax.data import MQARDataset, make_dataset, mqar_recall
+from k3jax.model import K3Model
+from k3jax.optim import build_optimizer, learning_rate_schedule
+from k3jax.training import (TrainState, init_train_state, make_eval_step, make_train_step, split_model,
+                            training_flops_per_token)
+from train.metrics import MetricsLog, Progress, TensorBoard
+
+
+class RunError(RuntimeError):
+    """A run that cannot start or continue (the message is one line)."""
+
+
+def prepare_run_dir(path: str) -> pathlib.Path:
+    """Create the run directory and make sure it is writable."""
+    run_dir = pathlib.Path(path).expanduser().resolve()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-test-"):
+            pass
+    except OSError as error:
+        raise RunError(f"cannot write run directory {run_dir}: {error.strerror or error}") from None
+    return run_dir
+
+
+def write_atomically(path: pathlib.Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, path)
+
+
+def _flat_items(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        out.update(_flat_items(value, name) if isinstance(value, dict) else {name: value})
+    return out
+
+
+def model_differences(saved: dict, current: dict) -> list[str]:
+    """``model.key: checkpoint X, config Y`` for every model setting that differs."""
+    old, new = _flat_items(saved, "model"), _flat_items(current, "model")
+    return [f"{key}: checkpoint {old.get(key)!r}, config {new.get(key)!r}"
+            for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
+
+
+def check_same_model(meta: dict, config: Config, source: str) -> None:
+    differences = model_differences(meta.get("config", {}).get("model", {}), to_dict(config.model))
+    if differences:
+        more = f" (and {len(differences) - 1} more)" if len(differences) > 1 else ""
+        raise RunError(f"{source} was written by a different model: {differences[0]}{more}")
+
+
+def measured_matmul_flops(dtype: str) -> float:
+    """An attainable peak: the best of three 2048^3 matmuls in ``dtype`` on the default device."""
+    a = jnp.ones((2048, 2048), dtype)
+    matmul = jax.jit(lambda x: x @ x)
+    jax.block_until_ready(matmul(a))
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        jax.block_until_ready(matmul(a))
+        best = min(best, time.perf_counter() - start)
+    return 2 * 2048**3 / best
+
+
+class _StopSignals:
+    """Records SIGTERM / SIGINT instead of dying, so the loop can save and exit cleanly."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class Trainer:
+    """Builds everything a run needs from its `Config`."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.run_dir = prepare_run_dir(config.run_dir)
+        self.data = make_dataset(config.data)
+        if self.data.vocab_size > config.model.vocab_size:
+            raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the data's "
+                                                  f"vocabulary ({self.data.vocab_size} tokens)")
+        model = K3Model(config.model, rngs=nnx.Rngs(config.train.seed))
+        self.parts, params, buffers = split_model(model)
+        self.schedule = learning_rate_schedule(
+            config.optimizer.schedule, config.optimizer.learning_rate, config.train.steps,
+            config.optimizer.warmup_steps, config.optimizer.min_lr_ratio, config.optimizer.decay_fraction)
+        opt = config.optimizer
+        self.optimizer = build_optimizer(
+            name=opt.name, schedule=self.schedule, axes=self.parts.params.axes(), weight_decay=opt.weight_decay,
+            beta1=opt.beta1, beta2=opt.beta2, eps=opt.eps, grad_clip=opt.grad_clip)
+        self.state = init_train_state(params, buffers, self.optimizer)
+        self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", keep=config.checkpoint.keep,
+                                          every=config.checkpoint.every, async_save=config.checkpoint.async_save)
+        self.position = 0  # batches consumed
+        self._resume_or_initialise()
+        write_atomically(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
+        self.train_step = make_train_step(self.parts, self.optimizer, accumulation=config.train.grad_accum,
+                                          schedule=self.schedule)
+        self.eval_step = make_eval_step(self.parts)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def _abstract(self, tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+    def _resume_or_initialise(self) -> None:
+        latest = self.checkpoints.latest_step()
+        if latest is not None:
+            check_same_model(self.checkpoints.meta(latest), self.config, f"checkpoint {latest} in {self.run_dir}")
+            self.state, meta = self.checkpoints.restore(latest, self._abstract(self.state))
+            self.position = int(meta["data_position"])
+            self.resumed_from = latest
+            return
+        self.resumed_from = None
+        if self.config.init_from:
+            source = pathlib.Path(self.config.init_from).expanduser()
+            abstract = self._abstract({"params": self.state.params, "buffers": self.state.buffers})
+            params, meta = restore_subtree(source, "params", abstract["params"])
+            check_same_model(meta, self.config, f"init_from {source}")
+            buffers, _ = restore_subtree(source, "buffers", abstract["buffers"])
+            self.state = init_train_state(params, buffers, self.optimizer)
+
+    def _meta(self) -> dict:
+        return {"config": to_dict(self.config), "data_position": self.position,
+                "data": self.data.describe(), "optimizer_step": int(self.state.step),
+                "jax_version": jax.__version__}
+
+    def save(self, force: bool = False) -> None:
+        """Save at the current position when due (or ``force``), unless it is saved already."""
+        if self.checkpoints.latest_step() != self.position:
+            self.checkpoints.save(self.position, self.state, self._meta(), force=force)
+
+    # -- loop ----------------------------------------------------------------------------------
+
+    def _device_batch(self, step: int, split: str = "train"):
+        return jax.tree.map(jnp.asarray, self.data.batch(step, self.config.train.batch_size, split))
+
+    def run(self) -> dict:
+        cfg = self.config.train
+        log = MetricsLog(self.run_dir / "metrics.jsonl", self.position)
+        board = TensorBoard(self.run_dir / "tensorboard") if self.config.logging.tensorboard else None
+        progress = Progress(self.config.logging.progress, self.position, cfg.steps)
+        flops_per_token = training_flops_per_token(self.config.model, self.config.data.seq_len)
+        peak = (self.config.logging.peak_tflops * 1e12 if self.config.logging.peak_tflops
+                else measured_matmul_flops(self.config.model.compute_dtype))
+        tokens_per_step = cfg.batch_size * self.config.data.seq_len
+        if self.resumed_from is not None:
+            progress.write(f"resumed from checkpoint {self.resumed_from} in {self.run_dir}")
+        stopped_by = None
+        started = time.perf_counter()
+        with _StopSignals() as signals:
+            last = time.perf_counter()
+            while self.position < cfg.steps and signals.received is None:
+                self.state, metrics = self.train_step(self.state, self._device_batch(self.position))
+                metrics = jax.device_get(metrics)
+                self.position += 1
+                now = time.perf_counter()
+                tokens_per_second = tokens_per_step / max(now - last, 1e-9)
+                last = now
+                record = self._record(metrics, tokens_per_second, flops_per_token, peak)
+                if not metrics["finite"]:
+                    progress.write(f"step {self.position}: non-finite loss ({metrics['loss']}) or gradient norm "
+                                   f"({metrics['grad_norm']}); update skipped")
+                    if int(self.state.skipped) >= cfg.max_nonfinite_steps:
+                        log.write(record)
+                        raise RunError(f"{int(self.state.skipped)} non-finite steps in a row at step {self.position}; "
+                                       f"stopping (lower optimizer.learning_rate or check the data); "
+                                       f"last checkpoint: {self.checkpoints.latest_step()}")
+                if self.position % cfg.log_every == 0 or self.position == cfg.steps or not metrics["finite"]:
+                    log.write(record)
+                    if board:
+                        board.write(record)
+                progress.update(1, float(metrics["loss"]), tokens_per_second)
+                self.save()
+            stopped_by = signals.received
+        self.save(force=True)
+        self.checkpoints.wait()
+        progress.close()
+        log.close()
+        if board:
+            board.close()
+        elapsed = time.perf_counter() - started
+        if stopped_by:
+            print(f"{stopped_by} received: saved checkpoint {self.position} in {self.run_dir / 'checkpoints'}; "
+                  f"run again to resume", flush=True)
+            return {"stopped_by": stopped_by, "step": self.position}
+        summary = {"step": self.position, "train_seconds": elapsed, **self.evaluate()}
+        write_atomically(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+        return summary
+
+    def _record(self, metrics: dict, tokens_per_second: float, flops_per_token: float, peak: float) -> dict:
+        record = {"step": self.position, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+                  "learning_rate": float(metrics["learning_rate"]), "tokens_per_second": tokens_per_second,
+                  "model_tflops": tokens_per_second * flops_per_token / 1e12,
+                  "utilization": tokens_per_second * flops_per_token / peak,
+                  "skipped": not bool(metrics["finite"])}
+        for name in ("expert_load_max_over_mean", "experts_idle_fraction"):
+            if name in metrics:
+                record[name] = np.asarray(metrics[name]).tolist()
+        return record
+
+    # -- evaluation ----------------------------------------------------------------------------
+
+    def evaluate(self) -> dict:
+        """Held-out loss (and MQAR recall) over ``train.eval_batches`` batches."""
+        batches = self.config.train.eval_batches
+        if not batches:
+            return {}
+        loss_sum = count = 0.0
+        correct = answers = 0.0
+        for index in range(batches):
+            batch = self._device_batch(index, split="heldout")
+            batch_loss, batch_count, predictions = self.eval_step(self.state.params, self.state.buffers, batch)
+            loss_sum, count = loss_sum + float(batch_loss), count + float(batch_count)
+            if isinstance(self.data, MQARDataset):
+                host = jax.device_get(batch)
+                n = float(np.sum(host["loss_mask"]))
+                correct += mqar_recall(np.asarray(predictions), host) * n
+                answers += n
+        result = {"heldout_loss": loss_sum / max(count, 1.0), "heldout_tokens": int(count)}
+        if answers:
+            result["heldout_mqar_recall"] = correct / answers
+        return result
