@@ -47,9 +47,9 @@ class RunCheckpoints:
     def __init__(self, directory: str | pathlib.Path, *, keep: int = 3, every: int = 1,
                  async_save: bool = True, read_only: bool = False):
         self.directory = pathlib.Path(directory).expanduser().resolve()
+        writing = {} if read_only else {"max_to_keep": keep, "save_interval_steps": every}
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
-            save_interval_steps=every,
+            **writing,
             enable_async_checkpointing=async_save,
             cleanup_tmp_directories=not read_only,
             read_only=read_only,
@@ -105,6 +105,15 @@ class RunCheckpoints:
             raise CheckpointError(f"checkpoint {step} in {self.directory} does not match this model or is "
                                   f"corrupted: {_one_line(error)}") from error
         return restored[STATE], dict(restored[META])
+
+    def read_state(self, step: int | None = None) -> Any:
+        """The state of ``step`` (default: the latest) as saved, without a target structure (host arrays)."""
+        step = self.require_step(step)
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore()}))
+        except Exception as error:  # noqa: BLE001
+            raise CheckpointError(f"checkpoint {step} in {self.directory} is unreadable: {_one_line(error)}") from error
+        return restored[STATE]
 
     def close(self) -> None:
         self._manager.close()

@@ -141,10 +141,19 @@ def unsort_and_combine(y_sorted: jax.Array, order: jax.Array, weights: jax.Array
     y_sorted [N*k, d] (rows in ``order``), weights [N, k] -> y [N, d] with
     y_t = sum_i weights[t, i] * y_assign[t*k + i], summed in fp32, returned in y_sorted.dtype.
     """
-    num_tokens, top_k = weights.shape
     y_assign = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
-    y_assign = _at_least_fp32(y_assign.reshape(num_tokens, top_k, -1))
-    return jnp.einsum("tkd,tk->td", y_assign, weights.astype(y_assign.dtype)).astype(y_sorted.dtype)
+    return combine_assignments(y_assign, weights)
+
+
+def combine_assignments(y_assign: jax.Array, weights: jax.Array) -> jax.Array:
+    """The weighted sum over each token's experts: ``y_t = sum_i weights[t, i] * y_assign[t*k + i]``.
+
+    y_assign [N*k, d] in assignment order, weights [N, k] -> y [N, d], summed in fp32, returned in
+    y_assign.dtype.
+    """
+    num_tokens, top_k = weights.shape
+    wide = _at_least_fp32(y_assign.reshape(num_tokens, top_k, -1))
+    return jnp.einsum("tkd,tk->td", wide, weights.astype(wide.dtype)).astype(y_assign.dtype)
 
 
 def expert_glu(
@@ -197,15 +206,19 @@ def dense_experts(
     """``routed_experts`` computed densely: ``y_t = sum_j P_tj E_j(x_t)`` with ``P_tj = p_ti`` when
     ``e_ti = j`` and 0 otherwise, so unchosen experts contribute nothing (and get no gradient).
 
-    x [N, d], indices / weights [N, k], W_gate / W_up [E, d, F], W_down [E, F, d] -> y [N, d] in
-    x.dtype; the combine is summed in fp32.
+    As three plain GEMMs over all experts at once: ``h = act(x [W_gate_1 .. W_gate_E],
+    x [W_up_1 .. W_up_E])`` ([N, E*F]), each expert's block scaled by P_tj, then
+    ``y = h [W_down_1; ..; W_down_E]`` (the sum over experts is the GEMM's, accumulated in fp32).
+    x [N, d], indices / weights [N, k], W_gate / W_up [E, d, F], W_down [E, F, d] -> y [N, d] in x.dtype.
     """
-    num_experts = w_gate.shape[0]
+    num_experts, width, hidden = w_gate.shape
     routing = jnp.einsum("nk,nke->ne", _at_least_fp32(weights),
                          jax.nn.one_hot(indices, num_experts, dtype=_at_least_fp32(weights).dtype))
-    hidden = activation(jnp.einsum("nd,edf->enf", x, w_gate), jnp.einsum("nd,edf->enf", x, w_up))
-    outputs = _at_least_fp32(jnp.einsum("enf,efd->end", hidden, w_down))
-    return jnp.einsum("ne,end->nd", routing, outputs).astype(x.dtype)
+    side_by_side = lambda w: jnp.moveaxis(w, 0, 1).reshape(width, num_experts * hidden)  # noqa: E731
+    h = activation(x @ side_by_side(w_gate), x @ side_by_side(w_up)).reshape(-1, num_experts, hidden)
+    h = (h * routing[..., None].astype(h.dtype)).reshape(-1, num_experts * hidden)
+    y = jnp.matmul(h, w_down.reshape(num_experts * hidden, -1), preferred_element_type=_at_least_fp32(h).dtype)
+    return y.astype(x.dtype)
 
 
 EXPERT_MATMULS = {"ragged_dot": routed_experts, "dense": dense_experts}
@@ -220,11 +233,14 @@ class MoEStats(NamedTuple):
     expert_load   [E] fp32  tokens routed to each expert (masked tokens not counted)
     router_scores [N, E] fp32  sigmoid affinities s, the input of the quantile update
     token_mask    [N] bool  which tokens count for balancing (False: padding)
+    dropped       [] fp32   (token, expert) assignments a capacity dispatch dropped
+                            (`k3jax.expert_parallel`; 0 when dropless; None in stats built by hand)
     """
 
     expert_load: jax.Array
     router_scores: jax.Array
     token_mask: jax.Array
+    dropped: jax.Array | None = None
 
 
 class LoadMetrics(NamedTuple):
