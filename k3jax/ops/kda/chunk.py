@@ -180,16 +180,16 @@ class ScoreFactors(NamedTuple):
 
 
 def score_factors(sums: GateSums) -> ScoreFactors:
+    """Row scales exp(lam) and, per anchor R, column scales exp(rho) exp(between(I, R)) (I < R),
+    exp(-lam) (I = R, when safe), 0 (I > R): only [.., C, K]-sized exps, the rest products."""
     blocks = sums.local.shape[-3]
     R = np.arange(blocks)[:, None, None, None]
     I = np.arange(blocks)[None, :, None, None]
     safe = jnp.max(-sums.block_total) <= FACTORED_DECAY_LIMIT
-    exponent = jnp.where(
-        I < R,
-        sums.to_block_end[..., None, :, :, :] + sums.between[..., :, :, None, :],
-        jnp.where((I == R) & safe, -sums.local[..., None, :, :, :], -jnp.inf),
-    )                                                                        # [.., R, I, S, K]
-    return ScoreFactors(jnp.exp(sums.local), _merge(jnp.exp(exponent)), safe)
+    earlier = jnp.exp(sums.to_block_end)[..., None, :, :, :] * jnp.exp(sums.between)[..., :, :, None, :]
+    own = jnp.exp(jnp.where(safe, -sums.local, -jnp.inf))[..., None, :, :, :]
+    column_scale = jnp.where(I < R, earlier, jnp.where(I == R, own, 0.0))      # [.., R, I, S, K]
+    return ScoreFactors(jnp.exp(sums.local), _merge(column_scale), safe)
 
 
 def _exact_decay(g, width):
