@@ -1,0 +1,146 @@
+"""``python -m eval RUN_OR_CHECKPOINT_DIR``: evaluate a trainer checkpoint and write a report.
+
+    python -m eval runs/tiny                                     # latest checkpoint, every task, 3 seeds
+    python -m eval runs/tiny --step 600 --tasks mqar,decode_cost --seeds 5 --out /tmp/tiny-eval
+    python -m eval runs/tiny/checkpoints/600 --tasks perplexity --text notes.txt
+
+The model is rebuilt from the config saved in the checkpoint and restored onto this process's
+devices. Tasks (see `eval.tasks`): perplexity, mqar, passkey, decode_cost, samples. Each runs
+once per seed (0 … N-1) and reports mean ± 95% Student-t interval, its frozen definition's
+content hash and its cost. Writes ``report.json``, ``report.md`` and PNG plots into ``--out``
+(default ``<run>/eval``). Bad input (a missing or corrupted checkpoint, an unknown task, a bad
+argument) ends with one line on stderr and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+import sys
+
+from tqdm import tqdm
+
+from k3jax.data import DataError
+from k3jax.model import param_counts
+from train.metrics import read_metrics
+from eval.loading import EvalInputError, LoadedRun, load_run
+from eval.report import build_report, write_report
+from eval.tasks import TASKS, EvalContext, run_task
+from eval.tasks.perplexity import open_text_dataset
+
+TASK_NAMES = tuple(TASKS)   # in the order they run
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Argument errors become an `EvalInputError` (one line, exit status 2) instead of usage + exit."""
+
+    def error(self, message):
+        raise EvalInputError(f"{message} (see python -m eval --help)")
+
+
+def _int_at_least(minimum: int):
+    """An argparse type: an integer >= ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = _OneLineParser(prog="python -m eval", description="Evaluate a K3-family checkpoint.")
+    parser.add_argument("run", metavar="RUN_OR_CHECKPOINT_DIR", help="a run directory, its checkpoints/, or a step directory")
+    parser.add_argument("--step", type=_int_at_least(0), default=None, help="checkpoint step (default: the latest)")
+    parser.add_argument("--tasks", default=",".join(TASK_NAMES), help=f"comma-separated, from {', '.join(TASK_NAMES)}")
+    parser.add_argument("--seeds", type=_int_at_least(1), default=3, help="runs per task (seeds 0 … N-1; default 3)")
+    parser.add_argument("--out", default=None, help="output directory (default: <run>/eval)")
+    parser.add_argument("--text", default=None, help="held-out text file or directory for perplexity / bits per byte")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser.parse_args(argv)
+
+
+def parse_tasks(text: str) -> list[str]:
+    """Task names from a comma-separated list, in the order they run."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in TASK_NAMES]
+    if unknown or not names:
+        raise EvalInputError(f"unknown task {unknown[0]!r}; choose from {', '.join(TASK_NAMES)}" if unknown
+                             else f"no task given; choose from {', '.join(TASK_NAMES)}")
+    return [name for name in TASK_NAMES if name in names]
+
+
+def prepare_out_dir(path: pathlib.Path) -> pathlib.Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise EvalInputError(f"cannot create output directory {path}: {error.strerror or error}") from None
+    return path
+
+
+def open_text(path: str, config):
+    """The ``--text`` evaluation set, or a one-line `EvalInputError`."""
+    try:
+        return open_text_dataset(path, config)
+    except DataError as error:
+        raise EvalInputError(f"--text: {error}") from None
+
+
+def training_record(run_dir: pathlib.Path) -> tuple[dict, list[dict]]:
+    """``(report's training section, metrics.jsonl records)`` of the run (empty when absent)."""
+    records = read_metrics(run_dir)
+    summary_path = run_dir / "summary.json"
+    try:
+        summary = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.exists() else None
+    except (OSError, ValueError):
+        summary = None
+    losses = [r["loss"] for r in records if isinstance(r.get("loss"), (int, float))]
+    return {"summary": summary, "logged_steps": len(records), "last_loss": losses[-1] if losses else None}, records
+
+
+def evaluate(run: LoadedRun, tasks: list, seeds: int, out_dir: pathlib.Path, *, text=None,
+             show_progress: bool = True) -> dict:
+    """Run ``tasks`` (task definitions, `eval.tasks`) on ``run``'s model with seeds 0 … seeds-1,
+    write report.json, report.md and the plots into ``out_dir``; return the report."""
+    from eval.plots import write_plots   # matplotlib loads only when there is something to draw
+
+    context = EvalContext(run.model, run.config, tuple(range(seeds)), text)
+    results = []
+    for task in tasks:
+        with tqdm(desc=task.name, unit="step", file=sys.stderr, disable=not show_progress, dynamic_ncols=True) as bar:
+            results.append(run_task(task, context, bar))
+    training, records = training_record(run.run_dir)
+    report = build_report(run, param_counts(run.config.model), context.seeds, results, training)
+    report["plots"] = write_plots(report["tasks"], records, run.step, out_dir)
+    write_report(report, out_dir)
+    return report
+
+
+def quiet_checkpoint_logging() -> None:
+    """Orbax logs warnings through absl on every read-only open; keep stderr for the progress bars
+    and our own one-line errors."""
+    logging.getLogger("absl").setLevel(logging.ERROR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    quiet_checkpoint_logging()
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        task_names = parse_tasks(args.tasks)
+        run = load_run(args.run, args.step)
+        text = open_text(args.text, run.config) if args.text else None
+        out_dir = prepare_out_dir(pathlib.Path(args.out) if args.out else run.run_dir / "eval")
+    except EvalInputError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+    tasks = [TASKS[name]() for name in task_names]
+    report = evaluate(run, tasks, args.seeds, out_dir, text=text, show_progress=not args.no_progress)
+    for name, task in report["tasks"].items():
+        status = f"skipped ({task['skipped']})" if task["skipped"] else f"{task['cost']['wall_seconds']:.1f} s"
+        print(f"{name}: {status}")
+    print(f"wrote {out_dir / 'report.json'}, {out_dir / 'report.md'} and {len(report['plots'])} plots")
+    return 0
