@@ -45,13 +45,13 @@ def make_inputs(shape, gate: str, seed: int = 0):
     return q, k, v, g, beta
 
 
-def forward_fn(implementation):
-    return jax.jit(lambda *x: kda(*x, implementation=implementation)[0])
+def forward_fn(implementation, chunk_size=64):
+    return jax.jit(lambda *x: kda(*x, implementation=implementation, chunk_size=chunk_size)[0])
 
 
-def forward_backward_fn(implementation):
+def forward_backward_fn(implementation, chunk_size=64):
     def loss(*x):
-        o, state = kda(*x, implementation=implementation)
+        o, state = kda(*x, implementation=implementation, chunk_size=chunk_size)
         return jnp.sum(o * o) + jnp.sum(state * state)
 
     return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5))))
@@ -87,23 +87,24 @@ def run(repeats: int, quick: bool):
     rows = []
     gemm = gemm_rate(repeats)
     shapes = [(1, 1024, 2, 64, 64)] if quick else SHAPES
-    cases = [(shape, "bounded", impl) for shape in shapes for impl in ("reference", "chunk")]
-    cases.append((shapes[0], "unbounded", "chunk"))
-    for shape, gate, implementation in cases:
+    cases = [(shape, "bounded", impl, chunk) for shape in shapes
+             for impl, chunk in (("reference", 64), ("chunk", 64), ("chunk", 16))]
+    cases.append((shapes[0], "unbounded", "chunk", 64))
+    for shape, gate, implementation, chunk_size in cases:
         args = make_inputs(shape, gate)
         batch, length = shape[:2]
-        forward = best_time(forward_fn(implementation), args, repeats)
-        both = best_time(forward_backward_fn(implementation), args, max(1, repeats // 2))
-        row = dict(shape=list(shape), gate=gate, implementation=implementation,
+        forward = best_time(forward_fn(implementation, chunk_size), args, repeats)
+        both = best_time(forward_backward_fn(implementation, chunk_size), args, max(1, repeats // 2))
+        row = dict(shape=list(shape), gate=gate, implementation=implementation, chunk_size=chunk_size,
                    forward_s=forward, forward_backward_s=both,
                    forward_tokens_per_s=batch * length / forward,
                    forward_backward_tokens_per_s=batch * length / both)
         if implementation == "chunk":
-            flops = chunk_algorithm_flops(*shape, effective_chunk_size(length, 64))
+            flops = chunk_algorithm_flops(*shape, effective_chunk_size(length, chunk_size))
             row.update(forward_gflop=flops / 1e9, forward_gflop_per_s=flops / forward / 1e9,
                        fraction_of_gemm=flops / forward / 1e9 / gemm)
         rows.append(row)
-        print(f"  measured {implementation:9s} {gate:9s} {shape}", flush=True)
+        print(f"  measured {implementation:9s} C={chunk_size:<3d} {gate:9s} {shape}", flush=True)
     memory_args = make_inputs((1, 1024, 2, 64, 64) if quick else MEMORY_SHAPE, "bounded")
     memory = dict(
         shape=list(MEMORY_SHAPE) if not quick else [1, 1024, 2, 64, 64],
@@ -115,32 +116,33 @@ def run(repeats: int, quick: bool):
 
 
 def ratios(rows):
-    """chunk / reference speed-ups per shape (bounded gates)."""
+    """chunk / reference speed-ups per shape and chunk size (bounded gates)."""
     out = []
-    for shape in {tuple(r["shape"]) for r in rows}:
-        by = {r["implementation"]: r for r in rows if tuple(r["shape"]) == shape and r["gate"] == "bounded"}
-        if {"reference", "chunk"} <= by.keys():
-            out.append(dict(shape=list(shape),
-                            forward_speedup=by["reference"]["forward_s"] / by["chunk"]["forward_s"],
-                            forward_backward_speedup=by["reference"]["forward_backward_s"]
-                            / by["chunk"]["forward_backward_s"]))
-    return sorted(out, key=lambda r: r["shape"])
+    bounded = [r for r in rows if r["gate"] == "bounded"]
+    for reference in (r for r in bounded if r["implementation"] == "reference"):
+        for chunk in (r for r in bounded if r["implementation"] == "chunk" and r["shape"] == reference["shape"]):
+            out.append(dict(shape=chunk["shape"], chunk_size=chunk["chunk_size"],
+                            forward_speedup=reference["forward_s"] / chunk["forward_s"],
+                            forward_backward_speedup=reference["forward_backward_s"] / chunk["forward_backward_s"]))
+    return sorted(out, key=lambda r: (r["shape"], -r["chunk_size"]))
 
 
 def print_table(result):
     print(f"\nfp32 GEMM rate measured in this run: {result['gemm_gflop_per_s']:.1f} GFLOP/s "
           f"({jax.devices()[0].platform}, {jax.device_count()} device(s))")
-    header = f"{'B,T,H,K,V':22s} {'gate':9s} {'impl':9s} {'fwd tok/s':>11s} {'fwd+bwd tok/s':>14s} {'GFLOP/s':>8s} {'% GEMM':>7s}"
+    header = (f"{'B,T,H,K,V':22s} {'gate':9s} {'impl':9s} {'C':>3s} {'fwd tok/s':>11s} {'fwd+bwd tok/s':>14s} "
+              f"{'GFLOP/s':>8s} {'% GEMM':>7s}")
     print(header)
     print("-" * len(header))
     for r in result["rows"]:
         gf = f"{r['forward_gflop_per_s']:8.1f}" if "forward_gflop_per_s" in r else f"{'':8s}"
         pct = f"{100 * r['fraction_of_gemm']:6.1f}%" if "fraction_of_gemm" in r else f"{'':7s}"
-        print(f"{str(tuple(r['shape'])):22s} {r['gate']:9s} {r['implementation']:9s} "
+        chunk = str(r["chunk_size"]) if r["implementation"] == "chunk" else ""
+        print(f"{str(tuple(r['shape'])):22s} {r['gate']:9s} {r['implementation']:9s} {chunk:>3s} "
               f"{r['forward_tokens_per_s']:11.0f} {r['forward_backward_tokens_per_s']:14.0f} {gf} {pct}")
     print("\nchunk vs reference (same run):")
     for r in result["ratios"]:
-        print(f"  {tuple(r['shape'])}: forward {r['forward_speedup']:.1f}x, "
+        print(f"  {tuple(r['shape'])} chunk C={r['chunk_size']}: forward {r['forward_speedup']:.1f}x, "
               f"forward+backward {r['forward_backward_speedup']:.1f}x")
     m = result["memory"]
     print(f"\npeak temporary memory at {tuple(m['shape'])}: forward {m['forward_temp_bytes'] / 2**20:.0f} MiB, "
