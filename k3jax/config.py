@@ -148,10 +148,13 @@ class MoEConfig:
     router_bias_in_weights: bool = False  # the Kimi Linear HF quirk (SPEC §4); vLLM's behaviour is False
     balancing: Literal["quantile", "sign"] = "quantile"
     bias_update_rate: float = 1e-3        # of the `sign` balancer
+    quantile_bins: int | None = None      # `quantile` from per-expert histograms of this many bins, summed
+                                          # over data-parallel shards; None: exact, from all token scores
     expert_matmul: Literal["ragged_dot", "dense"] = "ragged_dot"   # dense: every expert on every token
 
     def __post_init__(self):
-        _positive(self, "num_experts", "top_k", "expert_width", "latent_dim", "routed_scale", "bias_update_rate")
+        _positive(self, "num_experts", "top_k", "expert_width", "latent_dim", "routed_scale", "bias_update_rate",
+                  "quantile_bins")
         _require(self.num_shared_experts >= 0, "num_shared_experts", f"must be non-negative, got {self.num_shared_experts}")
         _require(self.top_k < self.num_experts, "top_k",
                  f"must be below num_experts = {self.num_experts} (the balancer ranks a top-(k+1)), got {self.top_k}")
@@ -265,6 +268,7 @@ class OptimizerConfig:
     warmup_steps: int = 100
     min_lr_ratio: float = 0.1
     decay_fraction: float = 0.2           # wsd: the final fraction of steps that decays
+    schedule_steps: int | None = None     # the schedule's horizon; None: train.steps
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -272,7 +276,7 @@ class OptimizerConfig:
     grad_clip: float | None = 1.0         # global norm; None: no clipping
 
     def __post_init__(self):
-        _positive(self, "learning_rate", "eps", "grad_clip")
+        _positive(self, "learning_rate", "eps", "grad_clip", "schedule_steps")
         _require(self.warmup_steps >= 0, "warmup_steps", f"must be non-negative, got {self.warmup_steps}")
         _require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         _require(0.0 < self.decay_fraction <= 1.0, "decay_fraction", f"must be in (0, 1], got {self.decay_fraction}")
@@ -292,6 +296,7 @@ class TrainConfig:
     log_every: int = 10
     eval_batches: int = 8                 # held-out batches evaluated at the end
     max_nonfinite_steps: int = 5          # consecutive skipped steps before the run stops
+    compilation_cache: str | None = "~/.cache/k3jax/xla"   # persistent XLA cache; None: off
 
     def __post_init__(self):
         _positive(self, "steps", "batch_size", "grad_accum", "log_every", "max_nonfinite_steps")
@@ -322,6 +327,69 @@ class LoggingConfig:
         _positive(self, "peak_tflops")
 
 
+MeshAxis = Literal["data", "fsdp", "expert", "tensor"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisRules:
+    """Logical axis name (`k3jax.layers.params`, plus "batch" for the batch dimension of the data)
+    -> the mesh axes it is split over, in order. A mesh axis already used by an earlier dimension
+    of the same array, or one whose size does not divide the dimension, is skipped. By default
+    the expert axis also shards the model width of every non-expert weight (FSDP over
+    fsdp x expert), and the batch splits over data x fsdp x expert."""
+
+    batch: tuple[MeshAxis, ...] = ("data", "fsdp", "expert")
+    vocab: tuple[MeshAxis, ...] = ("tensor",)
+    embed: tuple[MeshAxis, ...] = ("fsdp", "expert")
+    heads: tuple[MeshAxis, ...] = ("tensor",)
+    value_heads: tuple[MeshAxis, ...] = ("tensor",)
+    head_dim: tuple[MeshAxis, ...] = ()
+    conv: tuple[MeshAxis, ...] = ()
+    q_lora: tuple[MeshAxis, ...] = ()
+    kv_lora: tuple[MeshAxis, ...] = ()
+    gate_rank: tuple[MeshAxis, ...] = ()
+    mlp: tuple[MeshAxis, ...] = ("tensor",)
+    experts: tuple[MeshAxis, ...] = ("expert",)
+    expert_mlp: tuple[MeshAxis, ...] = ("tensor",)
+    latent: tuple[MeshAxis, ...] = ("fsdp",)
+    layers: tuple[MeshAxis, ...] = ()
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            axes = getattr(self, field.name)
+            _require(len(set(axes)) == len(axes), field.name, f"names a mesh axis twice: {list(axes)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The device mesh (`k3jax.sharding`): one size per axis, -1 (at most one axis) for the devices
+    left over; the sizes must multiply to the device count. ``rules`` place the model on it."""
+
+    data: int = -1
+    fsdp: int = 1
+    expert: int = 1
+    tensor: int = 1
+    rules: AxisRules = AxisRules()
+    # How MoE layers reach experts split over the rules' "experts" axes (`k3jax.expert_parallel`):
+    # "local" computes every expert where the tokens are (GSPMD gathers the expert weights);
+    # "capacity" ships latents with all_to_all into fixed per-expert buffers and drops the
+    # overflow (runs on every platform); "ragged" is dropless with ragged_all_to_all (GPU/TPU).
+    moe_dispatch: Literal["local", "capacity", "ragged"] = "local"
+    capacity_factor: float = 1.25         # capacity: C = ceil(factor * n k / E) rows per expert and
+                                          # source device (n its tokens); factor >= E / k never drops
+
+    def __post_init__(self):
+        for name in ("data", "fsdp", "expert", "tensor"):
+            size = getattr(self, name)
+            _require(size == -1 or size > 0, name, f"must be positive or -1 (the rest of the devices), got {size}")
+        _positive(self, "capacity_factor")
+        _require(list(self.sizes.values()).count(-1) <= 1, "", "at most one mesh axis may be -1")
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in ("data", "fsdp", "expert", "tensor")}
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """The root: one field per section."""
@@ -332,6 +400,7 @@ class Config:
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
+    mesh: MeshConfig = MeshConfig()
     run_dir: str = "runs/default"         # checkpoints, the resolved config and metrics
     init_from: str | None = None          # fine-tune: parameters from this run or checkpoint directory
 

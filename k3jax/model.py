@@ -37,6 +37,10 @@ from k3jax.layers.params import logical_axes, param, truncated_normal
 from k3jax.memory import Memory
 from k3jax.ops.moe import MoEStats, updated_router_bias
 from k3jax.ops.norms import rms_norm
+from k3jax.sharding import with_logical_constraint
+
+# The residual stream [B, T, d] splits over the batch only (`k3jax.sharding` maps the names).
+ACTIVATION_AXES = ("batch", None, None)
 
 
 class ModelOutput(NamedTuple):
@@ -76,7 +80,7 @@ class DecoderLayer(nnx.Module):
                 latent_dim=moe.latent_dim, latent_norm=moe.latent_norm, shared_width=moe.shared_width,
                 activation=config.activation, routed_scale=moe.routed_scale,
                 bias_in_weights=moe.router_bias_in_weights, norm_eps=eps, init_std=config.init_std,
-                dtype=dtype, expert_matmul=moe.expert_matmul, rngs=rngs,
+                dtype=dtype, expert_matmul=moe.expert_matmul, quantile_bins=moe.quantile_bins, rngs=rngs,
             )
         else:
             self.ffn = DenseGLU(d, config.dense_width, activation=config.activation, init_std=config.init_std,
@@ -93,7 +97,8 @@ class DecoderLayer(nnx.Module):
         f_in = self.ffn_res(stream) if self.block_res else stream.partial
         f_in = rms_norm(f_in, self.post_attention_norm[...], self.norm_eps)
         f, stats = self.ffn(f_in) if self.uses_moe else (self.ffn(f_in), None)
-        return stream._replace(partial=stream.partial + f.astype(jnp.float32)), memory, stats
+        partial = with_logical_constraint(stream.partial + f.astype(jnp.float32), ACTIVATION_AXES)
+        return stream._replace(partial=partial), memory, stats
 
 
 def _stack_trees(trees, empty):
@@ -214,7 +219,8 @@ class K3Model(nnx.Module):
         if memory is not None and {memory.kda.state.shape[1], memory.mla.length.shape[1]} != {tokens.shape[0]}:
             raise ValueError(f"memory holds {memory.mla.length.shape[1]} sequences, tokens {tokens.shape[0]}")
         num_sources = -(-cfg.num_layers // cfg.attn_res.block_size) if cfg.attn_res.kind == "block" else None
-        stream = ResidualStream.start(jnp.take(self.embedding[...], tokens, axis=0), num_sources)
+        embedded = with_logical_constraint(jnp.take(self.embedding[...], tokens, axis=0), ACTIVATION_AXES)
+        stream = ResidualStream.start(embedded, num_sources)
 
         kda_split, mla_split, moe_split = (self._split(kind) for kind in ("kda", "mla", "moe"))
         prefix_memory = body_memory = suffix_memory = None
@@ -248,7 +254,8 @@ class K3Model(nnx.Module):
             stream, memory, stats = nnx.merge(graphdef, state)(stream, memory, segment_ids)
             return stream, (memory, stats)
 
-        stream, (memory, stats) = jax.lax.scan(period, stream, (state, memory))
+        # A single period is unrolled: a one-trip loop only adds copies of the carried stream.
+        stream, (memory, stats) = jax.lax.scan(period, stream, (state, memory), unroll=self.groups.repeats == 1)
         return stream, memory, stats
 
     def _split(self, kind: str) -> _Split:

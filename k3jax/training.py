@@ -27,6 +27,7 @@ from k3jax.layers.params import logical_axes
 from k3jax.model import param_counts
 from k3jax.ops.kda.chunk import chunk_algorithm_flops
 from k3jax.ops.moe import MoEStats, load_metrics
+from k3jax.sharding import StepShardings
 
 
 class StateCodec:
@@ -98,7 +99,9 @@ def _merge_micro_batch_stats(stats: MoEStats | None) -> MoEStats | None:
     if stats is None:
         return None
     tokens = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])  # noqa: E731
-    return MoEStats(jnp.sum(stats.expert_load, axis=0), tokens(stats.router_scores), tokens(stats.token_mask))
+    summed = lambda x: jnp.sum(x, axis=0)  # noqa: E731
+    return MoEStats(summed(stats.expert_load), jax.tree.map(tokens, stats.router_scores), tokens(stats.token_mask),
+                    summed(stats.dropped), jax.tree.map(summed, stats.bias_histogram))
 
 
 def _gradients(parts, params, buffers, batch, accumulation: int):
@@ -120,8 +123,9 @@ def _gradients(parts, params, buffers, batch, accumulation: int):
 
 
 def make_train_step(parts: ModelParts, optimizer: optax.GradientTransformation, *, accumulation: int = 1,
-                    schedule: optax.Schedule | None = None):
-    """The jitted ``train_step(state, batch) -> (state, metrics)`` (the state is donated)."""
+                    schedule: optax.Schedule | None = None, shardings: StepShardings | None = None):
+    """The jitted ``train_step(state, batch) -> (state, metrics)`` (the state is donated); with
+    ``shardings`` the state keeps its layout across steps and the metrics come back replicated."""
 
     def train_step(state: TrainState, batch):
         loss_sum, count, grads, stats = _gradients(parts, state.params, state.buffers, batch, accumulation)
@@ -152,13 +156,18 @@ def make_train_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
             load = load_metrics(stats.expert_load)
             metrics["expert_load_max_over_mean"] = load.max_over_mean
             metrics["experts_idle_fraction"] = load.zero_fraction
+            metrics["moe_dropped_assignments"] = stats.dropped
         return new_state, metrics
 
-    return jax.jit(train_step, donate_argnums=0)
+    if shardings is None:
+        return jax.jit(train_step, donate_argnums=0)
+    return jax.jit(shardings.on_mesh(train_step), donate_argnums=0, in_shardings=(shardings.state, shardings.batch),
+                   out_shardings=(shardings.state, shardings.replicated))
 
 
-def make_eval_step(parts: ModelParts):
-    """The jitted ``eval_step(params, buffers, batch) -> (loss sum, mask sum, argmax predictions)``."""
+def make_eval_step(parts: ModelParts, shardings: StepShardings | None = None):
+    """The jitted ``eval_step(params, buffers, batch) -> (loss sum, mask sum, argmax predictions)``
+    (predictions laid out like the batch under ``shardings``)."""
 
     def eval_step(params, buffers, batch):
         model = parts.merge(params, buffers)
@@ -166,7 +175,11 @@ def make_eval_step(parts: ModelParts):
         loss_sum, count = masked_cross_entropy(out.logits, batch["targets"], batch["loss_mask"])
         return loss_sum, count, jnp.argmax(out.logits, axis=-1)
 
-    return jax.jit(eval_step)
+    if shardings is None:
+        return jax.jit(eval_step)
+    return jax.jit(shardings.on_mesh(eval_step),
+                   in_shardings=(shardings.state.params, shardings.state.buffers, shardings.batch),
+                   out_shardings=(shardings.replicated, shardings.replicated, shardings.batch))
 
 
 def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
@@ -184,3 +197,33 @@ def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
     delta_rule = 3 * chunk_algorithm_flops(1, seq_len, kda.num_value_heads, kda.head_dim, kda.head_dim,
                                            min(kda.chunk_size, seq_len)) / seq_len
     return 6 * active + n_mla * attention + (config.num_layers - n_mla) * delta_rule
+
+
+class RestoredModel(NamedTuple):
+    model: nnx.Module
+    config: Any               # the run's `k3jax.config.Config`
+    meta: dict                # the checkpoint's metadata
+    step: int
+
+
+def restore_model(directory, step: int | None = None) -> RestoredModel:
+    """The model of a trainer checkpoint (a run directory or its ``checkpoints/``), built from the
+    config saved with it; ``step`` None picks the latest. Only parameters and router biases are
+    read (not the optimizer state). Raises `k3jax.checkpoint.CheckpointError` when there is none."""
+    from k3jax.checkpoint import RunCheckpoints, checkpoint_directory, restore_subtree
+    from k3jax.config import config_from_dict
+    from k3jax.model import K3Model
+
+    checkpoints = RunCheckpoints(checkpoint_directory(directory), read_only=True)
+    try:
+        step = checkpoints.require_step(step)
+        meta = checkpoints.meta(step)
+    finally:
+        checkpoints.close()
+    config = config_from_dict(meta["config"])
+    abstract = nnx.eval_shape(lambda: K3Model(config.model, rngs=nnx.Rngs(0)))
+    parts, params, buffers = split_model(abstract)
+    as_struct = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
+    params, _ = restore_subtree(directory, "params", as_struct(params), step)
+    buffers, _ = restore_subtree(directory, "buffers", as_struct(buffers), step)
+    return RestoredModel(parts.merge(params, buffers), config, meta, step)

@@ -9,6 +9,11 @@ the data continues at the saved position (batches are a pure function of the dat
 step). ``init_from`` starts a fresh run from another run's parameters (fine-tuning).
 
 SIGTERM and SIGINT finish the current step, save a checkpoint and end the run cleanly.
+
+The state lives on the device mesh of ``config.mesh`` (`k3jax.sharding`), and a checkpoint
+restores onto whatever mesh the resuming run has. With several processes each one feeds its own
+rows of every batch and writes its shards of each checkpoint; only process 0 writes
+``config.yaml``, ``summary.json`` and ``metrics.jsonl`` (process p: ``metrics.process<p>.jsonl``).
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from k3jax.config import Config, ConfigError, to_dict
 from k3jax.data import MQARDataset, make_dataset, mqar_recall
 from k3jax.model import K3Model
 from k3jax.optim import build_optimizer, learning_rate_schedule
+from k3jax.sharding import check_run_fits, global_batch, make_mesh, place, process_rows, step_shardings, to_host
 from k3jax.training import (TrainState, init_train_state, make_eval_step, make_train_step, split_model,
                             training_flops_per_token)
 from train.metrics import MetricsLog, Progress, TensorBoard
@@ -112,34 +118,55 @@ class _StopSignals:
             signal.signal(sig, handler)
 
 
+def enable_compilation_cache(directory: str | None) -> None:
+    """Keep compiled programs on disk so a resumed or repeated run starts in seconds."""
+    if directory:
+        jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(directory).expanduser()))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def run_optimizer(config: Config, axes: dict):
+    """``(schedule, optimizer)`` of a run, for parameters with these logical axes."""
+    opt = config.optimizer
+    schedule = learning_rate_schedule(opt.schedule, opt.learning_rate, opt.schedule_steps or config.train.steps,
+                                      opt.warmup_steps, opt.min_lr_ratio, opt.decay_fraction)
+    optimizer = build_optimizer(name=opt.name, schedule=schedule, axes=axes, weight_decay=opt.weight_decay,
+                                beta1=opt.beta1, beta2=opt.beta2, eps=opt.eps, grad_clip=opt.grad_clip)
+    return schedule, optimizer
+
+
 class Trainer:
     """Builds everything a run needs from its `Config`."""
 
     def __init__(self, config: Config):
         self.config = config
+        enable_compilation_cache(config.train.compilation_cache)
         self.run_dir = prepare_run_dir(config.run_dir)
         self.data = make_dataset(config.data)
         if self.data.vocab_size > config.model.vocab_size:
             raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the data's "
                                                   f"vocabulary ({self.data.vocab_size} tokens)")
+        self.mesh = make_mesh(config.mesh)
+        check_run_fits(config, self.mesh)
         model = K3Model(config.model, rngs=nnx.Rngs(config.train.seed))
         self.parts, params, buffers = split_model(model)
-        self.schedule = learning_rate_schedule(
-            config.optimizer.schedule, config.optimizer.learning_rate, config.train.steps,
-            config.optimizer.warmup_steps, config.optimizer.min_lr_ratio, config.optimizer.decay_fraction)
-        opt = config.optimizer
-        self.optimizer = build_optimizer(
-            name=opt.name, schedule=self.schedule, axes=self.parts.params.axes(), weight_decay=opt.weight_decay,
-            beta1=opt.beta1, beta2=opt.beta2, eps=opt.eps, grad_clip=opt.grad_clip)
+        self.schedule, self.optimizer = run_optimizer(config, self.parts.params.axes())
         self.state = init_train_state(params, buffers, self.optimizer)
+        # Placement on the device mesh (k3jax.sharding): every process holds its devices' shards.
+        self.shardings = step_shardings(self.state, self.parts.params.axes(), self.parts.buffers.axes(), self.mesh,
+                                        config.mesh)
+        self.state = place(self.state, self.shardings.state)
+        self.batch_rows = process_rows(self.shardings.batch, config.train.batch_size)
+        self.primary = jax.process_index() == 0   # writes config.yaml, summary.json, metrics.jsonl
         self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", keep=config.checkpoint.keep,
                                           every=config.checkpoint.every, async_save=config.checkpoint.async_save)
         self.position = 0  # batches consumed
         self._resume_or_initialise()
-        write_atomically(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
+        if self.primary:
+            write_atomically(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
         self.train_step = make_train_step(self.parts, self.optimizer, accumulation=config.train.grad_accum,
-                                          schedule=self.schedule)
-        self.eval_step = make_eval_step(self.parts)
+                                          schedule=self.schedule, shardings=self.shardings)
+        self.eval_step = make_eval_step(self.parts, self.shardings)
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -161,7 +188,7 @@ class Trainer:
             params, meta = restore_subtree(source, "params", abstract["params"])
             check_same_model(meta, self.config, f"init_from {source}")
             buffers, _ = restore_subtree(source, "buffers", abstract["buffers"])
-            self.state = init_train_state(params, buffers, self.optimizer)
+            self.state = place(init_train_state(params, buffers, self.optimizer), self.shardings.state)
 
     def _meta(self) -> dict:
         return {"config": to_dict(self.config), "data_position": self.position,
@@ -176,12 +203,17 @@ class Trainer:
     # -- loop ----------------------------------------------------------------------------------
 
     def _device_batch(self, step: int, split: str = "train"):
-        return jax.tree.map(jnp.asarray, self.data.batch(step, self.config.train.batch_size, split))
+        """Global batch ``step`` assembled from every process's block of rows."""
+        index, count = self.batch_rows
+        size = self.config.train.batch_size
+        rows = self.data.batch(step, size, split, process_index=index, process_count=count)
+        return global_batch(rows, self.shardings.batch, size)
 
     def run(self) -> dict:
         cfg = self.config.train
-        log = MetricsLog(self.run_dir / "metrics.jsonl", self.position)
-        board = TensorBoard(self.run_dir / "tensorboard") if self.config.logging.tensorboard else None
+        log_name = "metrics.jsonl" if self.primary else f"metrics.process{jax.process_index()}.jsonl"
+        log = MetricsLog(self.run_dir / log_name, self.position)
+        board = TensorBoard(self.run_dir / "tensorboard") if self.config.logging.tensorboard and self.primary else None
         progress = Progress(self.config.logging.progress, self.position, cfg.steps)
         flops_per_token = training_flops_per_token(self.config.model, self.config.data.seq_len)
         peak = (self.config.logging.peak_tflops * 1e12 if self.config.logging.peak_tflops
@@ -228,7 +260,8 @@ class Trainer:
                   f"run again to resume", flush=True)
             return {"stopped_by": stopped_by, "step": self.position}
         summary = {"step": self.position, "train_seconds": elapsed, **self.evaluate()}
-        write_atomically(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+        if self.primary:
+            write_atomically(self.run_dir / "summary.json", json.dumps(summary, indent=2))
         return summary
 
     def _record(self, metrics: dict, tokens_per_second: float, flops_per_token: float, peak: float) -> dict:
@@ -237,7 +270,7 @@ class Trainer:
                   "model_tflops": tokens_per_second * flops_per_token / 1e12,
                   "utilization": tokens_per_second * flops_per_token / peak,
                   "skipped": not bool(metrics["finite"])}
-        for name in ("expert_load_max_over_mean", "experts_idle_fraction"):
+        for name in ("expert_load_max_over_mean", "experts_idle_fraction", "moe_dropped_assignments"):
             if name in metrics:
                 record[name] = np.asarray(metrics[name]).tolist()
         return record
@@ -256,9 +289,9 @@ class Trainer:
             batch_loss, batch_count, predictions = self.eval_step(self.state.params, self.state.buffers, batch)
             loss_sum, count = loss_sum + float(batch_loss), count + float(batch_count)
             if isinstance(self.data, MQARDataset):
-                host = jax.device_get(batch)
+                host = self.data.batch(index, self.config.train.batch_size, split="heldout")
                 n = float(np.sum(host["loss_mask"]))
-                correct += mqar_recall(np.asarray(predictions), host) * n
+                correct += mqar_recall(to_host(predictions), host) * n
                 answers += n
         result = {"heldout_loss": loss_sum / max(count, 1.0), "heldout_tokens": int(count)}
         if answers:

@@ -10,6 +10,9 @@ Plain MoE (Kimi Linear): l = d and no W_down / W_up / norm: y = u + Shared(x).
 The selection bias b is a ``RouterBias`` variable, not an ``nnx.Param``: gradients and optimizers
 filtered on ``nnx.Param`` never see it. The trainer overwrites it after each optimizer step with
 ``k3jax.ops.moe.updated_router_bias(bias, stats, ...)`` from the ``MoEStats`` the layer returns.
+
+Under `k3jax.sharding.use_mesh` with an expert dispatch configured, the routed experts run
+expert-parallel (`k3jax.expert_parallel`): only the latents z cross devices.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.expert_parallel import expert_parallel_experts
 from k3jax.layers.ffn import DenseGLU
 from k3jax.layers.params import param, truncated_normal
 from k3jax.ops.moe import (
@@ -24,11 +28,13 @@ from k3jax.ops.moe import (
     MoEStats,
     expert_load,
     glu_activation,
+    required_bias_histogram,
     router_scores,
     select_experts,
 )
 from k3jax.ops.norms import rms_norm
 from k3jax.ops.precision import einsum
+from k3jax.sharding import expert_placement
 
 
 class RouterBias(nnx.Variable):
@@ -83,7 +89,8 @@ class RoutedExperts(nnx.Module):
 
     The call is ``k3jax.ops.moe.routed_experts`` (dropless, ``lax.ragged_dot``) or, with
     ``expert_matmul="dense"``, ``dense_experts`` (the same function, every expert on every token);
-    an expert-parallel dispatch replaces that call and keeps these weights.
+    when `k3jax.sharding.expert_placement` returns a placement (an active mesh with an expert
+    dispatch), `k3jax.expert_parallel.expert_parallel_experts` replaces that call on these weights.
     """
 
     def __init__(
@@ -118,12 +125,17 @@ class RoutedExperts(nnx.Module):
         self.situ_beta_linear = situ_beta_linear
         self.dtype = dtype
 
-    def __call__(self, x: jax.Array, indices: jax.Array, weights: jax.Array) -> jax.Array:
-        """x [N, in], indices / weights [N, k] -> sum_i weights_i E_{indices_i}(x) [N, in] in ``dtype``."""
+    def __call__(self, x: jax.Array, indices: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [N, in], indices / weights [N, k] -> (sum_i weights_i E_{indices_i}(x) [N, in] in ``dtype``,
+        (token, expert) assignments dropped by a capacity dispatch [] fp32)."""
         w_gate, w_up, w_down = (w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
         activation = glu_activation(self.activation, self.situ_beta, self.situ_beta_linear)
+        x = x.astype(self.dtype)
+        placement = expert_placement(x.shape[0], w_gate.shape[-1])
+        if placement is not None:
+            return expert_parallel_experts(x, indices, weights, w_gate, w_up, w_down, activation, placement)
         compute = EXPERT_MATMULS[self.expert_matmul]
-        return compute(x.astype(self.dtype), indices, weights, w_gate, w_up, w_down, activation)
+        return compute(x, indices, weights, w_gate, w_up, w_down, activation), jnp.zeros((), jnp.float32)
 
 
 class MoE(nnx.Module):
@@ -147,6 +159,8 @@ class MoE(nnx.Module):
       param_dtype: storage dtype of the weights (the router bias is always fp32).
       expert_matmul: "ragged_dot" (grouped GEMMs, for many experts / accelerators) or "dense"
         (every expert on every token; faster for a few experts on CPU). Same function.
+      quantile_bins: report ``MoEStats.bias_histogram`` with this many bins (for the histogram
+        quantile balancing; summed over data-parallel shards) instead of the token scores.
       rngs: ``nnx.Rngs`` with a ``params`` stream.
 
     Parameters: ``router`` (weight, e_score_correction_bias), ``experts`` (w_gate, w_up, w_down
@@ -174,6 +188,7 @@ class MoE(nnx.Module):
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         expert_matmul: str = "ragged_dot",
+        quantile_bins: int | None = None,
         rngs: nnx.Rngs,
     ):
         if latent_norm and latent_dim is None:
@@ -221,6 +236,7 @@ class MoE(nnx.Module):
                 rngs=rngs,
             )
         self.num_experts = num_experts
+        self.quantile_bins = quantile_bins
         self.latent_dim = latent_dim
         self.latent_norm = latent_norm
         self.shared_width = shared_width
@@ -236,21 +252,27 @@ class MoE(nnx.Module):
         mask = jnp.ones(batch * length, bool) if token_mask is None else token_mask.reshape(-1).astype(bool)
         indices, weights, scores = self.router(tokens)
         tokens = tokens.astype(self.dtype)
-        y = self._routed(tokens, indices, weights)
+        y, dropped = self._routed(tokens, indices, weights)
         if self.shared_width is not None:
             y = y + self.shared(tokens)
+        scores = jax.lax.stop_gradient(scores)
+        histogram = None if self.quantile_bins is None else required_bias_histogram(
+            scores, self.router.e_score_correction_bias[...], self.router.top_k, self.quantile_bins, mask)
         stats = MoEStats(
             expert_load=expert_load(indices, self.num_experts, mask),
-            router_scores=jax.lax.stop_gradient(scores),
+            router_scores=scores if histogram is None else None,
             token_mask=mask,
+            dropped=jax.lax.stop_gradient(dropped),
+            bias_histogram=histogram,
         )
         return y.reshape(batch, length, d_model), stats
 
-    def _routed(self, tokens: jax.Array, indices: jax.Array, weights: jax.Array) -> jax.Array:
-        """The routed branch: plain sum_i p_i E_i(x), or W_up RMSNorm(sum_i p_i E_i(W_down x))."""
+    def _routed(self, tokens: jax.Array, indices: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The routed branch: plain sum_i p_i E_i(x), or W_up RMSNorm(sum_i p_i E_i(W_down x)),
+        and the count of dropped assignments."""
         if self.latent_dim is None:
             return self.experts(tokens, indices, weights)
-        latent = self.experts(tokens @ self.latent_down[...].astype(self.dtype), indices, weights)
+        latent, dropped = self.experts(tokens @ self.latent_down[...].astype(self.dtype), indices, weights)
         if self.latent_norm:
             latent = rms_norm(latent, self.latent_norm_weight[...], self.norm_eps)
-        return latent @ self.latent_up[...].astype(self.dtype)
+        return latent @ self.latent_up[...].astype(self.dtype), dropped

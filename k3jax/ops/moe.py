@@ -231,16 +231,20 @@ class MoEStats(NamedTuple):
     """What one MoE layer's forward pass reports to the trainer (a pytree, no gradients).
 
     expert_load   [E] fp32  tokens routed to each expert (masked tokens not counted)
-    router_scores [N, E] fp32  sigmoid affinities s, the input of the quantile update
+    router_scores [N, E] fp32  sigmoid affinities s, the input of the exact quantile update
+                            (None when the layer reports ``bias_histogram`` instead)
     token_mask    [N] bool  which tokens count for balancing (False: padding)
     dropped       [] fp32   (token, expert) assignments a capacity dispatch dropped
                             (`k3jax.expert_parallel`; 0 when dropless; None in stats built by hand)
+    bias_histogram [E, bins] int32  ``required_bias_histogram`` of the counted tokens, the input
+                            of the histogram quantile update (histograms of shards add up)
     """
 
     expert_load: jax.Array
-    router_scores: jax.Array
+    router_scores: jax.Array | None
     token_mask: jax.Array
     dropped: jax.Array | None = None
+    bias_histogram: jax.Array | None = None
 
 
 class LoadMetrics(NamedTuple):
@@ -383,11 +387,14 @@ def updated_router_bias(
     """The selection bias after one optimizer step, by ``method`` ("sign" or "quantile").
 
     "sign" moves b by ``rate`` per step using ``stats.expert_load`` (1e-3 is DeepSeek-V3's rate);
-    "quantile" overwrites b from ``stats.router_scores`` and ``stats.token_mask`` (rate unused).
+    "quantile" overwrites b from ``stats.bias_histogram`` when the layer reported one, else from
+    ``stats.router_scores`` and ``stats.token_mask`` (rate unused).
     For a stack of layers whose stats carry a leading layer axis, ``jax.vmap`` this function.
     """
     if method == "sign":
         return sign_bias_update(bias, stats.expert_load, rate)
+    if method == "quantile" and stats.bias_histogram is not None:
+        return quantile_bias_from_histogram(stats.bias_histogram, bias, top_k)
     if method == "quantile":
         return quantile_bias_update(stats.router_scores, bias, top_k, stats.token_mask)
     raise ValueError(f"unknown balancing method {method!r}; expected one of {BALANCING}")

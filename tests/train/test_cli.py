@@ -69,7 +69,7 @@ def files_digest(directory) -> str:
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory, xla_cache):
-    """8 steps without interruption (checkpoints every 4)."""
+    """40 steps without interruption (checkpoints every 20)."""
     run_dir = tmp_path_factory.mktemp("straight")
     result = run(run_dir, xla_cache)
     assert result.returncode == 0, result.stderr
@@ -79,7 +79,7 @@ def straight_run(tmp_path_factory, xla_cache):
 def test_resume_after_sigkill_repeats_every_loss_bit_for_bit(tmp_path, xla_cache, straight_run):
     process = subprocess.Popen(command(tmp_path, xla_cache), cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
-    wait_for_step(process, tmp_path, 6)          # checkpoint 4 is written, steps 5-6 are not saved
+    wait_for_step(process, tmp_path, 25)         # checkpoint 20 is written, steps 21-25 are not saved
     process.send_signal(signal.SIGKILL)
     process.wait()
     resumed = run(tmp_path, xla_cache)
@@ -88,14 +88,16 @@ def test_resume_after_sigkill_repeats_every_loss_bit_for_bit(tmp_path, xla_cache
     assert losses(tmp_path) == losses(straight_run)              # every step, exactly
     step, params = final_params(tmp_path)
     straight_step, straight_params = final_params(straight_run)
-    assert step == straight_step == 8
+    assert step == straight_step == 40
     assert params.keys() == straight_params.keys()
     for name in params:
         np.testing.assert_array_equal(params[name], straight_params[name], err_msg=name)
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, xla_cache, straight_run):
-    process = subprocess.Popen(command(tmp_path, xla_cache, "train.steps=100000", "checkpoint.every=100000"),
+    # The schedule keeps the straight run's 40-step horizon, so the compiled step is shared.
+    process = subprocess.Popen(command(tmp_path, xla_cache, "train.steps=100000", "optimizer.schedule_steps=40",
+                                       "checkpoint.every=100000"),
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_step(process, tmp_path, 3)
     process.send_signal(signal.SIGTERM)
@@ -104,7 +106,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, xla_cache, strai
     assert "SIGTERM received: saved checkpoint" in stdout
     saved = RunCheckpoints(tmp_path / "checkpoints", read_only=True).latest_step()
     assert saved is not None and saved >= 3
-    resumed = run(tmp_path, xla_cache, f"train.steps={saved + 2}")
+    resumed = run(tmp_path, xla_cache, f"train.steps={saved + 2}", "optimizer.schedule_steps=40")
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from checkpoint {saved}" in resumed.stderr
     assert max(losses(tmp_path)) == saved + 2
@@ -114,7 +116,7 @@ def test_finetune_from_an_mqar_checkpoint_onto_text_lowers_the_loss(tmp_path, xl
     text = tmp_path / "notes.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 400)
     result = run(tmp_path / "finetune", xla_cache, f"init_from={straight_run}", "data.kind=text",
-                 f"data.path={text}", "train.steps=40", "optimizer.warmup_steps=5", "train.eval_batches=1")
+                 f"data.path={text}", "train.eval_batches=1")
     assert result.returncode == 0, result.stderr
     curve = [loss for _, loss in sorted(losses(tmp_path / "finetune").items())]
     assert np.mean(curve[-5:]) < np.mean(curve[:5]) - 0.5

@@ -1,0 +1,322 @@
+"""Device meshes and the placement of parameters, optimizer state and batches on them.
+
+    mesh = make_mesh(config.mesh)                    # axes data, fsdp, expert, tensor (Auto)
+    check_run_fits(config, mesh)                     # one-line ConfigErrors
+    shardings = step_shardings(state, parts.params.axes(), parts.buffers.axes(), mesh, config.mesh)
+    state = place(state, shardings.state)
+    step = make_train_step(parts, optimizer, shardings=shardings)     # traced under use_mesh
+    index, count = process_rows(shardings.batch, B)  # this process's block of each global batch
+    state, metrics = step(state, global_batch(dataset.batch(i, B, process_index=index, process_count=count),
+                                              shardings.batch, B))
+
+Every parameter carries logical axis names (`k3jax.layers.params`); the rules table
+(`k3jax.config.AxisRules`) maps each name to mesh axes. An array dimension takes, in order, the
+rule's axes that are not used by an earlier dimension of the same array and whose sizes divide
+it -- so any mesh runs any model, a dimension that does not divide staying replicated. The
+optimizer state follows its parameter; batches split their first dimension over ``rules.batch``.
+
+Outside `use_mesh` nothing here is active and MoE layers compute their experts locally; inside,
+`expert_placement` tells them how to reach experts split over the rules' "experts" axes
+(`k3jax.expert_parallel`).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import math
+import os
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from k3jax.config import AxisRules, Config, ConfigError, MeshConfig
+from k3jax.expert_parallel import ExpertPlacement
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+AnyMesh = Mesh | AbstractMesh   # shardings are computed alike for concrete and abstract meshes
+_ACTIVE_MESH_CONFIG: contextvars.ContextVar[MeshConfig | None] = contextvars.ContextVar("k3jax_mesh_config",
+                                                                                       default=None)
+
+
+# --- the mesh ----------------------------------------------------------------------------------
+
+
+def mesh_shape(config: MeshConfig, device_count: int) -> dict[str, int]:
+    """The axis sizes with the -1 axis (if any) filled so that they multiply to ``device_count``."""
+    sizes = config.sizes
+    known = math.prod(size for size in sizes.values() if size != -1)
+    described = " x ".join(f"{name}={size}" for name, size in sizes.items())
+    if -1 in sizes.values():
+        if device_count % known:
+            raise ConfigError("mesh", f"{device_count} devices do not split over {described}")
+        return {name: device_count // known if size == -1 else size for name, size in sizes.items()}
+    if known != device_count:
+        raise ConfigError("mesh", f"{described} is {known} devices, but there are {device_count}")
+    return sizes
+
+
+def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The mesh over ``devices`` (default: all devices of all processes) with GSPMD (Auto) axes."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(config, len(devices))
+    return jax.make_mesh(tuple(shape.values()), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                         devices=devices)
+
+
+def _size(mesh: AnyMesh, axes: Sequence[str]) -> int:
+    return math.prod(mesh.shape[axis] for axis in axes)
+
+
+def check_run_fits(config: Config, mesh: Mesh) -> None:
+    """One-line ConfigErrors for a run the mesh cannot execute: experts that do not split over the
+    expert axes, batches that do not split over the batch axes, a dispatch the platform lacks."""
+    rules, dispatch = config.mesh.rules, config.mesh.moe_dispatch
+    experts = _size(mesh, rules.experts)
+    if dispatch != "local" and config.model.moe.num_experts % experts:
+        raise ConfigError("mesh.rules.experts", f"model.moe.num_experts = {config.model.moe.num_experts} does "
+                                                f"not split over {experts} devices ({', '.join(rules.experts)})")
+    if dispatch == "ragged" and mesh.devices.flat[0].platform == "cpu":
+        raise ConfigError("mesh.moe_dispatch", "'ragged' needs ragged_all_to_all, which XLA:CPU does not "
+                                               "implement; use 'capacity' on CPU")
+    micro_batch = config.train.batch_size // config.train.grad_accum
+    shards = _size(mesh, rules.batch)
+    if micro_batch % shards:
+        raise ConfigError("train.batch_size", f"micro-batches of {micro_batch} sequences (batch_size / grad_accum) "
+                                              f"do not split over the {shards} devices of mesh.rules.batch")
+
+
+# --- logical axes -> shardings -------------------------------------------------------------------
+
+
+def partition_spec(logical_axes: Sequence[str | None], shape: Sequence[int], rules: AxisRules,
+                   mesh: AnyMesh) -> P:
+    """The PartitionSpec of an array whose dimensions have these logical names (None: unsharded).
+
+    Dimension i takes the mesh axes of its rule in order, skipping axes of size 1, axes an earlier
+    dimension took, and axes whose size would not divide the dimension.
+    """
+    if len(logical_axes) != len(shape):
+        raise ValueError(f"logical axes {tuple(logical_axes)} do not match shape {tuple(shape)}")
+    used: set[str] = set()
+    entries = []
+    for name, size in zip(logical_axes, shape):
+        if name is not None and not hasattr(rules, name):
+            raise ValueError(f"no sharding rule for the logical axis {name!r}")
+        taken: list[str] = []
+        for axis in (getattr(rules, name) if name else ()):
+            split = _size(mesh, taken) * mesh.shape[axis]
+            if mesh.shape[axis] > 1 and axis not in used and size % split == 0:
+                taken.append(axis)
+                used.add(axis)
+        entries.append(tuple(taken) if len(taken) > 1 else (taken[0] if taken else None))
+    return P(*entries)
+
+
+def named_shardings(axes: Mapping[str, Sequence[str]], arrays: Mapping[str, Any], rules: AxisRules,
+                    mesh: AnyMesh) -> dict[str, NamedSharding]:
+    """``{path: NamedSharding}`` of flat ``{path: array}`` parameters (or buffers) from their logical axes."""
+    return {path: NamedSharding(mesh, partition_spec(axes[path], array.shape, rules, mesh))
+            for path, array in arrays.items()}
+
+
+def optimizer_shardings(opt_state: Any, param_shardings: Mapping[str, NamedSharding],
+                        params: Mapping[str, Any], mesh: AnyMesh) -> Any:
+    """Shardings of an optax state over flat ``{path: param}`` parameters: a leaf found under a
+    parameter's path key with that parameter's shape (moments, momenta) follows the parameter;
+    everything else (step counts, coefficients) is replicated."""
+    replicated = NamedSharding(mesh, P())
+
+    def leaf_sharding(path, leaf):
+        for key in reversed(path):
+            name = getattr(key, "key", None)
+            if name in params and tuple(params[name].shape) == tuple(leaf.shape):
+                return param_shardings[name]
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(leaf_sharding, opt_state)
+
+
+def state_shardings(state, param_axes: Mapping[str, Sequence[str]], buffer_axes: Mapping[str, Sequence[str]],
+                    rules: AxisRules, mesh: AnyMesh):
+    """The shardings of a `k3jax.training.TrainState` (the same NamedTuple, a NamedSharding per leaf)."""
+    params = named_shardings(param_axes, state.params, rules, mesh)
+    replicated = NamedSharding(mesh, P())
+    return state._replace(
+        step=replicated,
+        params=params,
+        buffers=named_shardings(buffer_axes, state.buffers, rules, mesh),
+        opt_state=optimizer_shardings(state.opt_state, params, state.params, mesh),
+        skipped=replicated,
+    )
+
+
+def batch_sharding(mesh: Mesh, rules: AxisRules) -> NamedSharding:
+    """Batches split their first (sequence) dimension over the rules' batch axes."""
+    axes = tuple(axis for axis in rules.batch if mesh.shape[axis] > 1)
+    return NamedSharding(mesh, P(axes or None))
+
+
+class StepShardings(NamedTuple):
+    """How a train or eval step (`k3jax.training.make_train_step`) runs on a mesh: ``state`` a
+    TrainState of NamedShardings, ``batch`` every batch array's, ``replicated`` the metrics', and
+    the mesh config its MoE layers dispatch by (`on_mesh`)."""
+
+    state: Any
+    batch: NamedSharding
+    replicated: NamedSharding
+    mesh_config: MeshConfig
+
+    def on_mesh(self, fn: Callable) -> Callable:
+        """``fn`` traced under ``use_mesh`` (so the program it is jitted into sees the mesh)."""
+        @functools.wraps(fn)
+        def traced_on_mesh(*args):
+            with use_mesh(self.batch.mesh, self.mesh_config):
+                return fn(*args)
+        return traced_on_mesh
+
+
+def step_shardings(state, param_axes: Mapping[str, Sequence[str]], buffer_axes: Mapping[str, Sequence[str]],
+                   mesh: Mesh, config: MeshConfig) -> StepShardings:
+    """The `StepShardings` of training ``state`` on ``mesh``."""
+    return StepShardings(state_shardings(state, param_axes, buffer_axes, config.rules, mesh),
+                         batch_sharding(mesh, config.rules), NamedSharding(mesh, P()), config)
+
+
+def abstract(tree: Any, shardings: Any) -> Any:
+    """``jax.ShapeDtypeStruct``s of ``tree`` carrying ``shardings`` (for AOT lowering and restores)."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+# --- data movement -------------------------------------------------------------------------------
+
+
+def place(tree: Any, shardings: Any) -> Any:
+    """Arrays with the same values laid out by ``shardings``; with several processes each one
+    supplies its own devices' shards from its (identical) copy of ``tree``."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def from_host(x, sharding):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(from_host, tree, shardings)
+
+
+def process_rows(sharding: NamedSharding, global_rows: int) -> tuple[int, int]:
+    """This process's rows of a batch laid out by ``sharding``, as ``(index, count)``: the rows
+    are block ``index`` of ``count`` equal blocks (the ``process_index`` / ``process_count`` the
+    datasets take). Processes whose devices hold the same rows read the same block."""
+    blocks = sorted({index[0].indices(global_rows)[:2] for index in
+                     sharding.addressable_devices_indices_map((global_rows,)).values()})
+    start, stop = blocks[0][0], blocks[-1][1]
+    size = stop - start
+    contiguous = all(end == next_start for (_, end), (next_start, _) in zip(blocks, blocks[1:]))
+    if not contiguous or start % size or global_rows % size:
+        raise ValueError(f"this process's batch rows {blocks} are not one block of {global_rows} rows split evenly; "
+                         f"order the mesh's devices by process")
+    return start // size, global_rows // size
+
+
+def global_batch(local: Mapping[str, np.ndarray], sharding: NamedSharding, global_rows: int) -> dict[str, jax.Array]:
+    """The global batch arrays assembled from every process's rows (``process_rows``)."""
+    return {name: jax.make_array_from_process_local_data(sharding, rows, (global_rows, *rows.shape[1:]))
+            for name, rows in local.items()}
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """The full value of a (possibly multi-process) array on this host."""
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+# --- the active mesh -----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: AnyMesh, config: MeshConfig) -> Iterator[None]:
+    """Trace on ``mesh`` (enter it inside the function being jitted): MoE layers dispatch to their
+    experts as ``config`` says (``moe_dispatch``, ``capacity_factor``, ``rules``). What is traced
+    depends on ``config``, which jit's cache does not see: jit a new function per configuration
+    (`StepShardings.on_mesh` does)."""
+    abstract_mesh = mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh
+    token = _ACTIVE_MESH_CONFIG.set(config)
+    try:
+        with jax.sharding.use_abstract_mesh(abstract_mesh):
+            yield
+    finally:
+        _ACTIVE_MESH_CONFIG.reset(token)
+
+
+def with_logical_constraint(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """``x`` laid out by the active `use_mesh`'s rules for these logical axis names (model code
+    names the axes of activations whose layout matters; unchanged outside `use_mesh`).
+
+    GSPMD otherwise lets the FSDP split of a weight's model width leak into the activations it
+    multiplies and reshuffles them (all-to-alls) back and forth between layers.
+    """
+    config = _ACTIVE_MESH_CONFIG.get()
+    mesh = jax.sharding.get_abstract_mesh()
+    if config is None or mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, partition_spec(logical_axes, x.shape, config.rules,
+                                                                                  mesh)))
+
+
+def expert_placement(num_tokens: int, expert_width: int) -> ExpertPlacement | None:
+    """How an MoE layer with ``num_tokens`` token rows and experts of hidden width ``expert_width``
+    reaches its experts under the active `use_mesh`; None (compute locally) outside one or with
+    ``moe_dispatch: local``.
+
+    Token rows split over the expert axes (each device ships its own rows) and those of the
+    rules' batch axes that still divide them, in the batch rule's order (the batch's own layout);
+    the hidden width over the rules' expert_mlp axes that divide it and split neither tokens nor
+    experts.
+    """
+    config = _ACTIVE_MESH_CONFIG.get()
+    mesh = jax.sharding.get_abstract_mesh()
+    if config is None or config.moe_dispatch == "local" or mesh.empty:
+        return None
+    rules = config.rules
+    experts = tuple(axis for axis in rules.experts if mesh.shape[axis] > 1)
+    if num_tokens % _size(mesh, experts):
+        raise ValueError(f"{num_tokens} token rows do not split over the expert axes {experts} "
+                         f"({_size(mesh, experts)} devices); expert parallelism needs them to")
+    chosen = set(experts)
+    for axis in rules.batch:
+        if axis not in chosen and mesh.shape[axis] > 1 and num_tokens % (_size(mesh, chosen) * mesh.shape[axis]) == 0:
+            chosen.add(axis)
+    tokens = tuple(axis for axis in dict.fromkeys((*rules.batch, *experts)) if axis in chosen)
+    hidden: list[str] = []
+    for axis in rules.expert_mlp:
+        if (axis not in tokens and axis not in experts and mesh.shape[axis] > 1
+                and expert_width % (_size(mesh, hidden) * mesh.shape[axis]) == 0):
+            hidden.append(axis)
+    return ExpertPlacement(mesh, tokens, experts, tuple(hidden), config.moe_dispatch, config.capacity_factor)
+
+
+# --- several processes ---------------------------------------------------------------------------
+
+
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None) -> bool:
+    """Join a multi-process run (call before anything touches a device); True if one was joined.
+
+    Arguments left None come from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID;
+    without a coordinator address (and outside clusters JAX detects by itself) this is one process.
+    CPU processes exchange data over gloo.
+    """
+    coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if num_processes is None and "JAX_NUM_PROCESSES" in os.environ:
+        num_processes = int(os.environ["JAX_NUM_PROCESSES"])
+    if process_id is None and "JAX_PROCESS_ID" in os.environ:
+        process_id = int(os.environ["JAX_PROCESS_ID"])
+    if coordinator_address is None:
+        return False
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id)
+    return True

@@ -1,0 +1,214 @@
+"""Sharded training on 8 fake CPU devices, in subprocesses (the rest of the suite runs on one
+device, and the device count is fixed when JAX starts): equality with one device on four meshes,
+the capacity rule's dropped tokens, the ragged dispatch, LatentMoE's all-to-all bytes, and a
+checkpoint written by one 8-device process that two 4-device processes resume on another mesh."""
+import json
+import math
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from k3jax.checkpoint import RunCheckpoints
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+MICRO = ROOT / "tests" / "train" / "micro.yaml"
+TOLERANCE = 1e-5
+# The micro K3 of the trainer tests, its batch split over 8 devices, expert parallel with a
+# capacity no assignment overflows (E / k = 2), no held-out evaluation.
+RUN = ("train.batch_size=8", "train.steps=4", "train.eval_batches=0", "checkpoint.every=2", "checkpoint.keep=5",
+       "logging.peak_tflops=1.0", "mesh.moe_dispatch=capacity", "mesh.capacity_factor=2.0")
+MESH_A = ("mesh.data=2", "mesh.expert=4")
+MESH_B = ("mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2")
+
+
+def environment(devices: int) -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    return env
+
+
+def start(args, devices=8):
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=environment(devices), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(process, timeout=900) -> str:
+    stdout, stderr = process.communicate(timeout=timeout)
+    assert process.returncode == 0, stderr[-3000:]
+    return stdout
+
+
+def program(name: str):
+    """Start ``tests/sharding/programs/<name>.py`` on 8 devices."""
+    return start(["-m", f"tests.sharding.programs.{name}"])
+
+
+def program_result(process) -> dict:
+    return json.loads(finish(process).splitlines()[-1])
+
+
+def train(run_dir, cache, *overrides, devices=8, extra=()):
+    return start(["-m", "train", str(MICRO), f"run_dir={run_dir}", f"train.compilation_cache={cache}", *RUN,
+                  *overrides, *extra], devices)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def two_process_training(run_dir, cache, *overrides):
+    """The same training started as two processes of 4 devices that form one 8-device system."""
+    address = f"127.0.0.1:{free_port()}"
+    return [train(run_dir, cache, *overrides, devices=4,
+                  extra=("--coordinator-address", address, "--num-processes", "2", "--process-id", str(index)))
+            for index in range(2)]
+
+
+def losses(run_dir, name="metrics.jsonl") -> dict[int, float]:
+    lines = (pathlib.Path(run_dir) / name).read_text().splitlines()
+    return {record["step"]: record["loss"] for record in map(json.loads, lines)}
+
+
+def assert_same_losses(result: dict, reference: dict, steps):
+    assert sorted(result) == list(steps), result
+    for step in steps:
+        assert abs(result[step] - reference[step]) <= TOLERANCE * abs(reference[step]), (step, result, reference)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Every independent subprocess, started at once: each is mostly one busy compiler thread,
+    so on a few cores they finish sooner together than one after another."""
+    cache = tmp_path_factory.mktemp("xla-cache")
+    mesh_a = tmp_path_factory.mktemp("mesh-a")
+    jobs = {
+        "cache": cache,
+        "equality": program("equality"),
+        "moe_dispatch": program("moe_dispatch"),
+        "mesh_a": (mesh_a, train(mesh_a, cache, *MESH_A)),
+    }
+    yield jobs
+    for process in (jobs["equality"], jobs["moe_dispatch"], jobs["mesh_a"][1]):   # left by a failed test
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+@pytest.fixture(scope="module")
+def mesh_a_run(launched):
+    """4 steps on mesh (data=2, expert=4) in one process of 8 devices; checkpoints include step 2."""
+    run_dir, process = launched["mesh_a"]
+    finish(process)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def moe_dispatch(launched):
+    return program_result(launched["moe_dispatch"])
+
+
+def test_loss_gradients_and_balancing_on_four_meshes_equal_one_device(launched):
+    results = program_result(launched["equality"])
+    assert set(results) == {"data=8", "data=2,fsdp=4", "fsdp=2,expert=4", "data=2,expert=2,tensor=2"}
+    for mesh, result in results.items():
+        assert result["dropped"] == 0, mesh
+        assert result["loss"] <= TOLERANCE, (mesh, result)
+        assert result["gradients"] <= TOLERANCE, (mesh, result)
+        assert result["router_bias"] <= 1e-6, (mesh, result)
+
+
+def numpy_dropped(indices, shards: int, num_experts: int, capacity_factor: float) -> int:
+    """The capacity rule: each of ``shards`` equal blocks of token rows gives expert e at most
+    C = ceil(capacity_factor * n k / E) of its assignments; the rest are dropped."""
+    indices = np.asarray(indices)
+    rows, top_k = indices.shape
+    capacity = max(1, math.ceil(capacity_factor * (rows // shards) * top_k / num_experts))
+    dropped = 0
+    for block in np.split(indices, shards):
+        counts = np.bincount(block.reshape(-1), minlength=num_experts)
+        dropped += int(np.maximum(counts - capacity, 0).sum())
+    return dropped
+
+
+def test_tight_capacity_drops_what_the_numpy_capacity_rule_drops(moe_dispatch):
+    capacity = moe_dispatch["capacity"]
+    expected = numpy_dropped(capacity["indices"], capacity["shards"], capacity["num_experts"],
+                             capacity["capacity_factor"])
+    assert expected > 0
+    assert capacity["dropped"] == expected
+
+
+def test_ragged_dispatch_is_dropless_equal_to_one_device_and_lowers_for_gpu(moe_dispatch):
+    ragged = moe_dispatch["ragged"]
+    assert ragged["dropped"] == 0
+    assert ragged["loss"] <= TOLERANCE and ragged["gradients"] <= TOLERANCE, ragged
+    assert ragged["cuda_ragged_all_to_all_calls"] == 4       # dispatch and return, forward and backward
+
+
+def test_latent_moe_all_to_all_bytes_are_d_over_latent_of_plain_moe(moe_dispatch):
+    sizes = moe_dispatch["bytes"]
+    assert sizes["latent"] > 0
+    assert sizes["plain"] / sizes["latent"] == sizes["d_model"] / sizes["latent_dim"]
+
+
+def test_balancing_histograms_of_token_shards_add_up_to_the_whole_batch(moe_dispatch):
+    histogram = moe_dispatch["histogram"]
+    assert histogram["counted"] == 8 * 16 * 8                  # every token, every expert
+    assert histogram["histogram"] == 0 and histogram["bias"] <= 1e-6
+
+
+def test_plan_reads_the_expert_all_to_alls_of_the_compiled_train_step(moe_dispatch):
+    """Per MoE layer: 4 exchanges (dispatch and return, forward and backward) of each device's
+    [E, C, l] fp32 buffer, C = ceil(capacity_factor * n k / E) for its n tokens."""
+    plan = moe_dispatch["plan"]
+    tokens_per_device = plan["tokens"] // plan["devices"]
+    capacity = math.ceil(plan["capacity_factor"] * tokens_per_device * plan["top_k"] / plan["num_experts"])
+    per_device = plan["moe_layers"] * 4 * plan["num_experts"] * capacity * plan["latent_dim"] * 4
+    assert plan["all_to_all_bytes_per_token"] == per_device * plan["devices"] / plan["tokens"]
+    assert 0 < 2 * plan["parameters"] <= plan["optimizer_state"] <= 2 * plan["parameters"] + 64   # AdamW moments
+    assert plan["peak"] > plan["temporaries"] > 0
+
+
+def test_meshes_a_run_cannot_use_are_one_line_config_errors(moe_dispatch):
+    errors = moe_dispatch["errors"]
+    assert errors["ragged on cpu"].startswith("mesh.moe_dispatch: 'ragged' needs ragged_all_to_all")
+    assert errors["experts do not split"].startswith("mesh.rules.experts: model.moe.num_experts = 4")
+    assert errors["batch does not split"].startswith("train.batch_size:")
+    assert errors["mesh is not the device count"] == ("mesh: data=2 x fsdp=1 x expert=2 x tensor=1 is 4 devices, "
+                                                      "but there are 8")
+
+
+@pytest.fixture(scope="module")
+def resumed_by_two_processes(launched, mesh_a_run, tmp_path_factory):
+    """Mesh A's checkpoint 2, resumed to step 4 on mesh (fsdp=2, expert=2, tensor=2) by two
+    processes of 4 devices each."""
+    run_dir = tmp_path_factory.mktemp("two-processes")
+    shutil.copytree(mesh_a_run / "checkpoints" / "2", run_dir / "checkpoints" / "2")
+    processes = two_process_training(run_dir, launched["cache"], *MESH_B)
+    try:
+        for process in processes:
+            finish(process)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    return run_dir
+
+
+def test_checkpoint_from_one_mesh_resumes_on_another_with_the_same_losses(resumed_by_two_processes, mesh_a_run):
+    assert_same_losses(losses(resumed_by_two_processes), losses(mesh_a_run), steps=(3, 4))
+
+
+def test_two_processes_of_four_devices_train_like_one_process_of_eight(resumed_by_two_processes, mesh_a_run):
+    process1 = losses(resumed_by_two_processes, "metrics.process1.jsonl")     # what the second process measured
+    assert_same_losses(process1, losses(mesh_a_run), steps=(3, 4))
+    assert RunCheckpoints(resumed_by_two_processes / "checkpoints", read_only=True).latest_step() == 4

@@ -1,0 +1,263 @@
+"""``python -m train.plan CONFIG [key=value ...] [--devices N]``: size a training run before booking it.
+
+    python -m train.plan configs/k3.yaml --devices 256 mesh.data=1 mesh.fsdp=4 mesh.expert=64 \\
+        mesh.moe_dispatch=capacity train.batch_size=256 data.seq_len=4096
+
+Compiles one train step ahead of time for N fake CPU devices (nothing is allocated: parameters,
+optimizer state and batches are abstract arrays carrying their shardings) and reads, per device:
+
+    parameters, optimizer state   the shards the compiled program takes (its input shardings)
+    arguments, outputs, temporaries  ``compiled.memory_analysis()``: temporaries are the
+                                  activations and workspace of forward + backward + update
+    FLOPs                         ``compiled.cost_analysis()``
+    collectives                   result bytes of every all-to-all / all-gather / all-reduce /
+                                  reduce-scatter / collective-permute in the optimized HLO, each
+                                  times the trip counts of the loops around it (scanned layers,
+                                  gradient accumulation); the all-to-alls of the expert-parallel
+                                  shard_map regions (the MoE dispatch) are also counted apart, and
+                                  expert all-to-all bytes per token = their per-device bytes *
+                                  devices / tokens per step
+
+CPU numbers are what XLA:CPU would allocate; an accelerator's compiler fuses and schedules
+differently, so treat them as estimates. Bad input ends with one line on stderr and status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+from collections import defaultdict
+from typing import NamedTuple
+
+COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute")
+EXPERT_ALL_TO_ALL = "all-to-all in shard_map"    # the expert dispatch (k3jax.expert_parallel)
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_COMPUTATION = re.compile(r"^(ENTRY )?%(\S+) .*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%\S+ = (.*?) ([a-z][a-z0-9-]*)\(")
+_ARRAY_TYPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_CALLEES = re.compile(r"\b(condition|body|calls|to_apply|branch_computations|called_computations)="
+                      r"(\{[^}]*\}|%[\w.\-]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+BATCH_DTYPES = {"tokens": "int32", "targets": "int32", "loss_mask": "float32", "segment_ids": "int32"}
+
+
+def type_bytes(hlo_type: str) -> float:
+    """Bytes of an HLO result type: an array (``f32[8,16]{1,0}``) or a tuple of arrays."""
+    total = 0.0
+    for dtype, dims in _ARRAY_TYPE.findall(hlo_type):
+        size = _DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else None)
+        if size is not None:
+            total += size * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+class _Instruction(NamedTuple):
+    opcode: str
+    result_bytes: float
+    callees: tuple[tuple[str, int], ...]    # (computation, times run per execution of this instruction)
+    op_name: str                            # the JAX operation it came from ("" when not recorded)
+
+
+def _parse_hlo(text: str) -> tuple[dict[str, list[_Instruction]], str]:
+    """Computations of an HLO module text and the entry computation's name."""
+    computations: dict[str, list[_Instruction]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            current = computations.setdefault(header.group(2), [])
+            entry = header.group(2) if header.group(1) else entry
+            continue
+        match = _INSTRUCTION.match(line)
+        if current is None or not match:
+            continue
+        trip = _TRIP_COUNT.search(line)
+        callees = []
+        for role, names in _CALLEES.findall(line):
+            repeats = int(trip.group(1)) if trip and role in ("body", "condition") else 1
+            callees += [(name.strip().lstrip("%"), repeats) for name in names.strip("{}").split(",") if name.strip()]
+        op_name = _OP_NAME.search(line)
+        current.append(_Instruction(match.group(2), type_bytes(match.group(1)), tuple(callees),
+                                    op_name.group(1) if op_name else ""))
+    return computations, entry
+
+
+def collective_bytes(hlo_text: str) -> dict[str, float]:
+    """Result bytes per device of each collective kind in one execution of an optimized HLO module,
+    counting an instruction inside a loop once per trip (``known_trip_count``); all-to-alls that
+    come from shard_map regions are also summed under ``EXPERT_ALL_TO_ALL``."""
+    computations, entry = _parse_hlo(hlo_text)
+    runs: dict[str, float] = defaultdict(float)
+
+    def visit(name: str, times: float) -> None:
+        runs[name] += times
+        for instruction in computations.get(name, ()):
+            for callee, repeats in instruction.callees:
+                visit(callee, times * repeats)
+
+    visit(entry, 1.0)
+    totals = dict.fromkeys((*COLLECTIVES, EXPERT_ALL_TO_ALL), 0.0)
+    for name, instructions in computations.items():
+        for instruction in instructions:
+            if instruction.opcode not in COLLECTIVES:
+                continue
+            moved = instruction.result_bytes * runs.get(name, 0.0)
+            totals[instruction.opcode] += moved
+            if instruction.opcode.endswith("all-to-all") and "shard_map" in instruction.op_name:
+                totals[EXPERT_ALL_TO_ALL] += moved
+    return totals
+
+
+class Plan(NamedTuple):
+    """Per-device figures of one compiled train step (bytes unless named otherwise)."""
+
+    devices: int
+    mesh: dict
+    tokens_per_step: int
+    parameters: float
+    optimizer_state: float
+    arguments: float
+    outputs: float
+    aliased: float
+    temporaries: float
+    flops: float
+    collectives: dict
+    compile_seconds: float
+
+    @property
+    def peak(self) -> float:
+        """Arguments + outputs not aliased to them + temporaries: the step's live bytes at most."""
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+    @property
+    def all_to_all_bytes_per_token(self) -> float:
+        """Bytes the expert dispatch moves per token of the step, over all devices."""
+        return self.collectives[EXPERT_ALL_TO_ALL] * self.devices / self.tokens_per_step
+
+
+def _shard_bytes(abstract_tree, shardings) -> float:
+    import jax
+    import numpy as np
+
+    return float(sum(math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+                     for x, s in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings))))
+
+
+def plan_train_step(config) -> Plan:
+    """Compile ``config``'s train step for the current devices (abstract inputs only) and measure it."""
+    import jax
+    from flax import nnx
+
+    from k3jax.model import K3Model
+    from k3jax.sharding import abstract, check_run_fits, make_mesh, mesh_shape, step_shardings
+    from k3jax.training import init_train_state, make_train_step, split_model
+    from train.run import run_optimizer
+
+    mesh = make_mesh(config.mesh)
+    check_run_fits(config, mesh)
+    parts, params, buffers = split_model(nnx.eval_shape(lambda: K3Model(config.model, rngs=nnx.Rngs(0))))
+    schedule, optimizer = run_optimizer(config, parts.params.axes())
+    state = jax.eval_shape(lambda p, b: init_train_state(p, b, optimizer), params, buffers)
+    shardings = step_shardings(state, parts.params.axes(), parts.buffers.axes(), mesh, config.mesh)
+    rows, length = config.train.batch_size, config.data.seq_len
+    batch = {name: jax.ShapeDtypeStruct((rows, length), dtype, sharding=shardings.batch)
+             for name, dtype in BATCH_DTYPES.items()}
+    step = make_train_step(parts, optimizer, accumulation=config.train.grad_accum, schedule=schedule,
+                           shardings=shardings)
+    started = time.perf_counter()
+    compiled = step.lower(abstract(state, shardings.state), batch).compile()
+    seconds = time.perf_counter() - started
+    memory = compiled.memory_analysis()
+    state_shardings = compiled.input_shardings[0][0]
+    return Plan(
+        devices=mesh.size,
+        mesh=mesh_shape(config.mesh, mesh.size),
+        tokens_per_step=rows * length,
+        parameters=_shard_bytes(state.params, state_shardings.params),
+        optimizer_state=_shard_bytes(state.opt_state, state_shardings.opt_state),
+        arguments=float(memory.argument_size_in_bytes),
+        outputs=float(memory.output_size_in_bytes),
+        aliased=float(memory.alias_size_in_bytes),
+        temporaries=float(memory.temp_size_in_bytes),
+        flops=float(compiled.cost_analysis().get("flops", 0.0)),
+        collectives=collective_bytes(compiled.as_text()),
+        compile_seconds=seconds,
+    )
+
+
+def _bytes(value: float) -> str:
+    """``value`` bytes in the largest binary unit that keeps it at least 1."""
+    unit = max((u for u in range(5) if value >= 1024**u), default=0)
+    return f"{value / 1024**unit:10.3f} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[unit]}"
+
+
+def report(plan: Plan, config) -> str:
+    """The plan as a table."""
+    moe = config.model.moe
+    mesh = " ".join(f"{name}={size}" for name, size in plan.mesh.items())
+    rows = [
+        f"train step on {plan.devices} devices ({mesh}), batch {config.train.batch_size} x {config.data.seq_len} "
+        f"tokens, grad_accum {config.train.grad_accum}, moe_dispatch {config.mesh.moe_dispatch}"
+        + (f" (capacity_factor {config.mesh.capacity_factor})" if config.mesh.moe_dispatch == "capacity" else ""),
+        f"model: {config.model.num_layers} layers, d {config.model.d_model}, {moe.num_experts} experts "
+        f"top-{moe.top_k}, latent {moe.latent_dim or 'none (plain MoE)'}, {config.model.compute_dtype} compute, "
+        f"{config.optimizer.name}",
+        "per device:",
+        f"  parameters                      {_bytes(plan.parameters)}",
+        f"  optimizer state                 {_bytes(plan.optimizer_state)}",
+        f"  arguments (state + batch)       {_bytes(plan.arguments)}",
+        f"  outputs (new state, donated)    {_bytes(plan.outputs)}",
+        f"  temporaries (activations, work) {_bytes(plan.temporaries)}",
+        f"  peak (args + outputs - aliased + temporaries) {_bytes(plan.peak).strip()}",
+        f"  compute                         {plan.flops / 1e12:10.3f} TFLOP per step",
+        "  collectives per step (result bytes):",
+        *(f"    {name:<30}{_bytes(value)}" for name, value in plan.collectives.items() if value),
+        f"expert all-to-all bytes per token (all devices): {plan.all_to_all_bytes_per_token:,.0f}",
+        f"compiled in {plan.compile_seconds:.0f} s",
+    ]
+    return "\n".join(rows)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m train.plan", description="Per-device memory, compute and "
+                                     "communication of a train step, compiled for fake CPU devices.")
+    parser.add_argument("config", help="YAML config file (e.g. configs/k3.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value settings, e.g. mesh.expert=64")
+    parser.add_argument("--devices", type=int, help="device count (default: the product of the mesh sizes)")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
+    return parser.parse_intermixed_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from k3jax.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config, args.overrides)
+        sizes = config.mesh.sizes.values()
+        devices = args.devices or (math.prod(sizes) if -1 not in sizes else None)
+        if devices is None:
+            raise ConfigError("mesh", "a mesh axis is -1: give the device count with --devices")
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", devices)
+        plan = plan_train_step(config)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+    if args.json:
+        print(json.dumps({**plan._asdict(), "peak": plan.peak,
+                          "all_to_all_bytes_per_token": plan.all_to_all_bytes_per_token}))
+    else:
+        print(report(plan, config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
