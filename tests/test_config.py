@@ -39,12 +39,12 @@ def test_kimi_linear_matches_spec_table():
 
 def test_tiny_inherits_from_k3_and_keeps_every_feature():
     m = load("tiny.yaml")
-    assert m.mla_layer_indices == (3, 7) and m.num_layers == 8
+    assert m.mla_layer_indices == (3,) and m.num_layers == 4
     assert m.kda.gate == "lower_bound" and m.kda.output_gate == "full"
     assert m.mla.q_lora_rank is not None and m.mla.output_gate
     assert m.attn_res.kind == "block" and m.dense_layers == 1 and m.activation == "situ"
     assert m.moe.latent_dim is not None and m.moe.latent_norm and m.moe.shared_width and m.moe.balancing == "quantile"
-    assert m.vocab_size == 1024 and m.compute_dtype == "float32"
+    assert m.vocab_size == 640 and m.compute_dtype == "float32"
 
 
 def test_overrides_parse_yaml_scalars_and_lists():

@@ -27,7 +27,7 @@ COMMON = [
     "model.mla.value_head_dim=16", "model.moe.num_experts=4", "model.moe.top_k=1", "model.moe.expert_width=64",
     "model.moe.latent_dim=32", "data.seq_len=16", "data.num_pairs=2", "data.num_keys=8", "data.num_values=8",
     "data.noise_vocab_size=2", "train.batch_size=32", "train.log_every=25", "checkpoint.async_save=false",
-    "checkpoint.every=100000", "logging.progress=false", "logging.peak_tflops=1",
+    "checkpoint.every=100000", "logging.progress=false", "logging.peak_tflops=1", "optimizer.name=adamw",
 ]
 TRAINED = COMMON + [
     "model.num_layers=2", "model.mla_period=2", "model.d_model=64", "model.vocab_size=260", "model.dense_width=128",
