@@ -96,7 +96,10 @@ class DecoderLayer(nnx.Module):
         stream = stream._replace(partial=a if self.starts_block else stream.partial + a)
         f_in = self.ffn_res(stream) if self.block_res else stream.partial
         f_in = rms_norm(f_in, self.post_attention_norm[...], self.norm_eps)
-        f, stats = self.ffn(f_in) if self.uses_moe else (self.ffn(f_in), None)
+        if self.uses_moe:   # padding (segment id 0) is routed but left out of the balancing statistics
+            f, stats = self.ffn(f_in, None if segment_ids is None else segment_ids != 0)
+        else:
+            f, stats = self.ffn(f_in), None
         partial = with_logical_constraint(stream.partial + f.astype(jnp.float32), ACTIVATION_AXES)
         return stream._replace(partial=partial), memory, stats
 
@@ -211,7 +214,8 @@ class K3Model(nnx.Module):
     def __call__(self, tokens: jax.Array, memory: Memory | None = None, segment_ids: jax.Array | None = None) -> ModelOutput:
         """tokens ``[B, T]`` int; memory from `k3jax.memory.init_memory` (or a previous call) to
         continue sequences, None for a training forward; segment_ids ``[B, T]`` for packed
-        documents (state, conv window and attention restart where the id changes)."""
+        documents (state, conv window and attention restart where the id changes; id 0 marks
+        padding, which the MoE balancing statistics leave out)."""
         cfg = self.config
         if tokens.ndim != 2 or (segment_ids is not None and segment_ids.shape != tokens.shape):
             raise ValueError(f"tokens must be [B, T] and segment_ids None or the same shape; got "

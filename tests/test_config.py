@@ -48,9 +48,9 @@ def test_tiny_inherits_from_k3_and_keeps_every_feature():
 
 
 def test_overrides_parse_yaml_scalars_and_lists():
-    m = load("tiny.yaml", "model.moe.top_k=4", "model.mla_layers=[3,7]", "model.kda.lower_bound=-3",
+    m = load("tiny.yaml", "model.moe.top_k=3", "model.num_layers=8", "model.mla_layers=[3,7]", "model.kda.lower_bound=-3",
              "model.compute_dtype=bfloat16", "model.mla.q_lora_rank=null")
-    assert (m.moe.top_k, m.mla_layers, m.kda.lower_bound, m.compute_dtype) == (4, (3, 7), -3.0, "bfloat16")
+    assert (m.moe.top_k, m.mla_layers, m.kda.lower_bound, m.compute_dtype) == (3, (3, 7), -3.0, "bfloat16")
     assert m.mla.q_lora_rank is None
 
 
@@ -58,10 +58,10 @@ def test_overrides_parse_yaml_scalars_and_lists():
     ("model.moe.topk=4", "model.moe.topk", "did you mean 'top_k'"),
     ("model.attn_res.kindd=none", "model.attn_res.kindd", "did you mean 'kind'"),
     ("modle.d_model=8", "modle", "did you mean 'model'"),
-    ("model.moe.top_k=9", "model.moe.top_k", "num_experts = 8"),
+    ("model.moe.top_k=5", "model.moe.top_k", "num_experts = 4"),
     ("model.kda.value_heads=3", "model.kda.value_heads", "multiple of num_heads"),
-    ("model.mla_layers=[3,5]", "model.mla_layers", "last layer 7"),
-    ("model.mla_layers=[3,9]", "model.mla_layers", "outside"),
+    ("model.mla_layers=[1,2]", "model.mla_layers", "last layer 3"),
+    ("model.mla_layers=[3,5]", "model.mla_layers", "outside"),
     ("model.kda.gate=sofplus", "model.kda.gate", "did you mean 'softplus'"),
     ("model.kda.lower_bound=2", "model.kda.lower_bound", "negative"),
     ("model.d_model=0", "model.d_model", "positive"),

@@ -45,7 +45,8 @@ def tokens(model):
 
 
 def no_segments(tokens):
-    return jnp.zeros(tokens.shape, jnp.int32)
+    """Every row one document (segment id 0 would mark padding)."""
+    return jnp.ones(tokens.shape, jnp.int32)
 
 
 def test_layer_groups_cover_prefix_scanned_body_and_suffix(model):
@@ -181,6 +182,10 @@ def test_moe_stats_and_router_bias_follow_layer_order(model, tokens):
     num_moe, experts = model.config.num_layers - 1, model.config.moe.num_experts
     assert out.moe_stats.expert_load.shape == (num_moe, experts)
     np.testing.assert_allclose(out.moe_stats.expert_load.sum(-1), BATCH * LENGTH * model.config.moe.top_k)
+    padded = no_segments(tokens).at[:, LENGTH // 3:].set(0)         # segment id 0: padding, not balanced
+    padded_stats = forward(model, tokens, padded).moe_stats
+    np.testing.assert_allclose(padded_stats.expert_load.sum(-1), BATCH * (LENGTH // 3) * model.config.moe.top_k)
+    np.testing.assert_array_equal(padded_stats.token_mask, np.asarray(padded).reshape(1, -1).repeat(num_moe, 0) != 0)
     bias = model.router_bias()
     assert bias.shape == (num_moe, experts) and not bias.any()
     new_bias = jnp.arange(num_moe * experts, dtype=jnp.float32).reshape(num_moe, experts)
