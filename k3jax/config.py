@@ -187,6 +187,10 @@ class ModelConfig:
     init_std: float = 0.02                # linear weights, truncated normal
     embed_init_std: float = 1.0
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Activation checkpointing of the scanned period (`k3jax.model.REMAT_POLICIES`): "none" keeps
+    # every activation for the backward pass, "full" keeps only the residual stream entering each
+    # period and recomputes the rest, "dots" also keeps the matmul outputs.
+    remat: Literal["none", "full", "dots"] = "none"
 
     def __post_init__(self):
         _positive(self, "vocab_size", "d_model", "num_layers", "dense_width", "mla_period", "norm_eps",

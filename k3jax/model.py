@@ -41,6 +41,11 @@ from k3jax.sharding import with_logical_constraint
 
 # The residual stream [B, T, d] splits over the batch only (`k3jax.sharding` maps the names).
 ACTIVATION_AXES = ("batch", None, None)
+# What the backward pass keeps of each scanned period (`ModelConfig.remat`); the rest is recomputed.
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 class ModelOutput(NamedTuple):
@@ -250,7 +255,8 @@ class K3Model(nnx.Module):
         return ModelOutput(logits, memory, _join_layers(prefix_stats, body_stats, suffix_stats))
 
     def _scan_body(self, stream, memory, segment_ids):
-        """Run the stacked body period ``repeats`` times with `lax.scan`."""
+        """Run the stacked body period ``repeats`` times with `lax.scan`, each period checkpointed
+        as ``config.remat`` says."""
         graphdef, state = nnx.split(self.body)
 
         def period(stream, per_period):
@@ -258,6 +264,8 @@ class K3Model(nnx.Module):
             stream, memory, stats = nnx.merge(graphdef, state)(stream, memory, segment_ids)
             return stream, (memory, stats)
 
+        if self.config.remat != "none":
+            period = jax.checkpoint(period, policy=REMAT_POLICIES[self.config.remat], prevent_cse=False)
         # A single period is unrolled: a one-trip loop only adds copies of the carried stream.
         stream, (memory, stats) = jax.lax.scan(period, stream, (state, memory), unroll=self.groups.repeats == 1)
         return stream, memory, stats
