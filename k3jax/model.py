@@ -227,6 +227,9 @@ class K3Model(nnx.Module):
                              f"{tokens.shape} and {None if segment_ids is None else segment_ids.shape}")
         if memory is not None and {memory.kda.state.shape[1], memory.mla.length.shape[1]} != {tokens.shape[0]}:
             raise ValueError(f"memory holds {memory.mla.length.shape[1]} sequences, tokens {tokens.shape[0]}")
+        if memory is not None and tokens.shape[1] > memory.mla.latent.shape[2]:
+            raise ValueError(f"{tokens.shape[1]} tokens do not fit the memory's MLA cache of "
+                             f"{memory.mla.latent.shape[2]} (init_memory's max_length)")
         num_sources = -(-cfg.num_layers // cfg.attn_res.block_size) if cfg.attn_res.kind == "block" else None
         embedded = with_logical_constraint(jnp.take(self.embedding[...], tokens, axis=0), ACTIVATION_AXES)
         stream = ResidualStream.start(embedded, num_sources)

@@ -277,3 +277,8 @@ def test_init_memory_layout(model):
     assert memory.kda.conv.shape == (3, 3, kda.conv_size - 1, 3 * kda.num_heads * kda.head_dim)
     assert memory.mla.latent.shape == (4, 3, 10, mla.kv_lora_rank + mla.rope_head_dim)
     assert memory.mla.length.shape == memory.mla.document_start.shape == (4, 3)
+
+
+def test_a_prefill_longer_than_the_cache_is_refused(model, tokens):
+    with pytest.raises(ValueError, match=f"{LENGTH} tokens do not fit the memory's MLA cache of {LENGTH - 1}"):
+        model(tokens, memory=init_memory(model.config, BATCH, LENGTH - 1))
