@@ -21,7 +21,6 @@ import time
 import k3jax  # noqa: F401  (XLA:CPU workaround before JAX starts)
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from k3jax.ops.kda import kda, kda_gate, l2_normalize
 from k3jax.ops.kda.chunk import chunk_algorithm_flops, effective_chunk_size

@@ -24,7 +24,7 @@ from flax import nnx
 from k3jax.config import ModelConfig
 from k3jax.layers.moe import RouterBias
 from k3jax.layers.params import logical_axes
-from k3jax.model import param_counts
+from k3jax.model import K3Model, param_counts
 from k3jax.ops.kda.chunk import chunk_algorithm_flops
 from k3jax.ops.moe import MoEStats, load_metrics
 from k3jax.sharding import StepShardings
@@ -77,6 +77,35 @@ class TrainState(NamedTuple):
 
 def init_train_state(params: dict, buffers: dict, optimizer: optax.GradientTransformation) -> TrainState:
     return TrainState(jnp.zeros((), jnp.int32), params, buffers, optimizer.init(params), jnp.zeros((), jnp.int32))
+
+
+def abstract_model(config: ModelConfig) -> tuple[ModelParts, dict, dict]:
+    """`split_model` of the model ``config`` describes, as ``jax.ShapeDtypeStruct``s (nothing allocated)."""
+    return split_model(nnx.eval_shape(lambda: K3Model(config, rngs=nnx.Rngs(0))))
+
+
+def abstract_train_state(params: dict, buffers: dict, optimizer: optax.GradientTransformation) -> TrainState:
+    """The `TrainState` of abstract ``params`` and ``buffers`` (``jax.ShapeDtypeStruct``s)."""
+    return jax.eval_shape(functools.partial(init_train_state, optimizer=optimizer), params, buffers)
+
+
+def sharded_train_state(config: ModelConfig, seed: int, optimizer: optax.GradientTransformation,
+                        shardings: TrainState) -> TrainState:
+    """A freshly initialised `TrainState` created where ``shardings`` place it: one jitted program
+    in which every device computes only its own shards (no full copy on any host, as a K3 needs).
+    The values depend on ``seed`` only, not on the mesh (partitionable threefry)."""
+
+    def initialise():
+        _, params, buffers = split_model(K3Model(config, rngs=nnx.Rngs(seed)))
+        return init_train_state(params, buffers, optimizer)
+
+    return jax.jit(initialise, out_shardings=shardings)()
+
+
+def sharded_fresh_optimizer(params: dict, buffers: dict, optimizer: optax.GradientTransformation,
+                            shardings: TrainState) -> TrainState:
+    """A `TrainState` at step 0 around given (e.g. restored) parameters, laid out by ``shardings``."""
+    return jax.jit(functools.partial(init_train_state, optimizer=optimizer), out_shardings=shardings)(params, buffers)
 
 
 def masked_cross_entropy(logits, targets, mask):
@@ -212,7 +241,6 @@ def restore_model(directory, step: int | None = None) -> RestoredModel:
     read (not the optimizer state). Raises `k3jax.checkpoint.CheckpointError` when there is none."""
     from k3jax.checkpoint import RunCheckpoints, checkpoint_directory, restore_subtree
     from k3jax.config import config_from_dict
-    from k3jax.model import K3Model
 
     checkpoints = RunCheckpoints(checkpoint_directory(directory), read_only=True)
     try:
@@ -221,9 +249,7 @@ def restore_model(directory, step: int | None = None) -> RestoredModel:
     finally:
         checkpoints.close()
     config = config_from_dict(meta["config"])
-    abstract = nnx.eval_shape(lambda: K3Model(config.model, rngs=nnx.Rngs(0)))
-    parts, params, buffers = split_model(abstract)
-    as_struct = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
-    params, _ = restore_subtree(directory, "params", as_struct(params), step)
-    buffers, _ = restore_subtree(directory, "buffers", as_struct(buffers), step)
+    parts, params, buffers = abstract_model(config.model)
+    params, _ = restore_subtree(directory, "params", params, step)
+    buffers, _ = restore_subtree(directory, "buffers", buffers, step)
     return RestoredModel(parts.merge(params, buffers), config, meta, step)

@@ -28,16 +28,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import yaml
-from flax import nnx
 
-from k3jax.checkpoint import CheckpointError, RunCheckpoints, restore_subtree
+from k3jax.checkpoint import RunCheckpoints, restore_subtree
 from k3jax.config import Config, ConfigError, to_dict
 from k3jax.data import MQARDataset, make_dataset, mqar_recall
-from k3jax.model import K3Model
 from k3jax.optim import build_optimizer, learning_rate_schedule
-from k3jax.sharding import check_run_fits, global_batch, make_mesh, place, process_rows, step_shardings, to_host
-from k3jax.training import (TrainState, init_train_state, make_eval_step, make_train_step, split_model,
-                            training_flops_per_token)
+from k3jax.sharding import abstract, check_run_fits, global_batch, make_mesh, process_rows, step_shardings, to_host
+from k3jax.training import (abstract_model, abstract_train_state, make_eval_step, make_train_step,
+                            sharded_fresh_optimizer, sharded_train_state, training_flops_per_token)
 from train.metrics import MetricsLog, Progress, TensorBoard
 
 
@@ -148,14 +146,14 @@ class Trainer:
                                                   f"vocabulary ({self.data.vocab_size} tokens)")
         self.mesh = make_mesh(config.mesh)
         check_run_fits(config, self.mesh)
-        model = K3Model(config.model, rngs=nnx.Rngs(config.train.seed))
-        self.parts, params, buffers = split_model(model)
+        # Shapes first (nothing allocated), then the layout on the device mesh (k3jax.sharding);
+        # the state itself is created or restored shard by shard, where it lives.
+        self.parts, params, buffers = abstract_model(config.model)
         self.schedule, self.optimizer = run_optimizer(config, self.parts.params.axes())
-        self.state = init_train_state(params, buffers, self.optimizer)
-        # Placement on the device mesh (k3jax.sharding): every process holds its devices' shards.
-        self.shardings = step_shardings(self.state, self.parts.params.axes(), self.parts.buffers.axes(), self.mesh,
+        state_shapes = abstract_train_state(params, buffers, self.optimizer)
+        self.shardings = step_shardings(state_shapes, self.parts.params.axes(), self.parts.buffers.axes(), self.mesh,
                                         config.mesh)
-        self.state = place(self.state, self.shardings.state)
+        self.abstract_state = abstract(state_shapes, self.shardings.state)
         self.batch_rows = process_rows(self.shardings.batch, config.train.batch_size)
         self.primary = jax.process_index() == 0   # writes config.yaml, summary.json, metrics.jsonl
         self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", keep=config.checkpoint.keep,
@@ -170,25 +168,24 @@ class Trainer:
 
     # -- state ---------------------------------------------------------------------------------
 
-    def _abstract(self, tree):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
     def _resume_or_initialise(self) -> None:
         latest = self.checkpoints.latest_step()
         if latest is not None:
             check_same_model(self.checkpoints.meta(latest), self.config, f"checkpoint {latest} in {self.run_dir}")
-            self.state, meta = self.checkpoints.restore(latest, self._abstract(self.state))
+            self.state, meta = self.checkpoints.restore(latest, self.abstract_state)
             self.position = int(meta["data_position"])
             self.resumed_from = latest
             return
         self.resumed_from = None
         if self.config.init_from:
             source = pathlib.Path(self.config.init_from).expanduser()
-            abstract = self._abstract({"params": self.state.params, "buffers": self.state.buffers})
-            params, meta = restore_subtree(source, "params", abstract["params"])
+            params, meta = restore_subtree(source, "params", self.abstract_state.params)
             check_same_model(meta, self.config, f"init_from {source}")
-            buffers, _ = restore_subtree(source, "buffers", abstract["buffers"])
-            self.state = place(init_train_state(params, buffers, self.optimizer), self.shardings.state)
+            buffers, _ = restore_subtree(source, "buffers", self.abstract_state.buffers)
+            self.state = sharded_fresh_optimizer(params, buffers, self.optimizer, self.shardings.state)
+            return
+        self.state = sharded_train_state(self.config.model, self.config.train.seed, self.optimizer,
+                                         self.shardings.state)
 
     def _meta(self) -> dict:
         return {"config": to_dict(self.config), "data_position": self.position,

@@ -1,5 +1,4 @@
 """DenseGLU and MoE layers (SPEC §4) against a float64 NumPy forward built from their own parameters."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

@@ -123,6 +123,7 @@ def test_loss_gradients_and_balancing_on_four_meshes_equal_one_device(launched):
         assert result["loss"] <= TOLERANCE, (mesh, result)
         assert result["gradients"] <= TOLERANCE, (mesh, result)
         assert result["router_bias"] <= 1e-6, (mesh, result)
+        assert result["initialisation"] == 0 and result["initialisation_laid_out"], (mesh, result)
 
 
 def numpy_dropped(indices, shards: int, num_experts: int, capacity_factor: float) -> int:
