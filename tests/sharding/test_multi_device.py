@@ -1,7 +1,8 @@
 """Sharded training on 8 fake CPU devices, in subprocesses (the rest of the suite runs on one
 device, and the device count is fixed when JAX starts): equality with one device on four meshes,
 the capacity rule's dropped tokens, the ragged dispatch, LatentMoE's all-to-all bytes, and a
-checkpoint written by one 8-device process that two 4-device processes resume on another mesh."""
+checkpoint written by one 8-device process that two 4-device processes resume on another mesh,
+and a fresh run by two 4-device processes (each initialising its shards) against one process."""
 import json
 import math
 import os
@@ -193,7 +194,21 @@ def resumed_by_two_processes(launched, mesh_a_run, tmp_path_factory):
     processes of 4 devices each."""
     run_dir = tmp_path_factory.mktemp("two-processes")
     shutil.copytree(mesh_a_run / "checkpoints" / "2", run_dir / "checkpoints" / "2")
-    processes = two_process_training(run_dir, launched["cache"], *MESH_B)
+    finish_all(two_process_training(run_dir, launched["cache"], *MESH_B))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def started_by_two_processes(launched, tmp_path_factory):
+    """A fresh run of 2 steps on mesh (fsdp=2, expert=2, tensor=2) by two processes of 4 devices:
+    each creates its shards of the initial state."""
+    run_dir = tmp_path_factory.mktemp("two-processes-fresh")
+    finish_all(two_process_training(run_dir, launched["cache"], *MESH_B, "train.steps=2",
+                                    "optimizer.schedule_steps=4"))
+    return run_dir
+
+
+def finish_all(processes) -> None:
     try:
         for process in processes:
             finish(process)
@@ -202,7 +217,6 @@ def resumed_by_two_processes(launched, mesh_a_run, tmp_path_factory):
             if process.poll() is None:
                 process.kill()
                 process.communicate()
-    return run_dir
 
 
 def test_checkpoint_from_one_mesh_resumes_on_another_with_the_same_losses(resumed_by_two_processes, mesh_a_run):
@@ -213,3 +227,7 @@ def test_two_processes_of_four_devices_train_like_one_process_of_eight(resumed_b
     process1 = losses(resumed_by_two_processes, "metrics.process1.jsonl")     # what the second process measured
     assert_same_losses(process1, losses(mesh_a_run), steps=(3, 4))
     assert RunCheckpoints(resumed_by_two_processes / "checkpoints", read_only=True).latest_step() == 4
+
+
+def test_two_processes_initialise_the_state_like_one_process(started_by_two_processes, mesh_a_run):
+    assert_same_losses(losses(started_by_two_processes), losses(mesh_a_run), steps=(1, 2))
