@@ -2,8 +2,10 @@
 
     mesh = make_mesh(config.mesh)                    # axes data, fsdp, expert, tensor (Auto)
     check_run_fits(config, mesh)                     # one-line ConfigErrors
-    shardings = step_shardings(state, parts.params.axes(), parts.buffers.axes(), mesh, config.mesh)
-    state = place(state, shardings.state)
+    parts, params, buffers = abstract_model(config.model)          # k3jax.training: shapes only
+    shapes = abstract_train_state(params, buffers, optimizer)
+    shardings = step_shardings(shapes, parts.params.axes(), parts.buffers.axes(), mesh, config.mesh)
+    state = sharded_train_state(config.model, seed, optimizer, shardings.state)   # shard by shard
     step = make_train_step(parts, optimizer, shardings=shardings)     # traced under use_mesh
     index, count = process_rows(shardings.batch, B)  # this process's block of each global batch
     state, metrics = step(state, global_batch(dataset.batch(i, B, process_index=index, process_count=count),
@@ -192,19 +194,6 @@ def abstract(tree: Any, shardings: Any) -> Any:
 
 
 # --- data movement -------------------------------------------------------------------------------
-
-
-def place(tree: Any, shardings: Any) -> Any:
-    """Arrays with the same values laid out by ``shardings``; with several processes each one
-    supplies its own devices' shards from its (identical) copy of ``tree``."""
-    if jax.process_count() == 1:
-        return jax.device_put(tree, shardings)
-
-    def from_host(x, sharding):
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-    return jax.tree.map(from_host, tree, shardings)
 
 
 def process_rows(sharding: NamedSharding, global_rows: int) -> tuple[int, int]:
