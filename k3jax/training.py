@@ -102,7 +102,7 @@ def sharded_train_state(config: ModelConfig, seed: int, optimizer: optax.Gradien
     return jax.jit(initialise, out_shardings=shardings)()
 
 
-def sharded_fresh_optimizer(params: dict, buffers: dict, optimizer: optax.GradientTransformation,
+def sharded_state_from_params(params: dict, buffers: dict, optimizer: optax.GradientTransformation,
                             shardings: TrainState) -> TrainState:
     """A `TrainState` at step 0 around given (e.g. restored) parameters, laid out by ``shardings``."""
     return jax.jit(functools.partial(init_train_state, optimizer=optimizer), out_shardings=shardings)(params, buffers)

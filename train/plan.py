@@ -151,29 +151,23 @@ def _shard_bytes(abstract_tree, shardings) -> float:
 def plan_train_step(config) -> Plan:
     """Compile ``config``'s train step for the current devices (abstract inputs only) and measure it."""
     import jax
-    from flax import nnx
 
-    from k3jax.model import K3Model
-    from k3jax.sharding import abstract, check_run_fits, make_mesh, mesh_shape, step_shardings
-    from k3jax.training import init_train_state, make_train_step, split_model
-    from train.run import run_optimizer
+    from k3jax.sharding import mesh_shape
+    from k3jax.training import make_train_step
+    from train.run import lay_out_run
 
-    mesh = make_mesh(config.mesh)
-    check_run_fits(config, mesh)
-    parts, params, buffers = split_model(nnx.eval_shape(lambda: K3Model(config.model, rngs=nnx.Rngs(0))))
-    schedule, optimizer = run_optimizer(config, parts.params.axes())
-    state = jax.eval_shape(lambda p, b: init_train_state(p, b, optimizer), params, buffers)
-    shardings = step_shardings(state, parts.params.axes(), parts.buffers.axes(), mesh, config.mesh)
+    layout = lay_out_run(config)
     rows, length = config.train.batch_size, config.data.seq_len
-    batch = {name: jax.ShapeDtypeStruct((rows, length), dtype, sharding=shardings.batch)
+    batch = {name: jax.ShapeDtypeStruct((rows, length), dtype, sharding=layout.shardings.batch)
              for name, dtype in BATCH_DTYPES.items()}
-    step = make_train_step(parts, optimizer, accumulation=config.train.grad_accum, schedule=schedule,
-                           shardings=shardings)
+    step = make_train_step(layout.parts, layout.optimizer, accumulation=config.train.grad_accum,
+                           schedule=layout.schedule, shardings=layout.shardings)
     started = time.perf_counter()
-    compiled = step.lower(abstract(state, shardings.state), batch).compile()
+    compiled = step.lower(layout.state, batch).compile()
     seconds = time.perf_counter() - started
     memory = compiled.memory_analysis()
     state_shardings = compiled.input_shardings[0][0]
+    mesh, state = layout.mesh, layout.state
     return Plan(
         devices=mesh.size,
         mesh=mesh_shape(config.mesh, mesh.size),

@@ -23,6 +23,7 @@ import pathlib
 import signal
 import tempfile
 import time
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +34,10 @@ from k3jax.checkpoint import RunCheckpoints, restore_subtree
 from k3jax.config import Config, ConfigError, to_dict
 from k3jax.data import MQARDataset, make_dataset, mqar_recall
 from k3jax.optim import build_optimizer, learning_rate_schedule
-from k3jax.sharding import abstract, check_run_fits, global_batch, make_mesh, process_rows, step_shardings, to_host
-from k3jax.training import (abstract_model, abstract_train_state, make_eval_step, make_train_step,
-                            sharded_fresh_optimizer, sharded_train_state, training_flops_per_token)
+from k3jax.sharding import (StepShardings, abstract, check_run_fits, global_batch, make_mesh, process_rows,
+                            step_shardings, to_host)
+from k3jax.training import (TrainState, abstract_model, abstract_train_state, make_eval_step, make_train_step,
+                            sharded_state_from_params, sharded_train_state, training_flops_per_token)
 from train.metrics import MetricsLog, Progress, TensorBoard
 
 
@@ -133,6 +135,30 @@ def run_optimizer(config: Config, axes: dict):
     return schedule, optimizer
 
 
+class RunLayout(NamedTuple):
+    """What a run's train step is built from, before any array exists: the device mesh, the
+    model's parts, the schedule and optimizer, and the train state as `jax.ShapeDtypeStruct`s
+    carrying the shardings it lives with on the mesh (``shardings`` also lays out the batches)."""
+
+    mesh: Any
+    parts: Any
+    schedule: Any
+    optimizer: Any
+    state: TrainState
+    shardings: StepShardings
+
+
+def lay_out_run(config: Config) -> RunLayout:
+    """The `RunLayout` of ``config`` on all devices (shapes only; nothing is allocated)."""
+    mesh = make_mesh(config.mesh)
+    check_run_fits(config, mesh)
+    parts, params, buffers = abstract_model(config.model)
+    schedule, optimizer = run_optimizer(config, parts.params.axes())
+    shapes = abstract_train_state(params, buffers, optimizer)
+    shardings = step_shardings(shapes, parts.params.axes(), parts.buffers.axes(), mesh, config.mesh)
+    return RunLayout(mesh, parts, schedule, optimizer, abstract(shapes, shardings.state), shardings)
+
+
 class Trainer:
     """Builds everything a run needs from its `Config`."""
 
@@ -144,16 +170,11 @@ class Trainer:
         if self.data.vocab_size > config.model.vocab_size:
             raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the data's "
                                                   f"vocabulary ({self.data.vocab_size} tokens)")
-        self.mesh = make_mesh(config.mesh)
-        check_run_fits(config, self.mesh)
-        # Shapes first (nothing allocated), then the layout on the device mesh (k3jax.sharding);
-        # the state itself is created or restored shard by shard, where it lives.
-        self.parts, params, buffers = abstract_model(config.model)
-        self.schedule, self.optimizer = run_optimizer(config, self.parts.params.axes())
-        state_shapes = abstract_train_state(params, buffers, self.optimizer)
-        self.shardings = step_shardings(state_shapes, self.parts.params.axes(), self.parts.buffers.axes(), self.mesh,
-                                        config.mesh)
-        self.abstract_state = abstract(state_shapes, self.shardings.state)
+        # Shapes and their layout on the device mesh first; the state itself is then created or
+        # restored shard by shard, where it lives.
+        layout = lay_out_run(config)
+        self.mesh, self.parts, self.schedule, self.optimizer = layout.mesh, layout.parts, layout.schedule, layout.optimizer
+        self.abstract_state, self.shardings = layout.state, layout.shardings
         self.batch_rows = process_rows(self.shardings.batch, config.train.batch_size)
         self.primary = jax.process_index() == 0   # writes config.yaml, summary.json, metrics.jsonl
         self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", keep=config.checkpoint.keep,
@@ -182,7 +203,7 @@ class Trainer:
             params, meta = restore_subtree(source, "params", self.abstract_state.params)
             check_same_model(meta, self.config, f"init_from {source}")
             buffers, _ = restore_subtree(source, "buffers", self.abstract_state.buffers)
-            self.state = sharded_fresh_optimizer(params, buffers, self.optimizer, self.shardings.state)
+            self.state = sharded_state_from_params(params, buffers, self.optimizer, self.shardings.state)
             return
         self.state = sharded_train_state(self.config.model, self.config.train.seed, self.optimizer,
                                          self.shardings.state)

@@ -6,18 +6,19 @@ a mesh. Prints, per mesh, the relative errors of the loss and of every gradient 
 largest difference of the quantile-balanced router biases, the dropped count, and how the
 trainer's shard-by-shard initialisation compares with the eager parameters.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from k3jax.data import make_dataset
 from k3jax.model import K3Model
-from k3jax.sharding import batch_sharding, make_mesh, named_shardings, step_shardings, use_mesh
-from k3jax.training import (abstract_model, abstract_train_state, masked_cross_entropy, sharded_train_state,
-                            split_model)
+from k3jax.sharding import batch_sharding, make_mesh, named_shardings, use_mesh
+from k3jax.training import masked_cross_entropy, sharded_train_state, split_model
 from tests.sharding.programs.common import emit, mesh_config, relative_error, small_k3_config
+from train.run import lay_out_run
 
 MESHES = {
     "data=8": dict(data=8),
@@ -47,17 +48,15 @@ def make_step(parts, mesh=None, mesh_cfg=None):
     return jax.jit(step if mesh is None else step_on_mesh)
 
 
-def sharded_initialisation(config, mesh, mesh_cfg, params, optimizer):
+def sharded_initialisation(config, mesh_cfg, params):
     """(largest difference between the trainer's shard-by-shard initial parameters and the eager
-    ones, whether every state array landed with the sharding asked for)."""
-    parts, shapes, buffer_shapes = abstract_model(config.model)
-    shardings = step_shardings(abstract_train_state(shapes, buffer_shapes, optimizer), parts.params.axes(),
-                               parts.buffers.axes(), mesh, mesh_cfg).state
-    state = sharded_train_state(config.model, 0, optimizer, shardings)
+    ones, whether every state array landed with the sharding the trainer asked for)."""
+    layout = lay_out_run(dataclasses.replace(config, mesh=mesh_cfg))
+    state = sharded_train_state(config.model, 0, layout.optimizer, layout.shardings.state)
     difference = max(float(np.max(np.abs(np.asarray(state.params[path]) - np.asarray(params[path]))))
                      for path in params)
     laid_out = all(array.sharding.is_equivalent_to(sharding, array.ndim) for array, sharding in
-                   zip(jax.tree.leaves(state), jax.tree.leaves(shardings)))
+                   zip(jax.tree.leaves(state), jax.tree.leaves(layout.shardings.state)))
     return difference, laid_out
 
 
@@ -76,7 +75,7 @@ def main():
                 jax.device_put(batch, batch_sharding(mesh, mesh_cfg.rules)))
         compiled = make_step(parts, mesh, mesh_cfg).lower(*args).compile()
         mesh_loss, mesh_grads, mesh_bias, dropped = jax.device_get(compiled(*args))
-        init_difference, init_laid_out = sharded_initialisation(config, mesh, mesh_cfg, params, optax.adamw(1e-3))
+        init_difference, init_laid_out = sharded_initialisation(config, mesh_cfg, params)
         results[name] = {
             "initialisation": init_difference,
             "initialisation_laid_out": init_laid_out,
