@@ -37,13 +37,20 @@ Packed documents: with segment indices, pairs across a boundary are masked out o
 A_qk, rows after a boundary do not read the carried state, columns before the chunk's last
 boundary do not write it, and the carried state is dropped when the chunk holds a boundary.
 
-Backward (`jax.custom_vjp`): the forward saves only its inputs, the state entering each chunk
-and V~; the backward recomputes the intra-chunk terms, walks the chunks in reverse for dS (two
-matmuls per chunk, like the forward), and does everything else for all chunks at once:
+Layout of the work: one `lax.scan` step per chunk computes that chunk's intra-chunk terms and
+then passes the state, so every intermediate is one chunk in size and stays in cache (on 2 CPU
+cores this runs 2-3x faster than computing the intra-chunk terms of all chunks at once, whose
+intermediates are the size of the sequence). The solve is applied once, to the combined
+right-hand side: V~ = (I + A_kk)^{-1} Diag(beta) P with P = V - exp(Gamma) K S_in (= U - W S_in).
+
+Backward (`jax.custom_vjp`): the forward saves only its inputs and the state entering each chunk;
+a reverse scan recomputes each chunk's intra-chunk terms and V~, and with dS_out from the chunk
+after it:
 
     dV~     = A_qk^T dO + (K * exp sigma) dS_out
-    dS_in   = (Q * exp Gamma)^T dO - W^T dV~ + Diag(exp Gamma_C) dS_out
-    dRHS    = (I + A_kk)^{-T} [-dV~ S_in^T | dV~],   dA_kk = -dRHS [W | U]^T,   dA_qk = dO V~^T
+    dRHS    = (I + A_kk)^{-T} dV~,   dP = Diag(beta) dRHS,   dbeta += rowsum(dRHS * P)
+    dS_in   = (Q * exp Gamma)^T dO - (exp(Gamma) K)^T dP + Diag(exp Gamma_C) dS_out
+    dA_kk   = -dRHS V~^T,   dA_qk = dO V~^T
     scores  s[r,i] = sum_c x_r[c] k_i[c] E_ri[c]:  dx_r = sum_i ds E k_i,  dk_i += sum_r ds E x_r,
             dGamma_r += x_r dx_r,  dGamma_i -= k_i (dk_i from this term)
     dg_j    = sum_{t >= j} dGamma_t + sum_{t < j} dsigma_t + dGamma_C
@@ -292,8 +299,8 @@ def unit_lower_inverse(lower):
 def _neumann(coupling, x, blocks: int, transpose: bool = False):
     """(I + N)^{-1} x (or (I + N^T)^{-1} x) for N nilpotent of index ``blocks``:
     prod_m (I + (-N)^(2^m)) x, m < ceil(log2(blocks))."""
-    power = -coupling
     factors = math.ceil(math.log2(blocks)) if blocks > 1 else 0
+    power = -coupling if factors else None
     for m in range(factors):
         x = x + (_t_mm(power, x) if transpose else _mm(power, x))
         if m < factors - 1:
@@ -311,25 +318,23 @@ def _block_solve(inverse, coupling, rhs, transpose: bool = False):
 
 
 class Intra(NamedTuple):
-    """Per-chunk terms that do not depend on the carried state, ``[N, B, HV, ...]``."""
+    """Terms of one chunk that do not depend on the carried state, ``[B, HV, ...]``."""
 
     sums: GateSums
     factors: ScoreFactors
     masks: Masks
-    a_qk: jax.Array           # masked query scores                               [.., C, C]
-    key_scores: jax.Array     # masked key scores, A_kk = Diag(beta) key_scores    [.., C, C]
-    inverse: jax.Array        # (I + D)^{-1}, D the diagonal blocks of A_kk        [.., n, S, S]
-    coupling: jax.Array       # N = (I + D)^{-1} (A_kk - D)                        [.., C, C]
-    carried_keys: jax.Array   # exp(Gamma) K (rows reading the carried state)      [.., C, K]
-    w: jax.Array              # (I + A_kk)^{-1} Diag(beta) carried_keys            [.., C, K]
-    u: jax.Array              # (I + A_kk)^{-1} Diag(beta) V                       [.., C, V]
-    queries: jax.Array        # Q exp(Gamma)                                       [.., C, K]
-    keys_to_end: jax.Array    # K exp(sigma)                                       [.., C, K]
-    decay_total: jax.Array    # exp(Gamma_C)                                       [.., K]
+    a_qk: jax.Array              # masked query scores                              [.., C, C]
+    key_scores: jax.Array        # masked key scores, A_kk = Diag(beta) key_scores   [.., C, C]
+    inverse: jax.Array           # (I + D)^{-1}, D the diagonal blocks of A_kk       [.., n, S, S]
+    coupling: jax.Array | None   # N = (I + D)^{-1} (A_kk - D); None for one block   [.., C, C]
+    carried_keys: jax.Array      # exp(Gamma) K (rows reading the carried state)     [.., C, K]
+    queries: jax.Array           # Q exp(Gamma)                                      [.., C, K]
+    keys_to_end: jax.Array       # (K exp(sigma))^T, transposed for the state update [.., K, C]
+    decay_total: jax.Array       # exp(Gamma_C)                                      [.., K]
 
 
-def intra_chunk(q, k, v, g, beta, segments, width: int) -> Intra:
-    """Everything that does not depend on the carried state, for all chunks at once (fp32, q scaled;
+def intra_chunk(q, k, g, beta, segments, width: int) -> Intra:
+    """Everything of one chunk that does not depend on the carried state (fp32, q scaled;
     ``[.., C, ...]``)."""
     chunk = q.shape[-2]
     blocks = chunk // width
@@ -340,10 +345,12 @@ def intra_chunk(q, k, v, g, beta, segments, width: int) -> Intra:
     key_scores = _merge(scores(k, k, g, factors, width)) * masks.key
     a_kk = _split(key_scores * beta[..., :, None], width)                    # [.., n, S, C]
     inverse = unit_lower_inverse(_diagonal_of(a_kk))
-    off_diagonal = 1.0 - np.kron(np.eye(blocks, dtype=np.float32), np.ones((width, width), np.float32))
-    coupling = _merge(_mm(inverse, a_kk * _split(off_diagonal, width)))
+    coupling = None
+    if blocks > 1:
+        off_diagonal = 1.0 - np.kron(np.eye(blocks, dtype=np.float32), np.ones((width, width), np.float32))
+        coupling = _merge(_mm(inverse, a_kk * _split(off_diagonal, width)))
     decay_prefix = jnp.exp(sums.prefix)
-    carried_keys = _masked(k * decay_prefix, masks.reads_carry)
+    keys_to_end = _masked(k * jnp.exp(sums.suffix), masks.writes_carry)
     return Intra(
         sums=sums,
         factors=factors,
@@ -352,11 +359,9 @@ def intra_chunk(q, k, v, g, beta, segments, width: int) -> Intra:
         key_scores=key_scores,
         inverse=inverse,
         coupling=coupling,
-        carried_keys=carried_keys,
-        w=_block_solve(inverse, coupling, beta[..., None] * carried_keys),
-        u=_block_solve(inverse, coupling, beta[..., None] * v),
+        carried_keys=_masked(k * decay_prefix, masks.reads_carry),
         queries=_masked(q * decay_prefix, masks.reads_carry),
-        keys_to_end=_masked(k * jnp.exp(sums.suffix), masks.writes_carry),
+        keys_to_end=jnp.swapaxes(keys_to_end, -1, -2),
         decay_total=_masked(jnp.exp(sums.total), masks.keeps_carry),
     )
 
@@ -364,67 +369,63 @@ def intra_chunk(q, k, v, g, beta, segments, width: int) -> Intra:
 # ----------------------------------------------------------------------------- forward and backward
 
 
-def pass_state(intra: Intra, initial_state):
-    """The sequential part, over axis 0 (chunks). Returns ``(V~, outputs from the state,
-    entering states S_in [N, B, HV, K, V], final state)``."""
-
-    def body(state, xs):
-        w, queries, u, keys_to_end, decay_total = xs
-        new_values = u - _mm(w, state)
-        next_state = decay_total[..., None] * state + _t_mm(keys_to_end, new_values)
-        return next_state, (new_values, _mm(queries, state), state)
-
-    final_state, (new_values, from_state, entering) = jax.lax.scan(
-        body, initial_state, (intra.w, intra.queries, intra.u, intra.keys_to_end, intra.decay_total)
-    )
-    return new_values, from_state, entering, final_state
+def _new_values(intra: Intra, v, beta, state):
+    """``(P, V~)`` with P = V - exp(Gamma) K S_in and V~ = (I + A_kk)^{-1} Diag(beta) P = U - W S_in."""
+    residual = v - _mm(intra.carried_keys, state)
+    return residual, _block_solve(intra.inverse, intra.coupling, beta[..., None] * residual)
 
 
-def _forward(q, k, v, g, beta, initial_state, segments, width):
-    intra = intra_chunk(q, k, v, g, beta, segments, width)
-    new_values, from_state, entering, final_state = pass_state(intra, initial_state)
-    return from_state + _mm(intra.a_qk, new_values), final_state, entering, new_values
+def _forward_step(state, inputs, width: int):
+    """One chunk: ``(S_out, o)`` from S_in and the chunk's ``(q, k, v, g, beta, segments)``."""
+    q, k, v, g, beta, segments = inputs
+    intra = intra_chunk(q, k, g, beta, segments, width)
+    _, new_values = _new_values(intra, v, beta, state)
+    o = _mm(intra.queries, state) + _mm(intra.a_qk, new_values)
+    next_state = intra.decay_total[..., None] * state + _mm(intra.keys_to_end, new_values)
+    return next_state, o
+
+
+def _forward(inputs, initial_state, width: int, keep_states: bool):
+    """Scan the chunks (axis 0). Returns ``(o, final state, states entering each chunk or None)``."""
+
+    def body(state, chunk_inputs):
+        next_state, o = _forward_step(state, chunk_inputs, width)
+        return next_state, (o, state if keep_states else None)
+
+    final_state, (o, entering) = jax.lax.scan(body, initial_state, inputs)
+    return o, final_state, entering
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def chunked(q, k, v, g, beta, initial_state, segments, width):
     """Chunked KDA on chunk-major fp32 arrays ``[N, B, HV, C, ...]``; returns ``(o, final_state)``."""
-    o, final_state, _, _ = _forward(q, k, v, g, beta, initial_state, segments, width)
+    o, final_state, _ = _forward((q, k, v, g, beta, segments), initial_state, width, keep_states=False)
     return o, final_state
 
 
 def _chunked_fwd(q, k, v, g, beta, initial_state, segments, width):
-    o, final_state, entering, new_values = _forward(q, k, v, g, beta, initial_state, segments, width)
-    return (o, final_state), (q, k, v, g, beta, segments, entering, new_values)
+    inputs = (q, k, v, g, beta, segments)
+    o, final_state, entering = _forward(inputs, initial_state, width, keep_states=True)
+    return (o, final_state), (inputs, entering)
 
 
-def _reverse_pass(intra: Intra, d_o, d_final_state):
-    """Walk the chunks backwards: returns ``(dV~, dS_out per chunk, d initial_state)``."""
-
-    def body(d_state, xs):
-        from_outputs, state_from_outputs, w, keys_to_end, decay_total = xs
-        d_values = from_outputs + _mm(keys_to_end, d_state)
-        d_state_in = state_from_outputs - _t_mm(w, d_values) + decay_total[..., None] * d_state
-        return d_state_in, (d_values, d_state)
-
-    xs = (_t_mm(intra.a_qk, d_o), _t_mm(intra.queries, d_o), intra.w, intra.keys_to_end, intra.decay_total)
-    d_initial, (d_values, d_state_out) = jax.lax.scan(body, d_final_state, xs, reverse=True)
-    return d_values, d_state_out, d_initial
-
-
-def _chunked_bwd(width, residuals, cotangents):
-    q, k, v, g, beta, segments, entering, new_values = residuals
-    d_o, d_final_state = cotangents
-    intra = intra_chunk(q, k, v, g, beta, segments, width)
+def _backward_step(d_state, xs, width: int):
+    """One chunk in reverse: from dS_out and the chunk's inputs, S_in and dO, returns dS_in and the
+    gradients of the chunk's ``(q, k, v, g, beta)``."""
+    (q, k, v, g, beta, segments), state, d_o = xs
+    intra = intra_chunk(q, k, g, beta, segments, width)
     masks = intra.masks
-    d_values, d_state_out, d_initial = _reverse_pass(intra, d_o, d_final_state)
+    residual, new_values = _new_values(intra, v, beta, state)
 
-    # Through the solve: [W | U] = (I + A_kk)^{-1} Diag(beta) [carried keys | V].
-    d_rhs_keys = _block_solve(intra.inverse, intra.coupling, -_mm_t(d_values, entering), transpose=True)
-    d_rhs_values = _block_solve(intra.inverse, intra.coupling, d_values, transpose=True)
-    d_a_kk = -(_mm_t(d_rhs_keys, intra.w) + _mm_t(d_rhs_values, intra.u)) * masks.key
-    d_beta = (jnp.sum(d_rhs_keys * intra.carried_keys, axis=-1) + jnp.sum(d_rhs_values * v, axis=-1)
-              + jnp.sum(d_a_kk * intra.key_scores, axis=-1))
+    # Through o = Q~ S_in + A_qk V~ and S_out = Diag(exp Gamma_C) S_in + (K exp sigma)^T V~.
+    d_values = _t_mm(intra.a_qk, d_o) + _t_mm(intra.keys_to_end, d_state)
+    # Through the solve: V~ = (I + A_kk)^{-1} Diag(beta) P, P = V - exp(Gamma) K S_in.
+    d_rhs = _block_solve(intra.inverse, intra.coupling, d_values, transpose=True)
+    d_residual = beta[..., None] * d_rhs
+    d_state_in = (_t_mm(intra.queries, d_o) - _t_mm(intra.carried_keys, d_residual)
+                  + intra.decay_total[..., None] * d_state)
+    d_a_kk = -_mm_t(d_rhs, new_values) * masks.key
+    d_beta = jnp.sum(d_rhs * residual, axis=-1) + jnp.sum(d_a_kk * intra.key_scores, axis=-1)
 
     # Through the scores.
     d_a_qk = _mm_t(d_o, new_values) * masks.query
@@ -436,16 +437,24 @@ def _chunked_bwd(width, residuals, cotangents):
 
     # Through Q exp(Gamma), exp(Gamma) K, K exp(sigma) and exp(Gamma_C).
     decay_prefix = jnp.exp(intra.sums.prefix)
-    d_queries = _masked(_mm_t(d_o, entering), masks.reads_carry)
-    d_carried_keys = _masked(beta[..., None] * d_rhs_keys, masks.reads_carry)
+    d_queries = _masked(_mm_t(d_o, state), masks.reads_carry)
+    d_carried_keys = _masked(-_mm_t(d_residual, state), masks.reads_carry)
     dq = dq + d_queries * decay_prefix
     dk = dk + d_carried_keys * decay_prefix
     d_prefix = d_prefix + d_queries * intra.queries + d_carried_keys * intra.carried_keys
-    d_keys_to_end = _masked(_mm_t(new_values, d_state_out), masks.writes_carry)
+    d_keys_to_end = _masked(_mm_t(new_values, d_state), masks.writes_carry)
     dk = dk + d_keys_to_end * jnp.exp(intra.sums.suffix)
-    d_total = jnp.sum(d_state_out * entering, axis=-1) * intra.decay_total
-    dg = gate_gradient(d_prefix, d_keys_to_end * intra.keys_to_end, d_total)
-    return dq, dk, beta[..., None] * d_rhs_values, dg, d_beta, d_initial, None
+    d_total = jnp.sum(d_state * state, axis=-1) * intra.decay_total
+    dg = gate_gradient(d_prefix, d_keys_to_end * jnp.swapaxes(intra.keys_to_end, -1, -2), d_total)
+    return d_state_in, (dq, dk, d_residual, dg, d_beta)
+
+
+def _chunked_bwd(width, residuals, cotangents):
+    inputs, entering = residuals
+    d_o, d_final_state = cotangents
+    d_initial, grads = jax.lax.scan(functools.partial(_backward_step, width=width), d_final_state,
+                                    (inputs, entering, d_o), reverse=True)
+    return (*grads, d_initial, None)
 
 
 chunked.defvjp(_chunked_fwd, _chunked_bwd)
