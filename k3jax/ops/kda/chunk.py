@@ -361,7 +361,7 @@ def intra_chunk(q, k, g, beta, segments, width: int) -> Intra:
         coupling=coupling,
         carried_keys=_masked(k * decay_prefix, masks.reads_carry),
         queries=_masked(q * decay_prefix, masks.reads_carry),
-        keys_to_end=jnp.swapaxes(keys_to_end, -1, -2),
+        keys_to_end=jax.lax.optimization_barrier(jnp.swapaxes(keys_to_end, -1, -2)),
         decay_total=_masked(jnp.exp(sums.total), masks.keeps_carry),
     )
 
@@ -375,30 +375,56 @@ def _new_values(intra: Intra, v, beta, state):
     return residual, _block_solve(intra.inverse, intra.coupling, beta[..., None] * residual)
 
 
+def _heads_major(chunk_inputs):
+    """One chunk's ``(q, k, v, g, beta)`` from token-major ``[B, C, HV, ...]`` to ``[B, HV, C, ...]``
+    (the transposes of one chunk stay in cache; whole-sequence transposes cost as much as the
+    arithmetic on 2 CPU cores)."""
+    return tuple(jnp.swapaxes(x, 1, 2) for x in chunk_inputs)
+
+
 def _forward_step(state, inputs, width: int):
-    """One chunk: ``(S_out, o)`` from S_in and the chunk's ``(q, k, v, g, beta, segments)``."""
-    q, k, v, g, beta, segments = inputs
+    """One chunk: ``(S_out, o [B, C, HV, V])`` from S_in and the chunk's token-major
+    ``(q, k, v, g, beta, segments)``."""
+    *chunk_inputs, segments = inputs
+    q, k, v, g, beta = _heads_major(chunk_inputs)
     intra = intra_chunk(q, k, g, beta, segments, width)
     _, new_values = _new_values(intra, v, beta, state)
     o = _mm(intra.queries, state) + _mm(intra.a_qk, new_values)
     next_state = intra.decay_total[..., None] * state + _mm(intra.keys_to_end, new_values)
-    return next_state, o
+    return next_state, jnp.swapaxes(o, 1, 2)
+
+
+def _chunk(arrays, index):
+    """Chunk ``index`` of token-major arrays ``[B, N, ...]`` (a pytree; None stays None)."""
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, index, axis=1, keepdims=False), arrays)
+
+
+def _write_chunk(buffers, values, index):
+    """Write one chunk's ``values`` into ``buffers [B, N, ...]`` at chunk ``index`` (in place)."""
+    return jax.tree.map(lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, index, axis=1), buffers, values)
 
 
 def _forward(inputs, initial_state, width: int, keep_states: bool):
-    """Scan the chunks (axis 0). Returns ``(o, final state, states entering each chunk or None)``."""
+    """Scan the chunks. Returns ``(o, final state, states entering each chunk [N, ...] or None)``.
 
-    def body(state, chunk_inputs):
-        next_state, o = _forward_step(state, chunk_inputs, width)
-        return next_state, (o, state if keep_states else None)
+    Chunks are read from and written to the token-major arrays in place, so no sequence-sized
+    transpose or copy is made."""
+    n_chunks = inputs[0].shape[1]
 
-    final_state, (o, entering) = jax.lax.scan(body, initial_state, inputs)
+    def body(carry, index):
+        state, o = carry
+        next_state, o_chunk = _forward_step(state, _chunk(inputs, index), width)
+        return (next_state, _write_chunk(o, o_chunk, index)), (state if keep_states else None)
+
+    o = jnp.zeros(inputs[2].shape, inputs[2].dtype)
+    (final_state, o), entering = jax.lax.scan(body, (initial_state, o), jnp.arange(n_chunks))
     return o, final_state, entering
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def chunked(q, k, v, g, beta, initial_state, segments, width):
-    """Chunked KDA on chunk-major fp32 arrays ``[N, B, HV, C, ...]``; returns ``(o, final_state)``."""
+    """Chunked KDA on token-major fp32 arrays split into chunks, ``[B, N, C, HV, ...]``; returns
+    ``(o, final_state)``."""
     o, final_state, _ = _forward((q, k, v, g, beta, segments), initial_state, width, keep_states=False)
     return o, final_state
 
@@ -412,7 +438,9 @@ def _chunked_fwd(q, k, v, g, beta, initial_state, segments, width):
 def _backward_step(d_state, xs, width: int):
     """One chunk in reverse: from dS_out and the chunk's inputs, S_in and dO, returns dS_in and the
     gradients of the chunk's ``(q, k, v, g, beta)``."""
-    (q, k, v, g, beta, segments), state, d_o = xs
+    (*chunk_inputs, segments), state, d_o = xs
+    q, k, v, g, beta = _heads_major(chunk_inputs)
+    d_o = jnp.swapaxes(d_o, 1, 2)
     intra = intra_chunk(q, k, g, beta, segments, width)
     masks = intra.masks
     residual, new_values = _new_values(intra, v, beta, state)
@@ -446,14 +474,22 @@ def _backward_step(d_state, xs, width: int):
     dk = dk + d_keys_to_end * jnp.exp(intra.sums.suffix)
     d_total = jnp.sum(d_state * state, axis=-1) * intra.decay_total
     dg = gate_gradient(d_prefix, d_keys_to_end * jnp.swapaxes(intra.keys_to_end, -1, -2), d_total)
-    return d_state_in, (dq, dk, d_residual, dg, d_beta)
+    return d_state_in, tuple(jnp.swapaxes(x, 1, 2) for x in (dq, dk, d_residual, dg, d_beta))
 
 
 def _chunked_bwd(width, residuals, cotangents):
     inputs, entering = residuals
     d_o, d_final_state = cotangents
-    d_initial, grads = jax.lax.scan(functools.partial(_backward_step, width=width), d_final_state,
-                                    (inputs, entering, d_o), reverse=True)
+
+    def body(carry, index):
+        d_state, grads = carry
+        xs = (_chunk(inputs, index), entering[index], _chunk(d_o, index))
+        d_state, chunk_grads = _backward_step(d_state, xs, width)
+        return (d_state, _write_chunk(grads, chunk_grads, index)), None
+
+    grads = tuple(jnp.zeros_like(x) for x in inputs[:5])
+    (d_initial, grads), _ = jax.lax.scan(body, (d_final_state, grads), jnp.arange(inputs[0].shape[1]),
+                                         reverse=True)
     return (*grads, d_initial, None)
 
 
@@ -464,7 +500,7 @@ chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 def _segment_index_chunks(segment_starts, padded_length, chunk):
-    """Segment index of each token ``[N, B, 1, C]`` and the one carried into each chunk ``[N, B, 1, 1]``.
+    """Segment index of each token ``[B, N, 1, C]`` and the one carried into each chunk ``[B, N, 1, 1]``.
 
     The index counts segment starts, so the initial state belongs to index 0.
     """
@@ -473,7 +509,7 @@ def _segment_index_chunks(segment_starts, padded_length, chunk):
     batch = index.shape[0]
     chunks = index.reshape(batch, -1, chunk)
     carried = jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), chunks[:, :-1, -1]], axis=1)
-    return jnp.moveaxis(chunks, 1, 0)[:, :, None], jnp.moveaxis(carried, 1, 0)[:, :, None, None]
+    return chunks[:, :, None], carried[:, :, None, None]
 
 
 def chunk_kda(q, k, v, g, beta, initial_state, segment_starts, chunk_size: int):
@@ -482,7 +518,7 @@ def chunk_kda(q, k, v, g, beta, initial_state, segment_starts, chunk_size: int):
     Shapes as `reference.recurrent_kda`: q, k, g ``[B, T, HV, K]``, v ``[B, T, HV, V]``,
     beta ``[B, T, HV]``, initial_state ``[B, HV, K, V]``, segment_starts ``[B, T]`` or None.
     Any T: the tail is padded with tokens that leave the state unchanged (k = v = g = beta = 0).
-    Internally chunk-major: ``[N, B, HV, C, ...]``.
+    Internally ``[B, N, C, HV, ...]`` (a reshape, no copy).
     """
     batch, length, heads, _ = q.shape
     chunk = effective_chunk_size(length, chunk_size)
@@ -490,15 +526,14 @@ def chunk_kda(q, k, v, g, beta, initial_state, segment_starts, chunk_size: int):
     n_chunks = -(-length // chunk)
     padded = n_chunks * chunk
 
-    def to_chunks(x):  # [B, T, HV, ...] -> [N, B, HV, C, ...]
+    def to_chunks(x):  # [B, T, HV, ...] -> [B, N, C, HV, ...]
         if padded != length:
             x = jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))
-        x = x.reshape(batch, n_chunks, chunk, heads, *x.shape[3:])
-        return jnp.moveaxis(x, (1, 3), (0, 2))
+        return x.reshape(batch, n_chunks, chunk, *x.shape[2:])
 
     segments = None if segment_starts is None else _segment_index_chunks(segment_starts, padded, chunk)
     o, final_state = chunked(*map(to_chunks, (q, k, v, g, beta)), initial_state, segments, width)
-    o = jnp.moveaxis(o, (0, 2), (1, 3)).reshape(batch, padded, heads, -1)[:, :length]
+    o = o.reshape(batch, padded, heads, -1)[:, :length]
     return o, final_state
 
 
