@@ -111,8 +111,16 @@ def _mm_t(a, b):
     return einsum("...ik,...jk->...ij", a, b)
 
 
+def _transposed(x):
+    """``x`` with its last two axes swapped *in memory*: the barrier keeps XLA from folding the
+    transpose into the consuming dot, whose transposed-operand form XLA:CPU runs through a
+    slower library path (about 2x for one chunk's matrices)."""
+    return jax.lax.optimization_barrier(jnp.swapaxes(x, -1, -2))
+
+
 def _t_mm(a, b):
-    return einsum("...ji,...jk->...ik", a, b)
+    """``a^T b`` over the last two axes."""
+    return _mm(_transposed(a), b)
 
 
 def _left_multiply(matrix: np.ndarray, x: jax.Array) -> jax.Array:
@@ -329,7 +337,7 @@ class Intra(NamedTuple):
     coupling: jax.Array | None   # N = (I + D)^{-1} (A_kk - D); None for one block   [.., C, C]
     carried_keys: jax.Array      # exp(Gamma) K (rows reading the carried state)     [.., C, K]
     queries: jax.Array           # Q exp(Gamma)                                      [.., C, K]
-    keys_to_end: jax.Array       # (K exp(sigma))^T, transposed for the state update [.., K, C]
+    keys_to_end: jax.Array       # K exp(sigma) (columns writing the carried state)  [.., C, K]
     decay_total: jax.Array       # exp(Gamma_C)                                      [.., K]
 
 
@@ -350,7 +358,6 @@ def intra_chunk(q, k, g, beta, segments, width: int) -> Intra:
         off_diagonal = 1.0 - np.kron(np.eye(blocks, dtype=np.float32), np.ones((width, width), np.float32))
         coupling = _merge(_mm(inverse, a_kk * _split(off_diagonal, width)))
     decay_prefix = jnp.exp(sums.prefix)
-    keys_to_end = _masked(k * jnp.exp(sums.suffix), masks.writes_carry)
     return Intra(
         sums=sums,
         factors=factors,
@@ -361,7 +368,7 @@ def intra_chunk(q, k, g, beta, segments, width: int) -> Intra:
         coupling=coupling,
         carried_keys=_masked(k * decay_prefix, masks.reads_carry),
         queries=_masked(q * decay_prefix, masks.reads_carry),
-        keys_to_end=jax.lax.optimization_barrier(jnp.swapaxes(keys_to_end, -1, -2)),
+        keys_to_end=_masked(k * jnp.exp(sums.suffix), masks.writes_carry),
         decay_total=_masked(jnp.exp(sums.total), masks.keeps_carry),
     )
 
@@ -390,7 +397,7 @@ def _forward_step(state, inputs, width: int):
     intra = intra_chunk(q, k, g, beta, segments, width)
     _, new_values = _new_values(intra, v, beta, state)
     o = _mm(intra.queries, state) + _mm(intra.a_qk, new_values)
-    next_state = intra.decay_total[..., None] * state + _mm(intra.keys_to_end, new_values)
+    next_state = intra.decay_total[..., None] * state + _t_mm(intra.keys_to_end, new_values)
     return next_state, jnp.swapaxes(o, 1, 2)
 
 
@@ -446,7 +453,7 @@ def _backward_step(d_state, xs, width: int):
     residual, new_values = _new_values(intra, v, beta, state)
 
     # Through o = Q~ S_in + A_qk V~ and S_out = Diag(exp Gamma_C) S_in + (K exp sigma)^T V~.
-    d_values = _t_mm(intra.a_qk, d_o) + _t_mm(intra.keys_to_end, d_state)
+    d_values = _t_mm(intra.a_qk, d_o) + _mm(intra.keys_to_end, d_state)
     # Through the solve: V~ = (I + A_kk)^{-1} Diag(beta) P, P = V - exp(Gamma) K S_in.
     d_rhs = _block_solve(intra.inverse, intra.coupling, d_values, transpose=True)
     d_residual = beta[..., None] * d_rhs
@@ -473,7 +480,7 @@ def _backward_step(d_state, xs, width: int):
     d_keys_to_end = _masked(_mm_t(new_values, d_state), masks.writes_carry)
     dk = dk + d_keys_to_end * jnp.exp(intra.sums.suffix)
     d_total = jnp.sum(d_state * state, axis=-1) * intra.decay_total
-    dg = gate_gradient(d_prefix, d_keys_to_end * jnp.swapaxes(intra.keys_to_end, -1, -2), d_total)
+    dg = gate_gradient(d_prefix, d_keys_to_end * intra.keys_to_end, d_total)
     return d_state_in, tuple(jnp.swapaxes(x, 1, 2) for x in (dq, dk, d_residual, dg, d_beta))
 
 
