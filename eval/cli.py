@@ -22,6 +22,7 @@ import sys
 from tqdm import tqdm
 
 from k3jax.data import DataError
+from k3jax.host import keep_freed_memory
 from k3jax.model import param_counts
 from train.metrics import read_metrics
 from eval.loading import EvalInputError, LoadedRun, load_run
@@ -127,6 +128,7 @@ def quiet_checkpoint_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_freed_memory()  # before JAX starts its threads
     quiet_checkpoint_logging()
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)

@@ -22,6 +22,7 @@ import sys
 
 from k3jax.checkpoint import CheckpointError
 from k3jax.config import ConfigError, load_config
+from k3jax.host import keep_freed_memory
 from k3jax.data import DataError
 
 
@@ -39,6 +40,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    keep_freed_memory()  # before JAX starts its threads
     from k3jax.sharding import initialize_distributed
     from train.run import RunError, Trainer  # after argument parsing: --help stays instant
 
