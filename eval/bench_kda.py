@@ -5,10 +5,11 @@
 For each shape (B, T, H, K, V) it measures, in one process so the ratios are side by side:
 tokens/s of the forward and of forward+backward for each implementation, the chunked
 form's achieved GFLOP/s (the algorithm's FLOPs, counted by `chunk_algorithm_flops`) against an
-fp32 GEMM rate measured in the same run, and peak temporary memory (from the compiled
-programs) of forward vs forward+backward at T = 8192. Gates are K3's bounded form; one
-extra row times Kimi Linear's unbounded gate at its extreme, where diagonal sub-blocks are
-computed exactly. Prints a table and writes JSON.
+fp32 GEMM rate measured in the same run, and the memory (from the compiled programs) of forward
+vs forward+backward at T = 8192: temporaries, and all live bytes. Gates are K3's bounded form;
+one extra row times Kimi Linear's unbounded gate at its extreme, where blocks decaying by more
+than exp(-80) are computed from exact pairwise decays. The process first calls
+`k3jax.host.keep_freed_memory` (both implementations run under it). Prints a table and writes JSON.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 
 from k3jax.host import keep_freed_memory
 from k3jax.ops.kda import kda, kda_gate, l2_normalize
-from k3jax.ops.kda.chunk import chunk_algorithm_flops, effective_chunk_size
+from k3jax.ops.kda.chunk import block_width, chunk_algorithm_flops, effective_chunk_size
 
 SHAPES = [(1, 4096, 4, 128, 128), (4, 2048, 8, 64, 64)]
 MEMORY_SHAPE = (1, 8192, 4, 128, 128)
@@ -78,9 +79,13 @@ def gemm_rate(repeats: int) -> float:
     return max(rates)
 
 
-def temp_bytes(fn, args) -> int:
-    """Peak temporary buffer bytes of the compiled program (XLA's memory analysis)."""
-    return int(fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+def program_bytes(fn, args) -> dict:
+    """Temporary bytes, and all bytes live in the program (arguments + outputs + temporaries), from
+    XLA's memory analysis of the compiled program."""
+    analysis = fn.lower(*args).compile().memory_analysis()
+    temp = int(analysis.temp_size_in_bytes)
+    return dict(temp=temp, total=temp + int(analysis.argument_size_in_bytes) + int(analysis.output_size_in_bytes)
+                - int(analysis.alias_size_in_bytes))
 
 
 def run(repeats: int, quick: bool):
@@ -100,18 +105,21 @@ def run(repeats: int, quick: bool):
                    forward_tokens_per_s=batch * length / forward,
                    forward_backward_tokens_per_s=batch * length / both)
         if implementation == "chunk":
-            flops = chunk_algorithm_flops(*shape, effective_chunk_size(length, chunk_size))
+            # The FLOPs of the algorithm as executed: state passes every `block_width` tokens.
+            flops = chunk_algorithm_flops(*shape, block_width(effective_chunk_size(length, chunk_size)))
             row.update(forward_gflop=flops / 1e9, forward_gflop_per_s=flops / forward / 1e9,
                        fraction_of_gemm=flops / forward / 1e9 / gemm)
         rows.append(row)
         print(f"  measured {implementation:9s} C={chunk_size:<3d} {gate:9s} {shape}", flush=True)
     memory_args = make_inputs((1, 1024, 2, 64, 64) if quick else MEMORY_SHAPE, "bounded")
+    forward, both = (program_bytes(fn("chunk"), memory_args) for fn in (forward_fn, forward_backward_fn))
     memory = dict(
         shape=list(MEMORY_SHAPE) if not quick else [1, 1024, 2, 64, 64],
-        forward_temp_bytes=temp_bytes(forward_fn("chunk"), memory_args),
-        forward_backward_temp_bytes=temp_bytes(forward_backward_fn("chunk"), memory_args),
+        forward_temp_bytes=forward["temp"], forward_backward_temp_bytes=both["temp"],
+        ratio=both["temp"] / forward["temp"],
+        forward_total_bytes=forward["total"], forward_backward_total_bytes=both["total"],
+        total_ratio=both["total"] / forward["total"],
     )
-    memory["ratio"] = memory["forward_backward_temp_bytes"] / memory["forward_temp_bytes"]
     return dict(gemm_gflop_per_s=gemm, rows=rows, memory=memory)
 
 
@@ -145,8 +153,11 @@ def print_table(result):
         print(f"  {tuple(r['shape'])} chunk C={r['chunk_size']}: forward {r['forward_speedup']:.1f}x, "
               f"forward+backward {r['forward_backward_speedup']:.1f}x")
     m = result["memory"]
-    print(f"\npeak temporary memory at {tuple(m['shape'])}: forward {m['forward_temp_bytes'] / 2**20:.0f} MiB, "
-          f"forward+backward {m['forward_backward_temp_bytes'] / 2**20:.0f} MiB ({m['ratio']:.2f}x)")
+    mib = 2**20
+    print(f"\nmemory at {tuple(m['shape'])}, chunk 64: temporaries forward {m['forward_temp_bytes'] / mib:.0f} MiB, "
+          f"forward+backward {m['forward_backward_temp_bytes'] / mib:.0f} MiB ({m['ratio']:.2f}x); "
+          f"with arguments and outputs {m['forward_total_bytes'] / mib:.0f} MiB vs "
+          f"{m['forward_backward_total_bytes'] / mib:.0f} MiB ({m['total_ratio']:.2f}x)")
 
 
 def main(argv=None):
