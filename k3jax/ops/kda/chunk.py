@@ -155,14 +155,14 @@ def _exact_decay(g):
     return jnp.exp(jnp.where(r >= i, pair_sum, -jnp.inf))
 
 
-def block_scores(q, k, g, prefix, safe):
+def block_scores(q, k, g, prefix, decayed_q, decayed_k, safe):
     """Unmasked ``(sum_c q_r k_i exp(Gamma_r - Gamma_i), same with k_r for q_r)`` ``[.., S, S]``, exact at
-    and below the diagonal (above it: whatever the factored product gives, finite; masked later)."""
+    and below the diagonal (above it: whatever the factored product gives, finite; masked later).
+    ``decayed_q``, ``decayed_k`` are q exp(Gamma) and k exp(Gamma), the factored form's rows."""
 
     def factored():
-        rows = jnp.exp(prefix)
         columns = k * jnp.exp(-prefix)
-        return _mm_t(q * rows, columns), _mm_t(k * rows, columns)
+        return _mm_t(decayed_q, columns), _mm_t(decayed_k, columns)
 
     def exact():
         pair_terms = k[..., None, :, :] * _exact_decay(g)                      # [.., r, i, K]
@@ -172,15 +172,17 @@ def block_scores(q, k, g, prefix, safe):
     return jax.lax.cond(safe, factored, exact)
 
 
-def block_score_gradients(q, k, g, prefix, safe, d_query_scores, d_key_scores):
-    """For the gradients of both `block_scores` outputs: ``(dq, dk, dGamma)``, each ``[.., S, K]``."""
+def block_score_gradients(q, k, g, prefix, decay_prefix, safe, d_query_scores, d_key_scores):
+    """For the gradients of both `block_scores` outputs: ``(dq, dk, dGamma)``, each ``[.., S, K]``
+    (``decay_prefix`` = exp(Gamma))."""
+    decayed_q, decayed_k = q * decay_prefix, k * decay_prefix
 
     def factored():
-        rows, column_scale = jnp.exp(prefix), jnp.exp(-prefix)
+        column_scale = jnp.exp(-prefix)
         columns = k * column_scale
-        d_q = rows * _mm(d_query_scores, columns)
-        d_k_rows = rows * _mm(d_key_scores, columns)
-        d_k_columns = column_scale * (_t_mm(d_query_scores, q * rows) + _t_mm(d_key_scores, k * rows))
+        d_q = decay_prefix * _mm(d_query_scores, columns)
+        d_k_rows = decay_prefix * _mm(d_key_scores, columns)
+        d_k_columns = column_scale * (_t_mm(d_query_scores, decayed_q) + _t_mm(d_key_scores, decayed_k))
         return d_q, d_k_rows, d_k_columns
 
     def exact():
@@ -245,6 +247,7 @@ class BlockTerms(NamedTuple):
     sums: GateSums
     masks: Masks
     safe: jax.Array           # every block of the chunk decays by at most FACTORED_DECAY_LIMIT
+    decay_prefix: jax.Array   # exp(Gamma)                                         [.., S, K]
     a_qk: jax.Array           # masked query scores                               [.., S, S]
     key_scores: jax.Array     # masked key scores, A_kk = Diag(beta) key_scores    [.., S, S]
     inverse: jax.Array        # (I + A_kk)^{-1}                                    [.., S, S]
@@ -259,18 +262,20 @@ def block_terms(q, k, g, beta, segments) -> BlockTerms:
     sums = gate_sums(g)
     safe = jnp.max(-sums.total) <= FACTORED_DECAY_LIMIT
     masks = block_masks(segments, g.shape[-2])
-    query_scores, key_scores = block_scores(q, k, g, sums.prefix, safe)
-    key_scores = key_scores * masks.key
     decay_prefix = jnp.exp(sums.prefix)
+    decayed_q, decayed_k = q * decay_prefix, k * decay_prefix
+    query_scores, key_scores = block_scores(q, k, g, sums.prefix, decayed_q, decayed_k, safe)
+    key_scores = key_scores * masks.key
     return BlockTerms(
         sums=sums,
         masks=masks,
         safe=safe,
+        decay_prefix=decay_prefix,
         a_qk=query_scores * masks.query,
         key_scores=key_scores,
         inverse=unit_lower_inverse(key_scores * beta[..., :, None]),
-        carried_keys=_masked(k * decay_prefix, masks.reads_carry),
-        queries=_masked(q * decay_prefix, masks.reads_carry),
+        carried_keys=_masked(decayed_k, masks.reads_carry),
+        queries=_masked(decayed_q, masks.reads_carry),
         keys_to_end=_masked(k * jnp.exp(sums.suffix), masks.writes_carry),
         decay_total=_masked(jnp.exp(sums.total), masks.keeps_carry),
     )
@@ -395,11 +400,11 @@ def _backward_step(d_state, xs, width: int):
 
     # Through the scores.
     d_a_qk = _mm_t(d_o, walk.new_values) * masks.query
-    dq, dk, d_prefix = block_score_gradients(q, k, g, terms.sums.prefix, terms.safe, d_a_qk,
+    decay_prefix = terms.decay_prefix
+    dq, dk, d_prefix = block_score_gradients(q, k, g, terms.sums.prefix, decay_prefix, terms.safe, d_a_qk,
                                              d_a_kk * beta[..., :, None])
 
     # Through Q exp(Gamma), exp(Gamma) K, K exp(sigma) and exp(Gamma_S).
-    decay_prefix = jnp.exp(terms.sums.prefix)
     d_queries = _masked(_mm_t(d_o, walk.entering), masks.reads_carry)
     d_carried_keys = _masked(-_mm_t(d_residual, walk.entering), masks.reads_carry)
     dq = dq + d_queries * decay_prefix
