@@ -1,9 +1,11 @@
 """Benchmark of the KDA operator on the local backend: reference scan vs chunked form.
 
-    python -m eval.bench_kda [--out bench_results/kda.json] [--repeats 5] [--quick]
+    python -m eval.bench_kda [--out bench_results/kda.json] [--repeats 7] [--quick]
 
-For each shape (B, T, H, K, V) it measures, in one process so the ratios are side by side:
-tokens/s of the forward and of forward+backward for each implementation, the chunked
+For each shape (B, T, H, K, V) it measures, in one process and in interleaved rounds (each round
+runs every implementation once, so the ratios are side by side even on a noisy machine; the
+table gives the median and range of the per-round ratios): tokens/s (best round) of the forward
+and of forward+backward for each implementation, the chunked
 form's achieved GFLOP/s (the algorithm's FLOPs, counted by `chunk_algorithm_flops`) against an
 fp32 GEMM rate measured in the same run, and the memory (from the compiled programs) of forward
 vs forward+backward at T = 8192: temporaries, and all live bytes. Gates are K3's bounded form;
@@ -22,6 +24,7 @@ import time
 import k3jax  # noqa: F401  (XLA:CPU workaround before JAX starts)
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from k3jax.host import keep_freed_memory
 from k3jax.ops.kda import kda, kda_gate, l2_normalize
@@ -88,29 +91,66 @@ def program_bytes(fn, args) -> dict:
                 - int(analysis.alias_size_in_bytes))
 
 
-def run(repeats: int, quick: bool):
+def interleaved_times(fns, args, rounds: int) -> np.ndarray:
+    """Wall times ``[rounds, len(fns)]`` after one compile-and-warm-up run each. Every round runs
+    each function once, in turn, so the slow spells of a noisy machine fall on all of them alike
+    and the per-round ratios stay comparable."""
+    for fn in fns:
+        jax.block_until_ready(fn(*args))
+    times = np.empty((rounds, len(fns)))
+    for r in range(rounds):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[r, i] = time.perf_counter() - start
+    return times
+
+
+IMPLEMENTATIONS = (("reference", 64), ("chunk", 64), ("chunk", 32), ("chunk", 16))
+
+
+def measure_shape(shape, gate, implementations, repeats: int, gemm: float):
+    """Rows (best time of each implementation) and the per-round chunk/reference speed-ups."""
+    args = make_inputs(shape, gate)
+    batch, length = shape[:2]
+    forward = interleaved_times([forward_fn(i, c) for i, c in implementations], args, repeats)
+    both = interleaved_times([forward_backward_fn(i, c) for i, c in implementations], args, max(2, repeats // 2))
     rows = []
-    gemm = gemm_rate(repeats)
-    shapes = [(1, 1024, 2, 64, 64)] if quick else SHAPES
-    cases = [(shape, "bounded", impl, chunk) for shape in shapes
-             for impl, chunk in (("reference", 64), ("chunk", 64), ("chunk", 32), ("chunk", 16))]
-    cases.append((shapes[0], "unbounded", "chunk", 64))
-    for shape, gate, implementation, chunk_size in cases:
-        args = make_inputs(shape, gate)
-        batch, length = shape[:2]
-        forward = best_time(forward_fn(implementation, chunk_size), args, repeats)
-        both = best_time(forward_backward_fn(implementation, chunk_size), args, max(1, repeats // 2))
+    for column, (implementation, chunk_size) in enumerate(implementations):
         row = dict(shape=list(shape), gate=gate, implementation=implementation, chunk_size=chunk_size,
-                   forward_s=forward, forward_backward_s=both,
-                   forward_tokens_per_s=batch * length / forward,
-                   forward_backward_tokens_per_s=batch * length / both)
+                   forward_s=forward[:, column].min(), forward_backward_s=both[:, column].min(),
+                   forward_s_rounds=forward[:, column].tolist(), forward_backward_s_rounds=both[:, column].tolist())
+        row.update(forward_tokens_per_s=batch * length / row["forward_s"],
+                   forward_backward_tokens_per_s=batch * length / row["forward_backward_s"])
         if implementation == "chunk":
             # The FLOPs of the algorithm as executed: state passes every `block_width` tokens.
             flops = chunk_algorithm_flops(*shape, block_width(effective_chunk_size(length, chunk_size)))
-            row.update(forward_gflop=flops / 1e9, forward_gflop_per_s=flops / forward / 1e9,
-                       fraction_of_gemm=flops / forward / 1e9 / gemm)
+            rate = flops / row["forward_s"] / 1e9
+            row.update(forward_gflop=flops / 1e9, forward_gflop_per_s=rate, fraction_of_gemm=rate / gemm)
         rows.append(row)
         print(f"  measured {implementation:9s} C={chunk_size:<3d} {gate:9s} {shape}", flush=True)
+    speedups = []
+    if implementations[0][0] == "reference":
+        for column, (_, chunk_size) in enumerate(implementations[1:], start=1):
+            speedups.append(dict(
+                shape=list(shape), chunk_size=chunk_size,
+                forward_speedup=float(np.median(forward[:, 0] / forward[:, column])),
+                forward_speedup_range=[float(x) for x in np.percentile(forward[:, 0] / forward[:, column], [0, 100])],
+                forward_backward_speedup=float(np.median(both[:, 0] / both[:, column])),
+                forward_backward_speedup_range=[float(x) for x in np.percentile(both[:, 0] / both[:, column], [0, 100])],
+            ))
+    return rows, speedups
+
+
+def run(repeats: int, quick: bool):
+    gemm = gemm_rate(repeats)
+    shapes = [(1, 1024, 2, 64, 64)] if quick else SHAPES
+    rows, speedups = [], []
+    for shape in shapes:
+        shape_rows, shape_speedups = measure_shape(shape, "bounded", IMPLEMENTATIONS, repeats, gemm)
+        rows += shape_rows
+        speedups += shape_speedups
+    rows += measure_shape(shapes[0], "unbounded", [("chunk", 64)], repeats, gemm)[0]
     memory_args = make_inputs((1, 1024, 2, 64, 64) if quick else MEMORY_SHAPE, "bounded")
     forward, both = (program_bytes(fn("chunk"), memory_args) for fn in (forward_fn, forward_backward_fn))
     memory = dict(
@@ -120,19 +160,7 @@ def run(repeats: int, quick: bool):
         forward_total_bytes=forward["total"], forward_backward_total_bytes=both["total"],
         total_ratio=both["total"] / forward["total"],
     )
-    return dict(gemm_gflop_per_s=gemm, rows=rows, memory=memory)
-
-
-def ratios(rows):
-    """chunk / reference speed-ups per shape and chunk size (bounded gates)."""
-    out = []
-    bounded = [r for r in rows if r["gate"] == "bounded"]
-    for reference in (r for r in bounded if r["implementation"] == "reference"):
-        for chunk in (r for r in bounded if r["implementation"] == "chunk" and r["shape"] == reference["shape"]):
-            out.append(dict(shape=chunk["shape"], chunk_size=chunk["chunk_size"],
-                            forward_speedup=reference["forward_s"] / chunk["forward_s"],
-                            forward_backward_speedup=reference["forward_backward_s"] / chunk["forward_backward_s"]))
-    return sorted(out, key=lambda r: (r["shape"], -r["chunk_size"]))
+    return dict(gemm_gflop_per_s=gemm, rows=rows, ratios=speedups, memory=memory)
 
 
 def print_table(result):
@@ -148,10 +176,11 @@ def print_table(result):
         chunk = str(r["chunk_size"]) if r["implementation"] == "chunk" else ""
         print(f"{str(tuple(r['shape'])):22s} {r['gate']:9s} {r['implementation']:9s} {chunk:>3s} "
               f"{r['forward_tokens_per_s']:11.0f} {r['forward_backward_tokens_per_s']:14.0f} {gf} {pct}")
-    print("\nchunk vs reference (same run):")
+    print("\nchunk vs reference, median (min-max) of the per-round ratios, rounds interleaved in this run:")
     for r in result["ratios"]:
-        print(f"  {tuple(r['shape'])} chunk C={r['chunk_size']}: forward {r['forward_speedup']:.1f}x, "
-              f"forward+backward {r['forward_backward_speedup']:.1f}x")
+        (f_lo, f_hi), (b_lo, b_hi) = r["forward_speedup_range"], r["forward_backward_speedup_range"]
+        print(f"  {tuple(r['shape'])} chunk C={r['chunk_size']}: forward {r['forward_speedup']:.2f}x "
+              f"({f_lo:.2f}-{f_hi:.2f}), forward+backward {r['forward_backward_speedup']:.1f}x ({b_lo:.1f}-{b_hi:.1f})")
     m = result["memory"]
     mib = 2**20
     print(f"\nmemory at {tuple(m['shape'])}, chunk 64: temporaries forward {m['forward_temp_bytes'] / mib:.0f} MiB, "
@@ -163,12 +192,12 @@ def print_table(result):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_results/kda.json", help="where to write the JSON results")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (best is kept)")
+    parser.add_argument("--repeats", type=int, default=7,
+                        help="interleaved rounds of forward timings (forward+backward: half as many, at least 2)")
     parser.add_argument("--quick", action="store_true", help="one small shape, for a smoke run")
     args = parser.parse_args(argv)
     allocator_tuned = keep_freed_memory()  # before JAX starts its threads; applies to both implementations
     result = run(args.repeats, args.quick)
-    result["ratios"] = ratios(result["rows"])
     result["environment"] = dict(jax=jax.__version__, backend=jax.default_backend(),
                                  processor=platform.processor() or platform.machine(),
                                  cpu_count=len(jax.devices("cpu")), keep_freed_memory=allocator_tuned)
