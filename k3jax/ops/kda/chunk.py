@@ -33,9 +33,11 @@ Packed documents: with segment indices, pairs across a boundary are masked out o
 A_qk, rows after a boundary do not read the carried state, columns before the block's last
 boundary do not write it, and the carried state is dropped when the block holds a boundary.
 
-Backward (`jax.custom_vjp`): the forward saves its inputs and the state entering each chunk (one
-per C tokens). Per chunk, in reverse: recompute the block terms and the states entering each
-block, walk the blocks backwards for dS (the only sequential part),
+Backward (`jax.custom_vjp`): the forward saves its inputs, the state entering each chunk (one per
+C tokens), and per block A_qk, A_kk, (I + A_kk)^{-1}, P and V~ (3 S + 2 V floats per token and
+head; recomputing them made the backward 10-20% slower). Per chunk, in reverse: recompute the
+decays, rebuild the states entering each block from S_in and V~ (one matmul per block), walk the
+blocks backwards for dS (the only sequential part),
 
     dV~     = A_qk^T dO + (K * exp sigma) dS_out
     dRHS    = (I + A_kk)^{-T} dV~
@@ -257,23 +259,35 @@ class BlockTerms(NamedTuple):
     decay_total: jax.Array    # exp(Gamma_S)                                       [.., K]
 
 
-def block_terms(q, k, g, beta, segments) -> BlockTerms:
-    """Everything of a chunk's blocks that does not depend on the carried state (fp32, q scaled)."""
+class Solved(NamedTuple):
+    """The block terms the backward takes from the forward instead of recomputing them."""
+
+    a_qk: jax.Array
+    key_scores: jax.Array
+    inverse: jax.Array
+
+
+def block_terms(q, k, g, beta, segments, solved: Solved | None = None) -> BlockTerms:
+    """Everything of a chunk's blocks that does not depend on the carried state (fp32, q scaled);
+    the scores and the inverse are taken from ``solved`` when given."""
     sums = gate_sums(g)
     safe = jnp.max(-sums.total) <= FACTORED_DECAY_LIMIT
     masks = block_masks(segments, g.shape[-2])
     decay_prefix = jnp.exp(sums.prefix)
     decayed_q, decayed_k = q * decay_prefix, k * decay_prefix
-    query_scores, key_scores = block_scores(q, k, g, sums.prefix, decayed_q, decayed_k, safe)
-    key_scores = key_scores * masks.key
+    if solved is None:
+        query_scores, key_scores = block_scores(q, k, g, sums.prefix, decayed_q, decayed_k, safe)
+        key_scores = key_scores * masks.key
+        solved = Solved(query_scores * masks.query, key_scores,
+                        unit_lower_inverse(key_scores * beta[..., :, None]))
     return BlockTerms(
         sums=sums,
         masks=masks,
         safe=safe,
         decay_prefix=decay_prefix,
-        a_qk=query_scores * masks.query,
-        key_scores=key_scores,
-        inverse=unit_lower_inverse(key_scores * beta[..., :, None]),
+        a_qk=solved.a_qk,
+        key_scores=solved.key_scores,
+        inverse=solved.inverse,
         carried_keys=_masked(decayed_k, masks.reads_carry),
         queries=_masked(decayed_q, masks.reads_carry),
         keys_to_end=_masked(k * jnp.exp(sums.suffix), masks.writes_carry),
@@ -303,6 +317,16 @@ def pass_blocks(terms: BlockTerms, v, beta, state) -> Pass:
     return Pass(*(jnp.stack(x, axis=1) for x in (entering, residuals, new_values)), state)
 
 
+def entering_states(terms: BlockTerms, new_values, state):
+    """The states entering each block ``[B, G, HV, K, V]`` from the chunk's S_in and V~."""
+    keys_to_end = _transposed(terms.keys_to_end)
+    entering = [state]
+    for block in range(new_values.shape[1] - 1):
+        entering.append(terms.decay_total[:, block, ..., None] * entering[-1]
+                        + _mm(keys_to_end[:, block], new_values[:, block]))
+    return jnp.stack(entering, axis=1)
+
+
 # ----------------------------------------------------------------------------- forward and backward
 
 
@@ -319,14 +343,15 @@ def _from_blocks(x):
 
 
 def _forward_step(state, inputs, width: int):
-    """One chunk: ``(S_out, o [B, C, HV, V])`` from S_in and the chunk's token-major
-    ``(q, k, v, g, beta, segments)``."""
+    """One chunk: ``(S_out, o [B, C, HV, V], what the backward keeps of it)`` from S_in and the
+    chunk's token-major ``(q, k, v, g, beta, segments)``."""
     *chunk_inputs, segments = inputs
     q, k, v, g, beta = (_to_blocks(x, width) for x in chunk_inputs)
     terms = block_terms(q, k, g, beta, segments)
     walk = pass_blocks(terms, v, beta, state)
     o = _mm(terms.queries, walk.entering) + _mm(terms.a_qk, walk.new_values)
-    return walk.final_state, _from_blocks(o)
+    kept = (Solved(terms.a_qk, terms.key_scores, terms.inverse), walk.residual, walk.new_values)
+    return walk.final_state, _from_blocks(o), kept
 
 
 def _chunk(arrays, index):
@@ -339,31 +364,32 @@ def _write_chunk(buffers, values, index):
     return jax.tree.map(lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, index, axis=1), buffers, values)
 
 
-def _forward(inputs, initial_state, width: int, keep_states: bool):
-    """Scan the chunks. Returns ``(o, final state, states entering each chunk [N, ...] or None)``."""
+def _forward(inputs, initial_state, width: int, keep: bool):
+    """Scan the chunks. Returns ``(o, final state, None or per chunk [N, ...]: the entering state,
+    the scores and inverse, P and V~)``."""
 
     def body(carry, index):
         state, o = carry
-        next_state, o_chunk = _forward_step(state, _chunk(inputs, index), width)
-        return (next_state, _write_chunk(o, o_chunk, index)), (state if keep_states else None)
+        next_state, o_chunk, kept = _forward_step(state, _chunk(inputs, index), width)
+        return (next_state, _write_chunk(o, o_chunk, index)), ((state, *kept) if keep else None)
 
     o = jnp.zeros(inputs[2].shape, inputs[2].dtype)
-    (final_state, o), entering = jax.lax.scan(body, (initial_state, o), jnp.arange(inputs[0].shape[1]))
-    return o, final_state, entering
+    (final_state, o), kept = jax.lax.scan(body, (initial_state, o), jnp.arange(inputs[0].shape[1]))
+    return o, final_state, kept
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def chunked(q, k, v, g, beta, initial_state, segments, width):
     """Chunked KDA on token-major fp32 arrays split into chunks, ``[B, N, C, HV, ...]``; returns
     ``(o, final_state)``."""
-    o, final_state, _ = _forward((q, k, v, g, beta, segments), initial_state, width, keep_states=False)
+    o, final_state, _ = _forward((q, k, v, g, beta, segments), initial_state, width, keep=False)
     return o, final_state
 
 
 def _chunked_fwd(q, k, v, g, beta, initial_state, segments, width):
     inputs = (q, k, v, g, beta, segments)
-    o, final_state, entering = _forward(inputs, initial_state, width, keep_states=True)
-    return (o, final_state), (inputs, entering)
+    o, final_state, kept = _forward(inputs, initial_state, width, keep=True)
+    return (o, final_state), (inputs, kept)
 
 
 def _reverse_pass(terms: BlockTerms, d_o, beta, d_state):
@@ -385,12 +411,12 @@ def _reverse_pass(terms: BlockTerms, d_o, beta, d_state):
 def _backward_step(d_state, xs, width: int):
     """One chunk in reverse: from dS_out and the chunk's inputs, S_in and dO, returns dS_in and the
     gradients of the chunk's ``(q, k, v, g, beta)``, token-major."""
-    (*chunk_inputs, segments), state, d_o = xs
+    (*chunk_inputs, segments), (state, solved, residual, new_values), d_o = xs
     q, k, v, g, beta = (_to_blocks(x, width) for x in chunk_inputs)
     d_o = _to_blocks(d_o, width)
-    terms = block_terms(q, k, g, beta, segments)
+    terms = block_terms(q, k, g, beta, segments, solved)
     masks = terms.masks
-    walk = pass_blocks(terms, v, beta, state)
+    walk = Pass(entering_states(terms, new_values, state), residual, new_values, None)
     d_rhs, d_state_out, d_state_in = _reverse_pass(terms, d_o, beta, d_state)
 
     # Through the solve: V~ = (I + A_kk)^{-1} Diag(beta) P, P = V - exp(Gamma) K S_in.
@@ -418,12 +444,12 @@ def _backward_step(d_state, xs, width: int):
 
 
 def _chunked_bwd(width, residuals, cotangents):
-    inputs, entering = residuals
+    inputs, kept = residuals
     d_o, d_final_state = cotangents
 
     def body(carry, index):
         d_state, grads = carry
-        xs = (_chunk(inputs, index), entering[index], _chunk(d_o, index))
+        xs = (_chunk(inputs, index), jax.tree.map(lambda x: x[index], kept), _chunk(d_o, index))
         d_state, chunk_grads = _backward_step(d_state, xs, width)
         return (d_state, _write_chunk(grads, chunk_grads, index)), None
 
