@@ -409,36 +409,36 @@ def _reverse_pass(terms: BlockTerms, d_o, beta, d_state):
 
 
 def _backward_step(d_state, xs, width: int):
-    """One chunk in reverse: from dS_out and the chunk's inputs, S_in and dO, returns dS_in and the
-    gradients of the chunk's ``(q, k, v, g, beta)``, token-major."""
-    (*chunk_inputs, segments), (state, solved, residual, new_values), d_o = xs
-    q, k, v, g, beta = (_to_blocks(x, width) for x in chunk_inputs)
-    d_o = _to_blocks(d_o, width)
+    """One chunk in reverse: from dS_out, the chunk's inputs, what the forward kept of it (S_in,
+    scores and inverse, P, V~) and dO, returns dS_in and the gradients of the chunk's
+    ``(q, k, v, g, beta)``, token-major."""
+    (q, k, _, g, beta, segments), (state, solved, residual, new_values), d_o = xs
+    q, k, g, beta, d_o = (_to_blocks(x, width) for x in (q, k, g, beta, d_o))
     terms = block_terms(q, k, g, beta, segments, solved)
     masks = terms.masks
-    walk = Pass(entering_states(terms, new_values, state), residual, new_values, None)
+    entering = entering_states(terms, new_values, state)
     d_rhs, d_state_out, d_state_in = _reverse_pass(terms, d_o, beta, d_state)
 
     # Through the solve: V~ = (I + A_kk)^{-1} Diag(beta) P, P = V - exp(Gamma) K S_in.
     d_residual = beta[..., None] * d_rhs
-    d_a_kk = -_mm_t(d_rhs, walk.new_values) * masks.key
-    d_beta = jnp.sum(d_rhs * walk.residual, axis=-1) + jnp.sum(d_a_kk * terms.key_scores, axis=-1)
+    d_a_kk = -_mm_t(d_rhs, new_values) * masks.key
+    d_beta = jnp.sum(d_rhs * residual, axis=-1) + jnp.sum(d_a_kk * terms.key_scores, axis=-1)
 
     # Through the scores.
-    d_a_qk = _mm_t(d_o, walk.new_values) * masks.query
+    d_a_qk = _mm_t(d_o, new_values) * masks.query
     decay_prefix = terms.decay_prefix
     dq, dk, d_prefix = block_score_gradients(q, k, g, terms.sums.prefix, decay_prefix, terms.safe, d_a_qk,
                                              d_a_kk * beta[..., :, None])
 
     # Through Q exp(Gamma), exp(Gamma) K, K exp(sigma) and exp(Gamma_S).
-    d_queries = _masked(_mm_t(d_o, walk.entering), masks.reads_carry)
-    d_carried_keys = _masked(-_mm_t(d_residual, walk.entering), masks.reads_carry)
+    d_queries = _masked(_mm_t(d_o, entering), masks.reads_carry)
+    d_carried_keys = _masked(-_mm_t(d_residual, entering), masks.reads_carry)
     dq = dq + d_queries * decay_prefix
     dk = dk + d_carried_keys * decay_prefix
     d_prefix = d_prefix + d_queries * terms.queries + d_carried_keys * terms.carried_keys
-    d_keys_to_end = _masked(_mm_t(walk.new_values, d_state_out), masks.writes_carry)
+    d_keys_to_end = _masked(_mm_t(new_values, d_state_out), masks.writes_carry)
     dk = dk + d_keys_to_end * jnp.exp(terms.sums.suffix)
-    d_total = jnp.sum(d_state_out * walk.entering, axis=-1) * terms.decay_total
+    d_total = jnp.sum(d_state_out * entering, axis=-1) * terms.decay_total
     dg = gate_gradient(d_prefix, d_keys_to_end * terms.keys_to_end, d_total)
     return d_state_in, tuple(_from_blocks(x) for x in (dq, dk, d_residual, dg, d_beta))
 
