@@ -37,7 +37,9 @@ Backward (`jax.custom_vjp`): the forward saves its inputs, the state entering ea
 C tokens), and per block A_qk, A_kk, (I + A_kk)^{-1}, P and V~ (3 S + 2 V floats per token and
 head; recomputing them made the backward 10-20% slower). Per chunk, in reverse: recompute the
 decays, rebuild the states entering each block from S_in and V~ (one matmul per block), walk the
-blocks backwards for dS (the only sequential part),
+blocks backwards for dS (the only sequential part), taking each block's products with its S_in
+and dS_out on the way (dO S_in^T, dP S_in^T, V~ dS_out^T, rowsum(dS_out * S_in)) so that no
+state is stacked,
 
     dV~     = A_qk^T dO + (K * exp sigma) dS_out
     dRHS    = (I + A_kk)^{-T} dV~
@@ -298,33 +300,66 @@ def block_terms(q, k, g, beta, segments, solved: Solved | None = None) -> BlockT
 class Pass(NamedTuple):
     """The state's walk through a chunk's G blocks (each ``[B, G, HV, ...]``)."""
 
-    entering: jax.Array     # S_in of each block                 [.., K, V]
+    outputs: jax.Array      # O = (Q exp Gamma) S_in + A_qk V~   [.., S, V]
     residual: jax.Array     # P = V - exp(Gamma) K S_in          [.., S, V]
     new_values: jax.Array   # V~ = (I + A_kk)^{-1} Diag(beta) P  [.., S, V]
     final_state: jax.Array  # S_out of the last block            [B, HV, K, V]
 
 
 def pass_blocks(terms: BlockTerms, v, beta, state) -> Pass:
-    """The sequential part: the state through the G blocks (axis 1) of one chunk, in order."""
+    """The sequential part: the state through the G blocks (axis 1) of one chunk, in order. Each
+    block's products with its S_in are taken as the state passes, so no state is stacked."""
     keys_to_end = _transposed(terms.keys_to_end)
-    entering, residuals, new_values = [], [], []
+    outputs, residuals, new_values = [], [], []
     for block in range(v.shape[1]):
-        entering.append(state)
         residuals.append(v[:, block] - _mm(terms.carried_keys[:, block], state))
         new_values.append(_mm(terms.inverse[:, block], beta[:, block, ..., None] * residuals[-1]))
+        outputs.append(_mm(terms.queries[:, block], state) + _mm(terms.a_qk[:, block], new_values[-1]))
         state = (terms.decay_total[:, block, ..., None] * state
                  + _mm(keys_to_end[:, block], new_values[-1]))
-    return Pass(*(jnp.stack(x, axis=1) for x in (entering, residuals, new_values)), state)
+    return Pass(*(jnp.stack(x, axis=1) for x in (outputs, residuals, new_values)), state)
 
 
-def entering_states(terms: BlockTerms, new_values, state):
-    """The states entering each block ``[B, G, HV, K, V]`` from the chunk's S_in and V~."""
+def entering_states(terms: BlockTerms, new_values, state) -> list:
+    """The state entering each block (a list over the G blocks) from the chunk's S_in and V~."""
     keys_to_end = _transposed(terms.keys_to_end)
     entering = [state]
     for block in range(new_values.shape[1] - 1):
         entering.append(terms.decay_total[:, block, ..., None] * entering[-1]
                         + _mm(keys_to_end[:, block], new_values[:, block]))
-    return jnp.stack(entering, axis=1)
+    return entering
+
+
+class ReversePass(NamedTuple):
+    """What the backward walk through a chunk's blocks yields (each ``[B, G, HV, ...]``)."""
+
+    d_rhs: jax.Array             # dRHS = (I + A_kk)^{-T} dV~                 [.., S, V]
+    d_queries: jax.Array         # dO S_in^T (before the reads-carry mask)     [.., S, K]
+    d_carried_keys: jax.Array    # -Diag(beta) dRHS S_in^T (same)              [.., S, K]
+    d_keys_to_end: jax.Array     # V~ dS_out^T (before the writes-carry mask)  [.., S, K]
+    d_decay_total: jax.Array     # rowsum(dS_out * S_in)                       [.., K]
+    d_initial: jax.Array         # dS_in of the chunk                          [B, HV, K, V]
+
+
+def reverse_pass(terms: BlockTerms, d_o, beta, new_values, entering, d_state) -> ReversePass:
+    """Walk a chunk's blocks backwards from dS_out of its last block; the products with each block's
+    S_in and dS_out are taken on the way, so no state is stacked."""
+    from_outputs = _t_mm(terms.a_qk, d_o)
+    state_from_outputs = _t_mm(terms.queries, d_o)
+    carried_keys, inverse = _transposed(terms.carried_keys), _transposed(terms.inverse)
+    blocks = d_o.shape[1]
+    results = [[None] * blocks for _ in range(5)]
+    for block in reversed(range(blocks)):
+        state = entering[block]
+        d_values = from_outputs[:, block] + _mm(terms.keys_to_end[:, block], d_state)
+        d_rhs = _mm(inverse[:, block], d_values)
+        d_residual = beta[:, block, ..., None] * d_rhs
+        for out, value in zip(results, (d_rhs, _mm_t(d_o[:, block], state), -_mm_t(d_residual, state),
+                                        _mm_t(new_values[:, block], d_state), jnp.sum(d_state * state, axis=-1))):
+            out[block] = value
+        d_state = (state_from_outputs[:, block] - _mm(carried_keys[:, block], d_residual)
+                   + terms.decay_total[:, block, ..., None] * d_state)
+    return ReversePass(*(jnp.stack(x, axis=1) for x in results), d_state)
 
 
 # ----------------------------------------------------------------------------- forward and backward
@@ -349,9 +384,8 @@ def _forward_step(state, inputs, width: int):
     q, k, v, g, beta = (_to_blocks(x, width) for x in chunk_inputs)
     terms = block_terms(q, k, g, beta, segments)
     walk = pass_blocks(terms, v, beta, state)
-    o = _mm(terms.queries, walk.entering) + _mm(terms.a_qk, walk.new_values)
     kept = (Solved(terms.a_qk, terms.key_scores, terms.inverse), walk.residual, walk.new_values)
-    return walk.final_state, _from_blocks(o), kept
+    return walk.final_state, _from_blocks(walk.outputs), kept
 
 
 def _chunk(arrays, index):
@@ -392,22 +426,6 @@ def _chunked_fwd(q, k, v, g, beta, initial_state, segments, width):
     return (o, final_state), (inputs, kept)
 
 
-def _reverse_pass(terms: BlockTerms, d_o, beta, d_state):
-    """Walk a chunk's blocks backwards: ``(dRHS, dS_out of each block, dS_in of the chunk)``."""
-    from_outputs = _t_mm(terms.a_qk, d_o)
-    state_from_outputs = _t_mm(terms.queries, d_o)
-    carried_keys, inverse = _transposed(terms.carried_keys), _transposed(terms.inverse)
-    blocks = d_o.shape[1]
-    d_rhs, d_state_out = [None] * blocks, [None] * blocks
-    for block in reversed(range(blocks)):
-        d_state_out[block] = d_state
-        d_values = from_outputs[:, block] + _mm(terms.keys_to_end[:, block], d_state)
-        d_rhs[block] = _mm(inverse[:, block], d_values)
-        d_state = (state_from_outputs[:, block] - _mm(carried_keys[:, block], beta[:, block, ..., None] * d_rhs[block])
-                   + terms.decay_total[:, block, ..., None] * d_state)
-    return jnp.stack(d_rhs, axis=1), jnp.stack(d_state_out, axis=1), d_state
-
-
 def _backward_step(d_state, xs, width: int):
     """One chunk in reverse: from dS_out, the chunk's inputs, what the forward kept of it (S_in,
     scores and inverse, P, V~) and dO, returns dS_in and the gradients of the chunk's
@@ -416,8 +434,8 @@ def _backward_step(d_state, xs, width: int):
     q, k, g, beta, d_o = (_to_blocks(x, width) for x in (q, k, g, beta, d_o))
     terms = block_terms(q, k, g, beta, segments, solved)
     masks = terms.masks
-    entering = entering_states(terms, new_values, state)
-    d_rhs, d_state_out, d_state_in = _reverse_pass(terms, d_o, beta, d_state)
+    walk = reverse_pass(terms, d_o, beta, new_values, entering_states(terms, new_values, state), d_state)
+    d_rhs = walk.d_rhs
 
     # Through the solve: V~ = (I + A_kk)^{-1} Diag(beta) P, P = V - exp(Gamma) K S_in.
     d_residual = beta[..., None] * d_rhs
@@ -431,16 +449,16 @@ def _backward_step(d_state, xs, width: int):
                                              d_a_kk * beta[..., :, None])
 
     # Through Q exp(Gamma), exp(Gamma) K, K exp(sigma) and exp(Gamma_S).
-    d_queries = _masked(_mm_t(d_o, entering), masks.reads_carry)
-    d_carried_keys = _masked(-_mm_t(d_residual, entering), masks.reads_carry)
+    d_queries = _masked(walk.d_queries, masks.reads_carry)
+    d_carried_keys = _masked(walk.d_carried_keys, masks.reads_carry)
     dq = dq + d_queries * decay_prefix
     dk = dk + d_carried_keys * decay_prefix
     d_prefix = d_prefix + d_queries * terms.queries + d_carried_keys * terms.carried_keys
-    d_keys_to_end = _masked(_mm_t(new_values, d_state_out), masks.writes_carry)
+    d_keys_to_end = _masked(walk.d_keys_to_end, masks.writes_carry)
     dk = dk + d_keys_to_end * jnp.exp(terms.sums.suffix)
-    d_total = jnp.sum(d_state_out * entering, axis=-1) * terms.decay_total
+    d_total = walk.d_decay_total * terms.decay_total
     dg = gate_gradient(d_prefix, d_keys_to_end * terms.keys_to_end, d_total)
-    return d_state_in, tuple(_from_blocks(x) for x in (dq, dk, d_residual, dg, d_beta))
+    return walk.d_initial, tuple(_from_blocks(x) for x in (dq, dk, d_residual, dg, d_beta))
 
 
 def _chunked_bwd(width, residuals, cotangents):
