@@ -94,14 +94,17 @@ def program_bytes(fn, args) -> dict:
 def interleaved_times(fns, args, rounds: int) -> np.ndarray:
     """Wall times ``[rounds, len(fns)]`` after one compile-and-warm-up run each. Every round runs
     each function once, in turn, so the slow spells of a noisy machine fall on all of them alike
-    and the per-round ratios stay comparable."""
+    and the per-round ratios stay comparable; the order rotates from round to round, so no
+    function always follows the same one (after the reference's forward+backward, which frees a
+    gigabyte of per-token states, the next program runs slower)."""
     for fn in fns:
         jax.block_until_ready(fn(*args))
     times = np.empty((rounds, len(fns)))
     for r in range(rounds):
-        for i, fn in enumerate(fns):
+        for step in range(len(fns)):
+            i = (r + step) % len(fns)
             start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
+            jax.block_until_ready(fns[i](*args))
             times[r, i] = time.perf_counter() - start
     return times
 
