@@ -4,7 +4,7 @@
 
 Loads ``k3jax/ops/kda/chunk.py`` as it is at REV (``git show``) next to the working tree's, runs
 both on the same inputs (the shapes and bounded gates of `eval.bench_kda`) in interleaved rounds
-(alternating which goes first), and prints the best time of each and the median of the per-round
+(alternating which goes first, `eval.bench_kda.interleaved_times`), and prints the best time of each and the median of the per-round
 time ratios, for the forward and for forward+backward, with the largest difference between the
 two versions' results. For performance work on the chunk form, where this machine's run-to-run
 noise is larger than the effects measured. Prints a table and writes JSON.
@@ -18,7 +18,6 @@ import pathlib
 import subprocess
 import sys
 import tempfile
-import time
 
 from k3jax.host import keep_freed_memory
 
@@ -44,7 +43,7 @@ def compare(versions, shape, chunk_size: int, rounds: int):
     import jax.numpy as jnp
     import numpy as np
 
-    from eval.bench_kda import make_inputs
+    from eval.bench_kda import interleaved_times, make_inputs
 
     q, k, v, g, beta = make_inputs(shape, "bounded")
     batch, _, heads, key_dim, value_dim = shape
@@ -62,15 +61,10 @@ def compare(versions, shape, chunk_size: int, rounds: int):
     rows = []
     for pass_name, make in (("forward", forward), ("forward+backward", forward_backward)):
         fns = [make(module) for module in versions.values()]
-        results = [jax.block_until_ready(fn(*args)) for fn in fns]
+        results = [fn(*args) for fn in fns]
         difference = max(float(jnp.max(jnp.abs(a - b)))
                          for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])))
-        times = np.empty((rounds, 2))
-        for r in range(rounds):
-            for i in ((0, 1) if r % 2 == 0 else (1, 0)):
-                start = time.perf_counter()
-                jax.block_until_ready(fns[i](*args))
-                times[r, i] = time.perf_counter() - start
+        times = interleaved_times(fns, args, rounds)
         rows.append(dict(shape=list(shape), chunk_size=chunk_size, measured=pass_name,
                          best_s=dict(zip(versions, times.min(axis=0).tolist())),
                          median_speedup=float(np.median(times[:, 0] / times[:, 1])),
