@@ -2,10 +2,11 @@
 
 XLA:CPU allocates a program's buffers on every call. With glibc's default malloc, blocks above
 the mmap threshold come from freshly mapped pages and memory freed at the top of a heap is
-returned to the OS, so every call faults its buffers in again: measured here, ~20,000 minor page
-faults and ~45 ms of kernel time per call of the chunked KDA forward at (B, T, H, K, V) =
-(4, 2048, 8, 64, 64), a third of its wall time. `keep_freed_memory` makes the next call reuse
-the pages of the last one.
+returned to the OS, so every call faults its buffers in again. `keep_freed_memory` makes the next
+call reuse the pages of the last one. Measured on 2 cores: the tiny training job (configs/tiny.yaml,
+300 steps, two alternating pairs of runs) 14.0K -> 19.1K tokens/s; a KDA prototype whose
+temporaries were sequence-sized went from ~20,000 minor page faults and ~45 ms of kernel time per
+call to ~1,300 and ~5 ms.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import ctypes.util
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
-_NEVER_TRIM = 2**31 - 1
+_NEVER_TRIM = -1  # mallopt(3): -1 turns trimming off
 
 
 def keep_freed_memory() -> bool:
