@@ -105,7 +105,8 @@ def kda(
       scale: query scale, default ``K ** -0.5``.
       initial_state: ``[B, HV, K, V]``; zeros when None.
       segment_ids: ``[B, T]`` ints; the state restarts where the id changes (packed documents).
-      chunk_size: tokens per chunk of the chunked implementations (a multiple of 16).
+      chunk_size: tokens per chunk (a multiple of 16, or at most 16): for "chunk", the tokens one
+        scan step handles in 16-token blocks; for "pallas", the kernels' chunk.
       implementation: "reference", "chunk", "pallas", or None for the platform default.
 
     Returns:
