@@ -19,7 +19,13 @@ import subprocess
 import sys
 import tempfile
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eval.bench_kda import SHAPES, interleaved_times, make_inputs
 from k3jax.host import keep_freed_memory
+from k3jax.ops.kda import chunk as working_tree
 
 CHUNK_MODULE = "k3jax/ops/kda/chunk.py"
 
@@ -39,12 +45,6 @@ def load_revision(revision: str, directory: pathlib.Path):
 
 def compare(versions, shape, chunk_size: int, rounds: int):
     """Rows for the forward and forward+backward of ``versions`` (name -> module) at one shape."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from eval.bench_kda import interleaved_times, make_inputs
-
     q, k, v, g, beta = make_inputs(shape, "bounded")
     batch, _, heads, key_dim, value_dim = shape
     args = (q * key_dim**-0.5, k, v, g, beta, jnp.zeros((batch, heads, key_dim, value_dim)))
@@ -79,10 +79,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out", default="bench_results/kda_versions.json")
     args = parser.parse_args(argv)
-    keep_freed_memory()
-    from eval.bench_kda import SHAPES
-    from k3jax.ops.kda import chunk as working_tree
-
+    keep_freed_memory()  # before JAX starts its threads
     with tempfile.TemporaryDirectory() as directory:
         versions = {args.revision: load_revision(args.revision, pathlib.Path(directory)), "working tree": working_tree}
         rows = [row for shape in SHAPES for chunk_size in args.chunk_sizes

@@ -306,27 +306,31 @@ class Pass(NamedTuple):
     final_state: jax.Array  # S_out of the last block            [B, HV, K, V]
 
 
+def _state_after(terms: BlockTerms, keys_to_end_t, block: int, state, new_values):
+    """S_out = Diag(exp Gamma_S) S_in + (K exp sigma)^T V~ of one block (``keys_to_end_t``: the
+    transposed `BlockTerms.keys_to_end`)."""
+    return terms.decay_total[:, block, ..., None] * state + _mm(keys_to_end_t[:, block], new_values)
+
+
 def pass_blocks(terms: BlockTerms, v, beta, state) -> Pass:
     """The sequential part: the state through the G blocks (axis 1) of one chunk, in order. Each
     block's products with its S_in are taken as the state passes, so no state is stacked."""
-    keys_to_end = _transposed(terms.keys_to_end)
+    keys_to_end_t = _transposed(terms.keys_to_end)
     outputs, residuals, new_values = [], [], []
     for block in range(v.shape[1]):
         residuals.append(v[:, block] - _mm(terms.carried_keys[:, block], state))
         new_values.append(_mm(terms.inverse[:, block], beta[:, block, ..., None] * residuals[-1]))
         outputs.append(_mm(terms.queries[:, block], state) + _mm(terms.a_qk[:, block], new_values[-1]))
-        state = (terms.decay_total[:, block, ..., None] * state
-                 + _mm(keys_to_end[:, block], new_values[-1]))
+        state = _state_after(terms, keys_to_end_t, block, state, new_values[-1])
     return Pass(*(jnp.stack(x, axis=1) for x in (outputs, residuals, new_values)), state)
 
 
 def entering_states(terms: BlockTerms, new_values, state) -> list:
     """The state entering each block (a list over the G blocks) from the chunk's S_in and V~."""
-    keys_to_end = _transposed(terms.keys_to_end)
+    keys_to_end_t = _transposed(terms.keys_to_end)
     entering = [state]
     for block in range(new_values.shape[1] - 1):
-        entering.append(terms.decay_total[:, block, ..., None] * entering[-1]
-                        + _mm(keys_to_end[:, block], new_values[:, block]))
+        entering.append(_state_after(terms, keys_to_end_t, block, entering[-1], new_values[:, block]))
     return entering
 
 
@@ -348,18 +352,20 @@ def reverse_pass(terms: BlockTerms, d_o, beta, new_values, entering, d_state) ->
     state_from_outputs = _t_mm(terms.queries, d_o)
     carried_keys, inverse = _transposed(terms.carried_keys), _transposed(terms.inverse)
     blocks = d_o.shape[1]
-    results = [[None] * blocks for _ in range(5)]
+    d_rhs, d_queries, d_carried_keys, d_keys_to_end, d_decay_total = ([None] * blocks for _ in range(5))
     for block in reversed(range(blocks)):
         state = entering[block]
         d_values = from_outputs[:, block] + _mm(terms.keys_to_end[:, block], d_state)
-        d_rhs = _mm(inverse[:, block], d_values)
-        d_residual = beta[:, block, ..., None] * d_rhs
-        for out, value in zip(results, (d_rhs, _mm_t(d_o[:, block], state), -_mm_t(d_residual, state),
-                                        _mm_t(new_values[:, block], d_state), jnp.sum(d_state * state, axis=-1))):
-            out[block] = value
+        d_rhs[block] = _mm(inverse[:, block], d_values)
+        d_residual = beta[:, block, ..., None] * d_rhs[block]
+        d_queries[block] = _mm_t(d_o[:, block], state)
+        d_carried_keys[block] = -_mm_t(d_residual, state)
+        d_keys_to_end[block] = _mm_t(new_values[:, block], d_state)
+        d_decay_total[block] = jnp.sum(d_state * state, axis=-1)
         d_state = (state_from_outputs[:, block] - _mm(carried_keys[:, block], d_residual)
                    + terms.decay_total[:, block, ..., None] * d_state)
-    return ReversePass(*(jnp.stack(x, axis=1) for x in results), d_state)
+    stacked = (jnp.stack(x, axis=1) for x in (d_rhs, d_queries, d_carried_keys, d_keys_to_end, d_decay_total))
+    return ReversePass(*stacked, d_state)
 
 
 # ----------------------------------------------------------------------------- forward and backward
