@@ -8,7 +8,10 @@ table gives the median and range of the per-round ratios): tokens/s (best round)
 and of forward+backward for each implementation, the chunked
 form's achieved GFLOP/s (the algorithm's FLOPs, counted by `chunk_algorithm_flops`) against an
 fp32 GEMM rate measured in the same run, and the memory (from the compiled programs) of forward
-vs forward+backward at T = 8192: temporaries, and all live bytes. Gates are K3's bounded form;
+vs forward+backward at T = 8192: temporaries, and all live bytes. It also measures the rate at
+which XLA runs the chunk form's products with the state (16-row batched products, one thread on
+XLA:CPU) and reports how much of the time the issue's speed-up targets allow (reference time /
+target) those products alone would take. Gates are K3's bounded form;
 one extra row times Kimi Linear's unbounded gate at its extreme, where blocks decaying by more
 than exp(-80) are computed from exact pairwise decays. The process first calls
 `k3jax.host.keep_freed_memory` (both implementations run under it). Prints a table and writes JSON.
@@ -16,6 +19,7 @@ than exp(-80) are computed from exact pairwise decays. The process first calls
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import platform
@@ -28,7 +32,7 @@ import numpy as np
 
 from k3jax.host import keep_freed_memory
 from k3jax.ops.kda import kda, kda_gate, l2_normalize
-from k3jax.ops.kda.chunk import block_width, chunk_algorithm_flops, effective_chunk_size
+from k3jax.ops.kda.chunk import SUB_BLOCK, block_width, chunk_algorithm_flops, effective_chunk_size
 
 SHAPES = [(1, 4096, 4, 128, 128), (4, 2048, 8, 64, 64)]
 MEMORY_SHAPE = (1, 8192, 4, 128, 128)
@@ -82,6 +86,42 @@ def gemm_rate(repeats: int) -> float:
     return max(rates)
 
 
+def state_product_rate(batch_heads: int, key_dim: int, value_dim: int, repeats: int) -> float:
+    """GFLOP/s at which XLA runs the chunk form's products with the state, as inside its scan: a
+    loop of dependent batched products ``[B*HV, 16, K] @ [B*HV, K, V]`` and back
+    ``[B*HV, 16, V] @ [B*HV, V, K]`` (XLA:CPU runs batched products this small on one thread)."""
+    steps = 64
+    rows = jax.random.normal(jax.random.key(0), (batch_heads, SUB_BLOCK, key_dim), jnp.float32)
+    state = jax.random.normal(jax.random.key(1), (batch_heads, key_dim, value_dim), jnp.float32) / key_dim
+    back = jnp.swapaxes(state, 1, 2)
+
+    def chain(rows, state, back):
+        product = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
+        return jax.lax.fori_loop(0, steps, lambda _, x: product(product(x, state), back), rows)
+
+    seconds = best_time(jax.jit(chain), (rows, state, back), repeats)
+    return 2 * 2 * batch_heads * SUB_BLOCK * key_dim * value_dim * steps / seconds / 1e9
+
+
+def state_product_bound(shape, rate: float, reference: dict) -> dict:
+    """How much of the time the speed-up targets allow the state products alone would take.
+
+    Any chunk form, whatever its block width, multiplies each token's rows by the state: forward
+    K S_in, (Q exp Gamma) S_in and (K exp sigma)^T V~ (3 x 2 K V FLOPs per token and head); its
+    backward at least dO S_in^T, dP S_in^T, V~ dS_out^T, (K exp sigma) dS_out, (Q exp Gamma)^T dO and
+    (exp(Gamma) K)^T dP (6 more). At ``rate`` these take at least ``flops / rate``; the targets
+    allow ``reference time / target``."""
+    batch, length, heads, key_dim, value_dim = shape
+    per_product = 2 * key_dim * value_dim * batch * length * heads
+    bound = {}
+    for name, products, target in (("forward", 3, FORWARD_TARGET), ("forward_backward", 9, FORWARD_BACKWARD_TARGET)):
+        seconds = products * per_product / (rate * 1e9)
+        allowed = reference[f"{name}_s"] / target
+        bound[name] = dict(state_product_s=seconds, target=target, allowed_s=allowed,
+                           share_of_allowed=seconds / allowed)
+    return dict(shape=list(shape), state_product_gflop_per_s=rate, **bound)
+
+
 def program_bytes(fn, args) -> dict:
     """Temporary bytes, and all bytes live in the program (arguments + outputs + temporaries), from
     XLA's memory analysis of the compiled program."""
@@ -110,6 +150,7 @@ def interleaved_times(fns, args, rounds: int) -> np.ndarray:
 
 
 IMPLEMENTATIONS = (("reference", 64), ("chunk", 64), ("chunk", 32), ("chunk", 16))
+FORWARD_TARGET, FORWARD_BACKWARD_TARGET = 3.0, 15.0  # issue 2: chunk vs reference on 2 CPU cores
 
 
 def measure_shape(shape, gate, implementations, repeats: int, gemm: float):
@@ -150,11 +191,13 @@ def measure_shape(shape, gate, implementations, repeats: int, gemm: float):
 def run(repeats: int, quick: bool):
     gemm = gemm_rate(repeats)
     shapes = [(1, 1024, 2, 64, 64)] if quick else SHAPES
-    rows, speedups = [], []
+    rows, speedups, bounds = [], [], []
     for shape in shapes:
         shape_rows, shape_speedups = measure_shape(shape, "bounded", IMPLEMENTATIONS, repeats, gemm)
         rows += shape_rows
         speedups += shape_speedups
+        rate = state_product_rate(shape[0] * shape[2], shape[3], shape[4], repeats)
+        bounds.append(state_product_bound(shape, rate, shape_rows[0]))
     rows += measure_shape(shapes[0], "unbounded", [("chunk", 64)], repeats, gemm)[0]
     memory_args = make_inputs((1, 1024, 2, 64, 64) if quick else MEMORY_SHAPE, "bounded")
     forward, both = (program_bytes(fn("chunk"), memory_args) for fn in (forward_fn, forward_backward_fn))
@@ -165,7 +208,7 @@ def run(repeats: int, quick: bool):
         forward_total_bytes=forward["total"], forward_backward_total_bytes=both["total"],
         total_ratio=both["total"] / forward["total"],
     )
-    return dict(gemm_gflop_per_s=gemm, rows=rows, ratios=speedups, memory=memory)
+    return dict(gemm_gflop_per_s=gemm, rows=rows, ratios=speedups, state_product_bounds=bounds, memory=memory)
 
 
 def print_table(result):
@@ -188,6 +231,14 @@ def print_table(result):
         print(f"  {tuple(r['shape'])} chunk C={r['chunk_size']}: forward {r['forward_best_speedup']:.2f}x; "
               f"{r['forward_speedup']:.2f}x ({f_lo:.2f}-{f_hi:.2f})   forward+backward "
               f"{r['forward_backward_best_speedup']:.1f}x; {r['forward_backward_speedup']:.1f}x ({b_lo:.1f}-{b_hi:.1f})")
+    print("\nthe chunk form's products with the state alone (3 forward, 6 more backward) at the rate XLA runs "
+          "them in this run, against the time each target allows (reference best time / target)")
+    for b in result["state_product_bounds"]:
+        f, fb = b["forward"], b["forward_backward"]
+        print(f"  {tuple(b['shape'])} {b['state_product_gflop_per_s']:.1f} GFLOP/s: forward "
+              f"{1e3 * f['state_product_s']:.1f} of {1e3 * f['allowed_s']:.1f} ms for {f['target']:.0f}x "
+              f"({100 * f['share_of_allowed']:.0f}%); forward+backward {1e3 * fb['state_product_s']:.1f} of "
+              f"{1e3 * fb['allowed_s']:.1f} ms for {fb['target']:.0f}x ({100 * fb['share_of_allowed']:.0f}%)")
     m = result["memory"]
     mib = 2**20
     print(f"\nmemory at {tuple(m['shape'])}, chunk 64: temporaries forward {m['forward_temp_bytes'] / mib:.0f} MiB, "
