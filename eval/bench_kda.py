@@ -106,7 +106,7 @@ def state_product_rate(batch_heads: int, key_dim: int, value_dim: int, repeats: 
 def state_product_bound(shape, rate: float, reference: dict) -> dict:
     """How much of the time the speed-up targets allow the state products alone would take.
 
-    Any chunk form, whatever its block width, multiplies each token's rows by the state: forward
+    The chunk form, whatever its block width, multiplies each token's rows by the state: forward
     K S_in, (Q exp Gamma) S_in and (K exp sigma)^T V~ (3 x 2 K V FLOPs per token and head); its
     backward at least dO S_in^T, dP S_in^T, V~ dS_out^T, (K exp sigma) dS_out, (Q exp Gamma)^T dO and
     (exp(Gamma) K)^T dP (6 more). At ``rate`` these take at least ``flops / rate``; the targets
