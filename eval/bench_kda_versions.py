@@ -4,10 +4,11 @@
 
 Loads ``k3jax/ops/kda/chunk.py`` as it is at REV (``git show``) next to the working tree's, runs
 both on the same inputs (the shapes and bounded gates of `eval.bench_kda`) in interleaved rounds
-(alternating which goes first, `eval.bench_kda.interleaved_times`), and prints the best time of each and the median of the per-round
-time ratios, for the forward and for forward+backward, with the largest difference between the
-two versions' results. For performance work on the chunk form, where this machine's run-to-run
-noise is larger than the effects measured. Prints a table and writes JSON.
+(`eval.bench_kda.interleaved_times`: the order rotates from round to round), and prints the best
+time of each and the median of the per-round time ratios, for the forward and for
+forward+backward, with the largest difference between the two versions' results. For
+performance work on the chunk form, where this machine's run-to-run noise is larger than the
+effects measured. Prints a table and writes JSON.
 """
 from __future__ import annotations
 

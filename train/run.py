@@ -173,7 +173,8 @@ class Trainer:
         # Shapes and their layout on the device mesh first; the state itself is then created or
         # restored shard by shard, where it lives.
         layout = lay_out_run(config)
-        self.mesh, self.parts, self.schedule, self.optimizer = layout.mesh, layout.parts, layout.schedule, layout.optimizer
+        self.mesh, self.parts = layout.mesh, layout.parts
+        self.schedule, self.optimizer = layout.schedule, layout.optimizer
         self.abstract_state, self.shardings = layout.state, layout.shardings
         self.batch_rows = process_rows(self.shardings.batch, config.train.batch_size)
         self.primary = jax.process_index() == 0   # writes config.yaml, summary.json, metrics.jsonl
