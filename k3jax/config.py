@@ -374,7 +374,7 @@ class MeshConfig:
     expert: int = 1
     tensor: int = 1
     rules: AxisRules = AxisRules()
-    # How MoE layers reach experts split over the rules' "experts" axes (`k3jax.expert_parallel`):
+    # How MoE layers reach experts split over the rules' "experts" axes (`k3jax.sharding.expert_parallel`):
     # "local" computes every expert where the tokens are (GSPMD gathers the expert weights);
     # "capacity" ships latents with all_to_all into fixed per-expert buffers and drops the
     # overflow (runs on every platform); "ragged" is dropless with ragged_all_to_all (GPU/TPU).

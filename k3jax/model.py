@@ -28,6 +28,7 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.layers.attnres import AttnRes, ResidualStream
+from k3jax.layers.axes import ActivationLayout, with_logical_constraint
 from k3jax.layers.ffn import DenseGLU
 from k3jax.layers.kda import KDALayer
 from k3jax.layers.linear import project
@@ -37,9 +38,8 @@ from k3jax.layers.params import logical_axes, param, truncated_normal
 from k3jax.memory import Memory
 from k3jax.ops.moe import MoEStats, updated_router_bias
 from k3jax.ops.norms import rms_norm
-from k3jax.sharding import with_logical_constraint
 
-# The residual stream [B, T, d] splits over the batch only (`k3jax.sharding` maps the names).
+# The residual stream [B, T, d] splits over the batch only (`k3jax.sharding.parallelize` maps the names).
 ACTIVATION_AXES = ("batch", None, None)
 # What the backward pass keeps of each scanned period (`ModelConfig.remat`); the rest is recomputed.
 REMAT_POLICIES = {
@@ -69,6 +69,7 @@ class DecoderLayer(nnx.Module):
         self.uses_mla = config.is_mla(index)
         self.uses_moe = not config.is_dense(index)
         self.norm_eps = eps
+        self.activation_layout: ActivationLayout | None = None   # set by `k3jax.sharding.parallelize`
         if self.block_res:
             self.attention_res = AttnRes(d, norm_eps=eps, rngs=rngs)
             self.ffn_res = AttnRes(d, norm_eps=eps, rngs=rngs)
@@ -79,14 +80,8 @@ class DecoderLayer(nnx.Module):
             self.mixer = KDALayer(d, config.kda, init_std=config.init_std, dtype=dtype, rngs=rngs)
         self.post_attention_norm = param(rngs, ones, (d,), ("embed",))
         if self.uses_moe:
-            moe = config.moe
-            self.ffn = MoE(
-                d_model=d, num_experts=moe.num_experts, top_k=moe.top_k, expert_width=moe.expert_width,
-                latent_dim=moe.latent_dim, latent_norm=moe.latent_norm, shared_width=moe.shared_width,
-                activation=config.activation, routed_scale=moe.routed_scale,
-                bias_in_weights=moe.router_bias_in_weights, norm_eps=eps, init_std=config.init_std,
-                dtype=dtype, expert_matmul=moe.expert_matmul, quantile_bins=moe.quantile_bins, rngs=rngs,
-            )
+            self.ffn = MoE(d, config.moe, activation=config.activation, norm_eps=eps, init_std=config.init_std,
+                           dtype=dtype, rngs=rngs)
         else:
             self.ffn = DenseGLU(d, config.dense_width, activation=config.activation, init_std=config.init_std,
                                 dtype=dtype, rngs=rngs)
@@ -105,7 +100,8 @@ class DecoderLayer(nnx.Module):
             f, stats = self.ffn(f_in, None if segment_ids is None else segment_ids != 0)
         else:
             f, stats = self.ffn(f_in), None
-        partial = with_logical_constraint(stream.partial + f.astype(jnp.float32), ACTIVATION_AXES)
+        partial = with_logical_constraint(stream.partial + f.astype(jnp.float32), ACTIVATION_AXES,
+                                          self.activation_layout)
         return stream._replace(partial=partial), memory, stats
 
 
@@ -199,7 +195,9 @@ class K3Model(nnx.Module):
 
     Parameters: ``embedding`` [vocab, d]; ``prefix`` / ``suffix`` (`LayerStack`s) and ``body``
     (a `LayerStack` with every parameter stacked over ``groups.repeats``); ``output_res`` (block
-    AttnRes); ``final_norm`` [d]; ``lm_head`` [d, vocab] (untied).
+    AttnRes); ``final_norm`` [d]; ``lm_head`` [d, vocab] (untied). Activation layouts and the MoE
+    expert dispatch are unset (experts computed where the tokens are) until
+    `k3jax.sharding.parallelize` sets them for a mesh.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -215,6 +213,7 @@ class K3Model(nnx.Module):
             self.output_res = AttnRes(d, norm_eps=config.norm_eps, rngs=rngs)
         self.final_norm = param(rngs, nnx.initializers.ones, (d,), ("embed",))
         self.lm_head = param(rngs, truncated_normal(config.init_std), (d, vocab), ("embed", "vocab"))
+        self.activation_layout: ActivationLayout | None = None   # set by `k3jax.sharding.parallelize`
 
     def __call__(self, tokens: jax.Array, memory: Memory | None = None, segment_ids: jax.Array | None = None) -> ModelOutput:
         """tokens ``[B, T]`` int; memory from `k3jax.memory.init_memory` (or a previous call) to
@@ -231,7 +230,8 @@ class K3Model(nnx.Module):
             raise ValueError(f"{tokens.shape[1]} tokens do not fit the memory's MLA cache of "
                              f"{memory.mla.latent.shape[2]} (init_memory's max_length)")
         num_sources = -(-cfg.num_layers // cfg.attn_res.block_size) if cfg.attn_res.kind == "block" else None
-        embedded = with_logical_constraint(jnp.take(self.embedding[...], tokens, axis=0), ACTIVATION_AXES)
+        embedded = with_logical_constraint(jnp.take(self.embedding[...], tokens, axis=0), ACTIVATION_AXES,
+                                           self.activation_layout)
         stream = ResidualStream.start(embedded, num_sources)
 
         kda_split, mla_split, moe_split = (self._split(kind) for kind in ("kda", "mla", "moe"))

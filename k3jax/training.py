@@ -20,14 +20,15 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
-from k3jax.config import ModelConfig
+from k3jax.config import MeshConfig, ModelConfig
 from k3jax.layers.moe import RouterBias
 from k3jax.layers.params import logical_axes
 from k3jax.model import K3Model, param_counts
 from k3jax.ops.kda.chunk import chunk_algorithm_flops
 from k3jax.ops.moe import MoEStats, load_metrics
-from k3jax.sharding import StepShardings
+from k3jax.sharding import StepShardings, parallelize
 
 
 class StateCodec:
@@ -79,9 +80,12 @@ def init_train_state(params: dict, buffers: dict, optimizer: optax.GradientTrans
     return TrainState(jnp.zeros((), jnp.int32), params, buffers, optimizer.init(params), jnp.zeros((), jnp.int32))
 
 
-def abstract_model(config: ModelConfig) -> tuple[ModelParts, dict, dict]:
-    """`split_model` of the model ``config`` describes, as ``jax.ShapeDtypeStruct``s (nothing allocated)."""
-    return split_model(nnx.eval_shape(lambda: K3Model(config, rngs=nnx.Rngs(0))))
+def abstract_model(config: ModelConfig, mesh: Mesh | None = None,
+                   mesh_config: MeshConfig | None = None) -> tuple[ModelParts, dict, dict]:
+    """`split_model` of the model ``config`` describes, as ``jax.ShapeDtypeStruct``s (nothing
+    allocated); with a ``mesh``, the model is `parallelize`d for it as ``mesh_config`` says."""
+    model = nnx.eval_shape(lambda: K3Model(config, rngs=nnx.Rngs(0)))
+    return split_model(model if mesh is None else parallelize(model, mesh, mesh_config))
 
 
 def abstract_train_state(params: dict, buffers: dict, optimizer: optax.GradientTransformation) -> TrainState:
@@ -154,7 +158,8 @@ def _gradients(parts, params, buffers, batch, accumulation: int):
 def make_train_step(parts: ModelParts, optimizer: optax.GradientTransformation, *, accumulation: int = 1,
                     schedule: optax.Schedule | None = None, shardings: StepShardings | None = None):
     """The jitted ``train_step(state, batch) -> (state, metrics)`` (the state is donated); with
-    ``shardings`` the state keeps its layout across steps and the metrics come back replicated."""
+    ``shardings`` the state keeps its layout across steps and the metrics come back replicated.
+    What the model computes on the mesh is in ``parts.graphdef`` (`abstract_model` with a mesh)."""
 
     def train_step(state: TrainState, batch):
         loss_sum, count, grads, stats = _gradients(parts, state.params, state.buffers, batch, accumulation)
@@ -190,7 +195,7 @@ def make_train_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
 
     if shardings is None:
         return jax.jit(train_step, donate_argnums=0)
-    return jax.jit(shardings.on_mesh(train_step), donate_argnums=0, in_shardings=(shardings.state, shardings.batch),
+    return jax.jit(train_step, donate_argnums=0, in_shardings=(shardings.state, shardings.batch),
                    out_shardings=(shardings.state, shardings.replicated))
 
 
@@ -206,8 +211,7 @@ def make_eval_step(parts: ModelParts, shardings: StepShardings | None = None):
 
     if shardings is None:
         return jax.jit(eval_step)
-    return jax.jit(shardings.on_mesh(eval_step),
-                   in_shardings=(shardings.state.params, shardings.state.buffers, shardings.batch),
+    return jax.jit(eval_step, in_shardings=(shardings.state.params, shardings.state.buffers, shardings.batch),
                    out_shardings=(shardings.replicated, shardings.replicated, shardings.batch))
 
 

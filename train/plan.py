@@ -33,7 +33,7 @@ from collections import defaultdict
 from typing import NamedTuple
 
 COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute")
-EXPERT_ALL_TO_ALL = "all-to-all in shard_map"    # the expert dispatch (k3jax.expert_parallel)
+EXPERT_ALL_TO_ALL = "all-to-all in shard_map"    # the expert dispatch (k3jax.sharding.expert_parallel)
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _COMPUTATION = re.compile(r"^(ENTRY )?%(\S+) .*\{\s*$")

@@ -152,7 +152,7 @@ def lay_out_run(config: Config) -> RunLayout:
     """The `RunLayout` of ``config`` on all devices (shapes only; nothing is allocated)."""
     mesh = make_mesh(config.mesh)
     check_run_fits(config, mesh)
-    parts, params, buffers = abstract_model(config.model)
+    parts, params, buffers = abstract_model(config.model, mesh, config.mesh)
     schedule, optimizer = run_optimizer(config, parts.params.axes())
     shapes = abstract_train_state(params, buffers, optimizer)
     shardings = step_shardings(shapes, parts.params.axes(), parts.buffers.axes(), mesh, config.mesh)

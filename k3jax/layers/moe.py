@@ -11,16 +11,18 @@ The selection bias b is a ``RouterBias`` variable, not an ``nnx.Param``: gradien
 filtered on ``nnx.Param`` never see it. The trainer overwrites it after each optimizer step with
 ``k3jax.ops.moe.updated_router_bias(bias, stats, ...)`` from the ``MoEStats`` the layer returns.
 
-Under `k3jax.sharding.use_mesh` with an expert dispatch configured, the routed experts run
-expert-parallel (`k3jax.expert_parallel`): only the latents z cross devices.
+The routed experts run where the tokens are unless `k3jax.sharding.parallelize` stored an
+``expert_dispatch`` on the layer (expert parallelism: only the latents z cross devices).
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.expert_parallel import expert_parallel_experts
+from k3jax.config import MoEConfig
 from k3jax.layers.ffn import DenseGLU
 from k3jax.layers.params import param, truncated_normal
 from k3jax.ops.moe import (
@@ -34,7 +36,10 @@ from k3jax.ops.moe import (
 )
 from k3jax.ops.norms import rms_norm
 from k3jax.ops.precision import einsum
-from k3jax.sharding import expert_placement
+
+# (x, indices, weights, w_gate, w_up, w_down, activation) -> (u, dropped assignments): the routed
+# experts computed elsewhere (`k3jax.sharding.ExpertDispatch`); hashable, a static attribute.
+ExpertDispatchFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 class RouterBias(nnx.Variable):
@@ -46,33 +51,21 @@ class Router(nnx.Module):
     """Sigmoid top-k router on the full-width x: weight [d, E] ("embed", "experts"), bias [E].
 
     Args:
-      d_model, num_experts, top_k: d, E, k.
-      routed_scale: the routing weights of each token sum to this.
-      bias_in_weights: reproduce the Kimi Linear HF quirk (bias leaks into the weights).
-      init_std, param_dtype: weight init std and storage dtype (the bias is always fp32, zeros).
+      d_model: d.
+      config: E = ``num_experts``, k = ``top_k``, ``routed_scale`` (each token's routing weights
+        sum to it), ``router_bias_in_weights`` (the Kimi Linear HF quirk).
+      init_std: weight init std (the bias is always fp32, zeros).
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        num_experts: int,
-        top_k: int,
-        *,
-        routed_scale: float = 1.0,
-        bias_in_weights: bool = False,
-        init_std: float = 0.02,
-        param_dtype=jnp.float32,
-        rngs: nnx.Rngs,
-    ):
-        if not 0 < top_k < num_experts:
-            raise ValueError(f"top_k must be in [1, num_experts - 1], got top_k={top_k}, num_experts={num_experts}")
-        self.weight = param(rngs, truncated_normal(init_std), (d_model, num_experts), ("embed", "experts"), param_dtype)
+    def __init__(self, d_model: int, config: MoEConfig, *, init_std: float, rngs: nnx.Rngs):
+        experts = config.num_experts
+        self.weight = param(rngs, truncated_normal(init_std), (d_model, experts), ("embed", "experts"))
         self.e_score_correction_bias = param(
-            rngs, nnx.initializers.zeros, (num_experts,), ("experts",), jnp.float32, variable_type=RouterBias
+            rngs, nnx.initializers.zeros, (experts,), ("experts",), jnp.float32, variable_type=RouterBias
         )
-        self.top_k = top_k
-        self.routed_scale = routed_scale
-        self.bias_in_weights = bias_in_weights
+        self.top_k = config.top_k
+        self.routed_scale = config.routed_scale
+        self.bias_in_weights = config.router_bias_in_weights
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [N, d] -> (indices [N, k] int32, weights [N, k] fp32, scores [N, E] fp32), all in fp32."""
@@ -88,160 +81,76 @@ class RoutedExperts(nnx.Module):
     w_gate / w_up [E, in, m] ("experts", in, "expert_mlp"), w_down [E, m, in].
 
     The call is ``k3jax.ops.moe.routed_experts`` (dropless, ``lax.ragged_dot``) or, with
-    ``expert_matmul="dense"``, ``dense_experts`` (the same function, every expert on every token);
-    when `k3jax.sharding.expert_placement` returns a placement (an active mesh with an expert
-    dispatch), `k3jax.expert_parallel.expert_parallel_experts` replaces that call on these weights.
+    ``config.expert_matmul == "dense"``, ``dense_experts`` (the same function, every expert on
+    every token); a ``dispatch`` given to the call replaces both on these weights.
     """
 
-    def __init__(
-        self,
-        num_experts: int,
-        input_width: int,
-        expert_width: int,
-        *,
-        input_axis: str,
-        activation: str,
-        situ_beta: float,
-        situ_beta_linear: float,
-        init_std: float,
-        dtype,
-        param_dtype,
-        rngs: nnx.Rngs,
-        expert_matmul: str = "ragged_dot",
-    ):
+    def __init__(self, input_width: int, config: MoEConfig, *, input_axis: str, activation: str, init_std: float,
+                 dtype, rngs: nnx.Rngs):
         glu_activation(activation)  # fail at construction on an unknown name
-        if expert_matmul not in EXPERT_MATMULS:
-            raise ValueError(f"expert_matmul must be one of {tuple(EXPERT_MATMULS)}, got {expert_matmul!r}")
-        self.expert_matmul = expert_matmul
         init = truncated_normal(init_std)
+        experts, width = config.num_experts, config.expert_width
         up_axes = ("experts", input_axis, "expert_mlp")
-        self.w_gate = param(rngs, init, (num_experts, input_width, expert_width), up_axes, param_dtype)
-        self.w_up = param(rngs, init, (num_experts, input_width, expert_width), up_axes, param_dtype)
-        self.w_down = param(
-            rngs, init, (num_experts, expert_width, input_width), ("experts", "expert_mlp", input_axis), param_dtype
-        )
+        self.w_gate = param(rngs, init, (experts, input_width, width), up_axes)
+        self.w_up = param(rngs, init, (experts, input_width, width), up_axes)
+        self.w_down = param(rngs, init, (experts, width, input_width), ("experts", "expert_mlp", input_axis))
+        self.expert_matmul = config.expert_matmul
         self.activation = activation
-        self.situ_beta = situ_beta
-        self.situ_beta_linear = situ_beta_linear
         self.dtype = dtype
 
-    def __call__(self, x: jax.Array, indices: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, indices: jax.Array, weights: jax.Array,
+                 dispatch: ExpertDispatchFn | None = None) -> tuple[jax.Array, jax.Array]:
         """x [N, in], indices / weights [N, k] -> (sum_i weights_i E_{indices_i}(x) [N, in] in ``dtype``,
         (token, expert) assignments dropped by a capacity dispatch [] fp32)."""
         w_gate, w_up, w_down = (w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
-        activation = glu_activation(self.activation, self.situ_beta, self.situ_beta_linear)
+        activation = glu_activation(self.activation)
         x = x.astype(self.dtype)
-        placement = expert_placement(x.shape[0], w_gate.shape[-1])
-        if placement is not None:
-            return expert_parallel_experts(x, indices, weights, w_gate, w_up, w_down, activation, placement)
+        if dispatch is not None:
+            return dispatch(x, indices, weights, w_gate, w_up, w_down, activation)
         compute = EXPERT_MATMULS[self.expert_matmul]
         return compute(x, indices, weights, w_gate, w_up, w_down, activation), jnp.zeros((), jnp.float32)
 
 
 class MoE(nnx.Module):
-    """Stable LatentMoE (``latent_dim`` set) or plain MoE (``latent_dim=None``) with shared experts.
+    """Stable LatentMoE (``config.latent_dim`` set) or plain MoE (None) with shared experts.
 
-    Args (keyword only):
+    Args:
       d_model: model width d.
-      num_experts, top_k: E routed experts, k chosen per token.
-      expert_width: hidden width m of each routed expert.
-      latent_dim: latent width l of LatentMoE (W_down d -> l, W_up l -> d), or None for plain MoE.
-      latent_norm: RMSNorm on the combined expert output u before W_up (Stable LatentMoE);
-        requires ``latent_dim``.
-      shared_width: width of the one shared GLU (n_shared * m), or None for no shared expert.
-      activation: "situ" or "swiglu", for routed and shared experts; situ_beta, situ_beta_linear
-        are SiTU's beta and beta_lin.
-      routed_scale: routing weights of each token sum to this (K3 1.0, Kimi Linear 2.446).
-      bias_in_weights: the Kimi Linear HF routing quirk (see ``select_experts``); default off.
+      config: the `MoEConfig` (experts, top-k, widths, latent, shared experts, routing, balancing
+        histogram bins, expert matmul); the layer reads its fields from it.
+      activation: "situ" or "swiglu", for routed and shared experts.
       norm_eps: eps of the latent RMSNorm.
       init_std: truncated-normal std of every weight matrix.
-      dtype: compute dtype (fp32 or bf16); router, norm and activations run in fp32.
-      param_dtype: storage dtype of the weights (the router bias is always fp32).
-      expert_matmul: "ragged_dot" (grouped GEMMs, for many experts / accelerators) or "dense"
-        (every expert on every token; faster for a few experts on CPU). Same function.
-      quantile_bins: report ``MoEStats.bias_histogram`` with this many bins (for the histogram
-        quantile balancing; summed over data-parallel shards) instead of the token scores.
+      dtype: compute dtype (fp32 or bf16); router, norm and activations run in fp32; weights are
+        stored in fp32 (the router bias too).
       rngs: ``nnx.Rngs`` with a ``params`` stream.
 
     Parameters: ``router`` (weight, e_score_correction_bias), ``experts`` (w_gate, w_up, w_down
     stacked over E), ``latent_down`` [d, l], ``latent_up`` [l, d], ``latent_norm_weight`` [l]
-    (LatentMoE only), ``shared`` (a ``DenseGLU``, when ``shared_width``).
+    (Stable LatentMoE only), ``shared`` (a ``DenseGLU``, when ``config.shared_width``).
+    Static: ``expert_dispatch`` (None: experts computed locally; set by `k3jax.sharding.parallelize`).
     """
 
-    def __init__(
-        self,
-        *,
-        d_model: int,
-        num_experts: int,
-        top_k: int,
-        expert_width: int,
-        latent_dim: int | None = None,
-        latent_norm: bool = False,
-        shared_width: int | None = None,
-        activation: str = "situ",
-        routed_scale: float = 1.0,
-        bias_in_weights: bool = False,
-        situ_beta: float = 4.0,
-        situ_beta_linear: float = 25.0,
-        norm_eps: float = 1e-5,
-        init_std: float = 0.02,
-        dtype=jnp.float32,
-        param_dtype=jnp.float32,
-        expert_matmul: str = "ragged_dot",
-        quantile_bins: int | None = None,
-        rngs: nnx.Rngs,
-    ):
-        if latent_norm and latent_dim is None:
-            raise ValueError("latent_norm=True needs a latent_dim (plain MoE has no latent norm)")
+    def __init__(self, d_model: int, config: MoEConfig, *, activation: str = "situ", norm_eps: float = 1e-5,
+                 init_std: float = 0.02, dtype=jnp.float32, rngs: nnx.Rngs):
+        latent = config.latent_dim
         init = truncated_normal(init_std)
-        self.router = Router(
-            d_model,
-            num_experts,
-            top_k,
-            routed_scale=routed_scale,
-            bias_in_weights=bias_in_weights,
-            init_std=init_std,
-            param_dtype=param_dtype,
-            rngs=rngs,
-        )
-        self.experts = RoutedExperts(
-            num_experts,
-            d_model if latent_dim is None else latent_dim,
-            expert_width,
-            input_axis="embed" if latent_dim is None else "latent",
-            activation=activation,
-            situ_beta=situ_beta,
-            situ_beta_linear=situ_beta_linear,
-            init_std=init_std,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            rngs=rngs,
-            expert_matmul=expert_matmul,
-        )
-        if latent_dim is not None:
-            self.latent_down = param(rngs, init, (d_model, latent_dim), ("embed", "latent"), param_dtype)
-            self.latent_up = param(rngs, init, (latent_dim, d_model), ("latent", "embed"), param_dtype)
-        if latent_norm:
-            self.latent_norm_weight = param(rngs, nnx.initializers.ones, (latent_dim,), ("latent",), param_dtype)
-        if shared_width is not None:
-            self.shared = DenseGLU(
-                d_model,
-                shared_width,
-                activation=activation,
-                situ_beta=situ_beta,
-                situ_beta_linear=situ_beta_linear,
-                init_std=init_std,
-                dtype=dtype,
-                param_dtype=param_dtype,
-                rngs=rngs,
-            )
-        self.num_experts = num_experts
-        self.quantile_bins = quantile_bins
-        self.latent_dim = latent_dim
-        self.latent_norm = latent_norm
-        self.shared_width = shared_width
+        self.router = Router(d_model, config, init_std=init_std, rngs=rngs)
+        self.experts = RoutedExperts(d_model if latent is None else latent, config,
+                                     input_axis="embed" if latent is None else "latent", activation=activation,
+                                     init_std=init_std, dtype=dtype, rngs=rngs)
+        if latent is not None:
+            self.latent_down = param(rngs, init, (d_model, latent), ("embed", "latent"))
+            self.latent_up = param(rngs, init, (latent, d_model), ("latent", "embed"))
+        if config.latent_norm:
+            self.latent_norm_weight = param(rngs, nnx.initializers.ones, (latent,), ("latent",))
+        if config.shared_width is not None:
+            self.shared = DenseGLU(d_model, config.shared_width, activation=activation, init_std=init_std, dtype=dtype,
+                                   rngs=rngs)
+        self.config = config
         self.norm_eps = norm_eps
         self.dtype = dtype
+        self.expert_dispatch: ExpertDispatchFn | None = None
 
     def __call__(self, x: jax.Array, token_mask: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
         """x [B, T, d] (already RMS-normed by the block), token_mask [B, T] bool or None (False:
@@ -253,13 +162,14 @@ class MoE(nnx.Module):
         indices, weights, scores = self.router(tokens)
         tokens = tokens.astype(self.dtype)
         y, dropped = self._routed(tokens, indices, weights)
-        if self.shared_width is not None:
+        if self.config.shared_width is not None:
             y = y + self.shared(tokens)
         scores = jax.lax.stop_gradient(scores)
-        histogram = None if self.quantile_bins is None else required_bias_histogram(
-            scores, self.router.e_score_correction_bias[...], self.router.top_k, self.quantile_bins, mask)
+        bins = self.config.quantile_bins
+        histogram = None if bins is None else required_bias_histogram(
+            scores, self.router.e_score_correction_bias[...], self.router.top_k, bins, mask)
         stats = MoEStats(
-            expert_load=expert_load(indices, self.num_experts, mask),
+            expert_load=expert_load(indices, self.config.num_experts, mask),
             router_scores=scores if histogram is None else None,
             token_mask=mask,
             dropped=jax.lax.stop_gradient(dropped),
@@ -270,9 +180,10 @@ class MoE(nnx.Module):
     def _routed(self, tokens: jax.Array, indices: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The routed branch: plain sum_i p_i E_i(x), or W_up RMSNorm(sum_i p_i E_i(W_down x)),
         and the count of dropped assignments."""
-        if self.latent_dim is None:
-            return self.experts(tokens, indices, weights)
-        latent, dropped = self.experts(tokens @ self.latent_down[...].astype(self.dtype), indices, weights)
-        if self.latent_norm:
+        if self.config.latent_dim is None:
+            return self.experts(tokens, indices, weights, self.expert_dispatch)
+        latent, dropped = self.experts(tokens @ self.latent_down[...].astype(self.dtype), indices, weights,
+                                       self.expert_dispatch)
+        if self.config.latent_norm:
             latent = rms_norm(latent, self.latent_norm_weight[...], self.norm_eps)
         return latent @ self.latent_up[...].astype(self.dtype), dropped

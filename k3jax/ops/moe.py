@@ -235,7 +235,7 @@ class MoEStats(NamedTuple):
                             (None when the layer reports ``bias_histogram`` instead)
     token_mask    [N] bool  which tokens count for balancing (False: padding)
     dropped       [] fp32   (token, expert) assignments a capacity dispatch dropped
-                            (`k3jax.expert_parallel`; 0 when dropless; None in stats built by hand)
+                            (`k3jax.sharding.expert_parallel`; 0 when dropless; None in stats built by hand)
     bias_histogram [E, bins] int32  ``required_bias_histogram`` of the counted tokens, the input
                             of the histogram quantile update (histograms of shards add up)
     """

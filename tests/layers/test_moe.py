@@ -5,6 +5,7 @@ import optax
 import pytest
 from flax import nnx
 
+from k3jax.config import ConfigError, MoEConfig
 from k3jax.layers.ffn import DenseGLU
 from k3jax.layers.moe import MoE, RouterBias
 from k3jax.layers.params import logical_axes
@@ -12,17 +13,24 @@ from k3jax.ops.moe import load_metrics, updated_router_bias
 from tests.ops import numpy_moe as ref
 
 D_MODEL, EXPERTS, TOP_K = 16, 8, 2
-LATENT_K3 = dict(latent_dim=8, latent_norm=True, shared_width=24, activation="situ", routed_scale=1.0)
-PLAIN_KIMI_LINEAR = dict(latent_dim=None, latent_norm=False, shared_width=12, activation="swiglu", routed_scale=2.446)
-LATENT_NO_NORM_NO_SHARED = dict(latent_dim=8, latent_norm=False, shared_width=None, activation="situ", routed_scale=1.0)
+# Expert width 6: 4 shared experts make a shared GLU of width 24, 2 one of width 12.
+LATENT_K3 = dict(latent_dim=8, latent_norm=True, num_shared_experts=4, activation="situ", routed_scale=1.0)
+PLAIN_KIMI_LINEAR = dict(latent_dim=None, latent_norm=False, num_shared_experts=2, activation="swiglu",
+                         routed_scale=2.446)
+LATENT_NO_NORM_NO_SHARED = dict(latent_dim=8, latent_norm=False, num_shared_experts=0, activation="situ",
+                                routed_scale=1.0)
+LAYER_OPTIONS = ("activation", "dtype")   # the MoE's own arguments; the rest are MoEConfig fields
+
+
+def moe_config(**fields) -> MoEConfig:
+    return MoEConfig(**{"num_experts": EXPERTS, "top_k": TOP_K, "expert_width": 6, **fields})
 
 
 def make_moe(seed=0, **options):
     """A small MoE; the wide init keeps router scores well apart, so fp32 and float64 pick the same experts."""
     options = {**LATENT_K3, **options}
-    return MoE(
-        d_model=D_MODEL, num_experts=EXPERTS, top_k=TOP_K, expert_width=6, init_std=0.5, rngs=nnx.Rngs(seed), **options
-    )
+    layer = {name: options.pop(name) for name in LAYER_OPTIONS if name in options}
+    return MoE(D_MODEL, moe_config(**options), init_std=0.5, rngs=nnx.Rngs(seed), **layer)
 
 
 # Jitted forward: one compile per configuration instead of one per eager op (much faster on CPU).
@@ -42,11 +50,11 @@ def numpy_params(model):
         "w_up": as64(model.experts.w_up),
         "w_down": as64(model.experts.w_down),
     }
-    if model.latent_dim is not None:
+    if model.config.latent_dim is not None:
         p["latent_down"], p["latent_up"] = as64(model.latent_down), as64(model.latent_up)
-    if model.latent_norm:
+    if model.config.latent_norm:
         p["latent_norm"] = as64(model.latent_norm_weight)
-    if model.shared_width is not None:
+    if model.config.shared_width is not None:
         shared = model.shared
         p["shared_gate"], p["shared_up"], p["shared_down"] = (as64(w) for w in (shared.w_gate, shared.w_up, shared.w_down))
     return p
@@ -56,8 +64,9 @@ def perturb_non_matrix_params(model, seed):
     """Give the router bias and the latent norm weight non-trivial values (they start at 0 and 1)."""
     rng = np.random.default_rng(seed)
     model.router.e_score_correction_bias[...] = jnp.asarray(0.3 * rng.standard_normal(EXPERTS), jnp.float32)
-    if model.latent_norm:
-        model.latent_norm_weight[...] = jnp.asarray(1 + 0.5 * rng.standard_normal(model.latent_dim), jnp.float32)
+    if model.config.latent_norm:
+        model.latent_norm_weight[...] = jnp.asarray(1 + 0.5 * rng.standard_normal(model.config.latent_dim),
+                                                    jnp.float32)
 
 
 def inputs(seed, batch=2, length=6):
@@ -118,7 +127,7 @@ def test_parameters_carry_logical_axes():
 
 
 def test_router_bias_gets_no_gradient_and_no_optimizer_update():
-    model = make_moe(bias_in_weights=True)  # the quirk puts b into the weights: still no gradient
+    model = make_moe(router_bias_in_weights=True)  # the quirk puts b into the weights: still no gradient
     perturb_non_matrix_params(model, seed=5)
     x = jnp.asarray(inputs(6), jnp.float32)
     loss = lambda m: jnp.sum(m(x)[0] ** 2)  # noqa: E731
@@ -169,17 +178,23 @@ def test_jit_matches_eager():
     np.testing.assert_array_equal(stats_jit.expert_load, stats.expert_load)
 
 
+def test_moe_reads_its_config():
+    model = make_moe(**PLAIN_KIMI_LINEAR, router_bias_in_weights=True, expert_matmul="dense", quantile_bins=16)
+    assert (model.router.top_k, model.router.routed_scale, model.router.bias_in_weights) == (TOP_K, 2.446, True)
+    assert model.experts.expert_matmul == "dense" and model.experts.w_gate.shape == (EXPERTS, D_MODEL, 6)
+    assert model.shared.w_gate.shape == (D_MODEL, 12)
+    _, stats = forward(model, jnp.asarray(inputs(10), jnp.float32))
+    assert stats.bias_histogram.shape[-1] == 16 and stats.router_scores is None
+
+
 @pytest.mark.parametrize(
-    "options, message",
+    "options, error, message",
     [
-        (dict(latent_dim=None, latent_norm=True), "latent_norm=True needs a latent_dim"),
-        (dict(activation="relu"), "unknown GLU activation"),
-        (dict(top_k=EXPERTS), "top_k must be in"),
+        (dict(latent_dim=None, latent_norm=True), ConfigError, "latent_norm: needs a latent_dim"),
+        (dict(activation="relu"), ValueError, "unknown GLU activation"),
+        (dict(top_k=EXPERTS), ConfigError, "top_k: must be below num_experts"),
     ],
 )
-def test_bad_configurations_fail_at_construction(options, message):
-    top_k = options.pop("top_k", TOP_K)
-    with pytest.raises(ValueError, match=message):
-        MoE(
-            d_model=D_MODEL, num_experts=EXPERTS, top_k=top_k, expert_width=6, rngs=nnx.Rngs(0), **{**LATENT_K3, **options}
-        )
+def test_bad_configurations_fail_at_construction(options, error, message):
+    with pytest.raises(error, match=message):
+        make_moe(**options)

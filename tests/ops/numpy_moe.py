@@ -1,8 +1,11 @@
-"""Independent float64 NumPy reference of SPEC §4 (feed-forward, router, MoE, balancing).
+"""Independent float64 NumPy reference of SPEC §4 (feed-forward, router, MoE, balancing, and the
+expert-parallel capacity rule).
 
 Written from the spec, loop- and dense-style: every expert runs on every token and the top-k
 outputs are gathered. Never imports k3jax.
 """
+import math
+
 import numpy as np
 
 
@@ -95,3 +98,16 @@ def quantile_update(scores, bias, top_k, mask=None):
     rank = -(-top_k * n // num_experts)  # ceil without floats
     new = np.array([np.sort(required[:, j])[rank - 1] for j in range(num_experts)])
     return new - new.mean()
+
+
+def capacity_dropped(indices, shards: int, num_experts: int, capacity_factor: float) -> int:
+    """The capacity rule: each of ``shards`` equal blocks of token rows gives expert e at most
+    C = ceil(capacity_factor * n k / E) of its assignments; the rest are dropped."""
+    indices = np.asarray(indices)
+    rows, top_k = indices.shape
+    capacity = max(1, math.ceil(capacity_factor * (rows // shards) * top_k / num_experts))
+    dropped = 0
+    for block in np.split(indices, shards):
+        counts = np.bincount(block.reshape(-1), minlength=num_experts)
+        dropped += int(np.maximum(counts - capacity, 0).sum())
+    return dropped

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from k3jax.checkpoint import RunCheckpoints
+from tests.ops.numpy_moe import capacity_dropped
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MICRO = ROOT / "tests" / "train" / "micro.yaml"
@@ -127,22 +128,9 @@ def test_loss_gradients_and_balancing_on_four_meshes_equal_one_device(launched):
         assert result["initialisation"] == 0 and result["initialisation_laid_out"], (mesh, result)
 
 
-def numpy_dropped(indices, shards: int, num_experts: int, capacity_factor: float) -> int:
-    """The capacity rule: each of ``shards`` equal blocks of token rows gives expert e at most
-    C = ceil(capacity_factor * n k / E) of its assignments; the rest are dropped."""
-    indices = np.asarray(indices)
-    rows, top_k = indices.shape
-    capacity = max(1, math.ceil(capacity_factor * (rows // shards) * top_k / num_experts))
-    dropped = 0
-    for block in np.split(indices, shards):
-        counts = np.bincount(block.reshape(-1), minlength=num_experts)
-        dropped += int(np.maximum(counts - capacity, 0).sum())
-    return dropped
-
-
 def test_tight_capacity_drops_what_the_numpy_capacity_rule_drops(moe_dispatch):
     capacity = moe_dispatch["capacity"]
-    expected = numpy_dropped(capacity["indices"], capacity["shards"], capacity["num_experts"],
+    expected = capacity_dropped(capacity["indices"], capacity["shards"], capacity["num_experts"],
                              capacity["capacity_factor"])
     assert expected > 0
     assert capacity["dropped"] == expected

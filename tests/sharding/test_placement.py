@@ -1,5 +1,6 @@
 """Placement rules, expert-parallel bookkeeping and the planner's HLO reading, on one device
-(abstract meshes stand in for real ones; tests/sharding/test_multi_device.py runs 8 devices)."""
+(abstract meshes stand in for real ones; tests/sharding/test_multi_device.py runs 8 devices;
+tests/sharding/test_parallelize.py sets models up for a mesh)."""
 import math
 
 import jax
@@ -10,10 +11,10 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 from k3jax.config import ConfigError, MeshConfig, load_config
-from k3jax.expert_parallel import capacity_slots, expert_capacity, local_expert_grouping
 from k3jax.optim import build_optimizer
 from k3jax.sharding import (MESH_AXES, batch_sharding, expert_placement, mesh_shape, partition_spec,
-                            state_shardings, use_mesh)
+                            state_shardings)
+from k3jax.sharding.expert_parallel import capacity_slots, expert_capacity, local_expert_grouping
 from k3jax.training import init_train_state
 from train import plan
 
@@ -93,19 +94,16 @@ def test_batches_split_over_the_batch_axes_of_size_above_one():
     assert batch_sharding(abstract_mesh(), RULES).spec == P(None)
 
 
-def test_expert_placement_only_under_a_mesh_with_an_expert_dispatch():
-    assert expert_placement(64, 32) is None
-    with use_mesh(MESH, MeshConfig(moe_dispatch="local")):
-        assert expert_placement(64, 32) is None
-    with use_mesh(MESH, MeshConfig(moe_dispatch="capacity", capacity_factor=2.0)):
-        placement = expert_placement(64, 32)
-        assert (placement.tokens, placement.experts, placement.hidden) == (("data", "fsdp", "expert"), ("expert",),
-                                                                           ("tensor",))
-        assert (placement.dispatch, placement.capacity_factor) == ("capacity", 2.0)
-        assert expert_placement(8, 3).tokens == ("data", "expert")     # experts first: fsdp would make 16 shards
-        assert expert_placement(8, 3).hidden == ()                     # 2 does not divide 3
-        with pytest.raises(ValueError, match="do not split over the expert axes"):
-            expert_placement(6, 32)
+def test_expert_placement_splits_tokens_over_expert_then_batch_axes_and_the_hidden_width_over_the_rest():
+    config = MeshConfig(moe_dispatch="capacity", capacity_factor=2.0)
+    placement = expert_placement(MESH, config, 64, 32)
+    assert (placement.tokens, placement.experts, placement.hidden) == (("data", "fsdp", "expert"), ("expert",),
+                                                                       ("tensor",))
+    assert (placement.dispatch, placement.capacity_factor) == ("capacity", 2.0)
+    assert expert_placement(MESH, config, 8, 3).tokens == ("data", "expert")   # experts first: fsdp would make 16
+    assert expert_placement(MESH, config, 8, 3).hidden == ()                   # 2 does not divide 3
+    with pytest.raises(ValueError, match="do not split over the expert axes"):
+        expert_placement(MESH, config, 6, 32)
 
 
 def numpy_slots(indices, num_experts, capacity):

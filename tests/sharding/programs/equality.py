@@ -15,7 +15,7 @@ from flax import nnx
 
 from k3jax.data import make_dataset
 from k3jax.model import K3Model
-from k3jax.sharding import batch_sharding, make_mesh, named_shardings, use_mesh
+from k3jax.sharding import batch_sharding, make_mesh, named_shardings, parallelize
 from k3jax.training import masked_cross_entropy, sharded_train_state, split_model
 from tests.sharding.programs.common import emit, mesh_config, relative_error, small_k3_config
 from train.run import lay_out_run
@@ -28,7 +28,7 @@ MESHES = {
 }
 
 
-def make_step(parts, mesh=None, mesh_cfg=None):
+def make_step(parts):
     """(params, buffers, batch) -> (loss, grads, balanced router biases, dropped), jitted."""
     def loss_fn(params, buffers, batch):
         out = parts.merge(params, buffers)(batch["tokens"], segment_ids=batch["segment_ids"])
@@ -41,11 +41,7 @@ def make_step(parts, mesh=None, mesh_cfg=None):
         model.update_router_bias(stats)
         return loss, grads, model.router_bias(), jnp.sum(stats.dropped)
 
-    def step_on_mesh(*args):
-        with use_mesh(mesh, mesh_cfg):
-            return step(*args)
-
-    return jax.jit(step if mesh is None else step_on_mesh)
+    return jax.jit(step)
 
 
 def sharded_initialisation(config, mesh_cfg, params):
@@ -73,7 +69,8 @@ def main():
         args = (jax.device_put(params, named_shardings(parts.params.axes(), params, mesh_cfg.rules, mesh)),
                 jax.device_put(buffers, named_shardings(parts.buffers.axes(), buffers, mesh_cfg.rules, mesh)),
                 jax.device_put(batch, batch_sharding(mesh, mesh_cfg.rules)))
-        compiled = make_step(parts, mesh, mesh_cfg).lower(*args).compile()
+        mesh_parts, _, _ = split_model(parallelize(parts.merge(params, buffers), mesh, mesh_cfg))
+        compiled = make_step(mesh_parts).lower(*args).compile()
         mesh_loss, mesh_grads, mesh_bias, dropped = jax.device_get(compiled(*args))
         init_difference, init_laid_out = sharded_initialisation(config, mesh_cfg, params)
         results[name] = {

@@ -15,15 +15,17 @@ Prints one JSON object:
     plan       `train.plan`'s figures for a one-MoE-layer K3 train step on mesh (data=2, expert=4)
     errors     the one-line ConfigErrors of meshes a run cannot use
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from k3jax.config import ConfigError
+from k3jax.config import ConfigError, MoEConfig
 from k3jax.layers.moe import MoE
 from k3jax.ops.moe import updated_router_bias
-from k3jax.sharding import check_run_fits, make_mesh, use_mesh
+from k3jax.sharding import check_run_fits, make_mesh, parallelize
 from tests.sharding.programs.common import emit, mesh_config, relative_error, small_k3_config
 from train.plan import collective_bytes, plan_train_step
 
@@ -32,27 +34,27 @@ MESH = dict(data=2, expert=4)
 
 
 def make_moe(latent_dim=LATENT, quantile_bins=None):
-    moe = MoE(d_model=D_MODEL, num_experts=EXPERTS, top_k=TOP_K, expert_width=16, latent_dim=latent_dim,
-              latent_norm=latent_dim is not None, shared_width=16, init_std=0.3, quantile_bins=quantile_bins,
-              rngs=nnx.Rngs(0))
-    return nnx.split(moe)
+    config = MoEConfig(num_experts=EXPERTS, top_k=TOP_K, expert_width=16, latent_dim=latent_dim,
+                       latent_norm=latent_dim is not None, num_shared_experts=1, quantile_bins=quantile_bins)
+    return nnx.split(MoE(D_MODEL, config, init_std=0.3, rngs=nnx.Rngs(0)))
 
 
-def loss_and_grad(graphdef, mesh=None, mesh_cfg=None):
-    """(state, x) -> ((sum of y^2, (dropped, routing indices)), gradients for state and x), jitted
-    (on ``mesh``). The input's gradient keeps the backward all-to-all of the dispatch alive, as
-    in a model where x comes from earlier layers."""
+def parallelized(graphdef, state, mesh, mesh_cfg):
+    """The graph of the layer `parallelize`d for ``mesh`` (its state is unchanged)."""
+    return nnx.split(parallelize(nnx.merge(graphdef, state), mesh, mesh_cfg))[0]
+
+
+def loss_and_grad(graphdef):
+    """(state, x) -> ((sum of y^2, (dropped, routing indices)), gradients for state and x), jitted.
+    The input's gradient keeps the backward all-to-all of the dispatch alive, as in a model where
+    x comes from earlier layers."""
     def loss(state, x):
         moe = nnx.merge(graphdef, state)
         y, stats = moe(x)
         indices, _, _ = moe.router(x.reshape(-1, D_MODEL))
         return jnp.sum(y.astype(jnp.float32) ** 2), (stats.dropped, indices)
 
-    def on_mesh(state, x):
-        with use_mesh(mesh, mesh_cfg):
-            return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(state, x)
-
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True) if mesh is None else on_mesh)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
 
 def on_mesh_inputs(mesh, state, x):
@@ -79,7 +81,8 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
 def capacity_check(graphdef, state, x):
     mesh_cfg = mesh_config(**MESH, moe_dispatch="capacity", capacity_factor=0.5)
     mesh = make_mesh(mesh_cfg)
-    (_, (dropped, indices)), _ = loss_and_grad(graphdef, mesh, mesh_cfg)(*on_mesh_inputs(mesh, state, x))
+    step = loss_and_grad(parallelized(graphdef, state, mesh, mesh_cfg))
+    (_, (dropped, indices)), _ = step(*on_mesh_inputs(mesh, state, x))
     return {"dropped": float(dropped), "indices": jax.device_get(indices).tolist(), "shards": 8,
             "capacity_factor": 0.5, "num_experts": EXPERTS}
 
@@ -88,7 +91,7 @@ def ragged_check(graphdef, state, x):
     (reference, _), ref_grads = loss_and_grad(graphdef)(state, x)
     mesh_cfg = mesh_config(**MESH, moe_dispatch="ragged")
     mesh = make_mesh(mesh_cfg)
-    step = loss_and_grad(graphdef, mesh, mesh_cfg)
+    step = loss_and_grad(parallelized(graphdef, state, mesh, mesh_cfg))
     args = on_mesh_inputs(mesh, state, x)
     abstract_args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), args)
     exported = jax.export.export(step, platforms=["cuda"], disabled_checks=[
@@ -96,7 +99,7 @@ def ragged_check(graphdef, state, x):
     original = jax.lax.ragged_all_to_all
     jax.lax.ragged_all_to_all = emulated_ragged_all_to_all
     try:
-        (value, (dropped, _)), grads = loss_and_grad(graphdef, mesh, mesh_cfg)(*args)
+        (value, (dropped, _)), grads = loss_and_grad(parallelized(graphdef, state, mesh, mesh_cfg))(*args)
     finally:
         jax.lax.ragged_all_to_all = original
     return {"loss": relative_error(value, reference), "dropped": float(dropped),
@@ -109,7 +112,8 @@ def all_to_all_bytes(latent_dim):
     x = jax.random.normal(jax.random.key(1), (BATCH, LENGTH, D_MODEL))
     mesh_cfg = mesh_config(**MESH, moe_dispatch="capacity")
     mesh = make_mesh(mesh_cfg)
-    compiled = loss_and_grad(graphdef, mesh, mesh_cfg).lower(*on_mesh_inputs(mesh, state, x)).compile()
+    step = loss_and_grad(parallelized(graphdef, state, mesh, mesh_cfg))
+    compiled = step.lower(*on_mesh_inputs(mesh, state, x)).compile()
     return collective_bytes(compiled.as_text())["all-to-all"]
 
 
@@ -117,20 +121,17 @@ def histogram_check(x):
     """Histograms of token shards add up to the one-device histogram, so the balanced bias agrees."""
     graphdef, state = make_moe(quantile_bins=64)
 
-    def balanced(state, x):
+    def balanced(graphdef, state, x):
         moe = nnx.merge(graphdef, state)
         stats = moe(x)[1]
         bias = moe.router.e_score_correction_bias[...]
         return stats.bias_histogram, updated_router_bias(bias, stats, method="quantile", top_k=TOP_K)
 
-    def balanced_on_mesh(state, x):
-        with use_mesh(mesh, mesh_cfg):
-            return balanced(state, x)
-
     mesh_cfg = mesh_config(**MESH, moe_dispatch="capacity")
     mesh = make_mesh(mesh_cfg)
-    histogram, bias = jax.jit(balanced)(state, x)
-    mesh_histogram, mesh_bias = jax.jit(balanced_on_mesh)(*on_mesh_inputs(mesh, state, x))
+    histogram, bias = jax.jit(functools.partial(balanced, graphdef))(state, x)
+    on_mesh = functools.partial(balanced, parallelized(graphdef, state, mesh, mesh_cfg))
+    mesh_histogram, mesh_bias = jax.jit(on_mesh)(*on_mesh_inputs(mesh, state, x))
     return {"counted": int(jnp.sum(histogram)), "histogram": int(jnp.max(jnp.abs(mesh_histogram - histogram))),
             "bias": float(jnp.max(jnp.abs(mesh_bias - bias)))}
 

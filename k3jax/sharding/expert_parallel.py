@@ -1,6 +1,7 @@
 """Expert parallelism for (Latent)MoE: experts split over mesh axes, token rows shipped to them.
 
-One `jax.shard_map` region replaces the routed-expert call of an MoE layer. On entry each
+`k3jax.sharding.parallelize` stores an `ExpertDispatch` on each MoE layer; its call, one
+`jax.shard_map` region, replaces the layer's routed-expert computation. On entry each
 device holds n of the N token rows -- for LatentMoE already down-projected to the latent width
 l on the token's home device (W_down runs before the region, RMSNorm and W_up after it), so
 every collective carries l-dim rows: d/l fewer bytes than plain MoE (l = d) -- and E/ep of the
@@ -28,24 +29,27 @@ at the region's boundary, and their gradients reduced on the way out.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
+from k3jax.config import MeshConfig
 from k3jax.ops.moe import (GLUActivation, combine_assignments, expert_glu, glu_ffn, sort_by_expert,
                            unsort_and_combine)
+from k3jax.sharding.mesh import AnyMesh, axes_size
 
 DISPATCHES = ("capacity", "ragged")
 
 
 class ExpertPlacement(NamedTuple):
-    """Where an MoE layer's experts and tokens live (built by `k3jax.sharding.expert_placement`).
+    """Where an MoE layer's experts and tokens live (built by `expert_placement`).
 
-    mesh:     the (abstract) device mesh of the surrounding program
+    mesh:     the device mesh (a concrete one to run; an abstract one to reason about)
     tokens:   mesh axes splitting the token rows (they include ``experts``)
     experts:  mesh axes splitting the expert dimension (ep devices)
     hidden:   mesh axes splitting each expert's hidden width (tp devices; disjoint from the others)
@@ -53,7 +57,7 @@ class ExpertPlacement(NamedTuple):
     capacity_factor: C = ceil(capacity_factor * n k / E) for the capacity dispatch
     """
 
-    mesh: jax.sharding.AbstractMesh
+    mesh: AnyMesh
     tokens: tuple[str, ...]
     experts: tuple[str, ...]
     hidden: tuple[str, ...]
@@ -61,7 +65,35 @@ class ExpertPlacement(NamedTuple):
     capacity_factor: float
 
     def size(self, axes: tuple[str, ...]) -> int:
-        return math.prod(self.mesh.shape[axis] for axis in axes)
+        return axes_size(self.mesh, axes)
+
+
+def expert_placement(mesh: AnyMesh, config: MeshConfig, num_tokens: int, expert_width: int) -> ExpertPlacement:
+    """How an MoE layer with ``num_tokens`` token rows and experts of hidden width ``expert_width``
+    reaches experts split over the rules' "experts" axes of ``mesh`` with ``config``'s dispatch.
+
+    Token rows split over the expert axes (each device ships its own rows) and those of the
+    rules' batch axes that still divide them, in the batch rule's order (the batch's own layout);
+    the hidden width over the rules' expert_mlp axes that divide it and split neither tokens nor
+    experts.
+    """
+    rules = config.rules
+    experts = tuple(axis for axis in rules.experts if mesh.shape[axis] > 1)
+    if num_tokens % axes_size(mesh, experts):
+        raise ValueError(f"{num_tokens} token rows do not split over the expert axes {experts} "
+                         f"({axes_size(mesh, experts)} devices); expert parallelism needs them to")
+    chosen = set(experts)
+    for axis in rules.batch:
+        if (axis not in chosen and mesh.shape[axis] > 1
+                and num_tokens % (axes_size(mesh, chosen) * mesh.shape[axis]) == 0):
+            chosen.add(axis)
+    tokens = tuple(axis for axis in dict.fromkeys((*rules.batch, *experts)) if axis in chosen)
+    hidden: list[str] = []
+    for axis in rules.expert_mlp:
+        if (axis not in tokens and axis not in experts and mesh.shape[axis] > 1
+                and expert_width % (axes_size(mesh, hidden) * mesh.shape[axis]) == 0):
+            hidden.append(axis)
+    return ExpertPlacement(mesh, tokens, experts, tuple(hidden), config.moe_dispatch, config.capacity_factor)
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -190,3 +222,27 @@ def expert_parallel_experts(x, indices, weights, w_gate, w_up, w_down, activatio
         out_specs=(rows, P()),
     )
     return region(x, indices, weights, w_gate, w_up, w_down)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertDispatch:
+    """An MoE layer's routed experts run expert-parallel on ``mesh`` as ``config`` says
+    (``moe_dispatch``, ``capacity_factor``, ``rules``). `k3jax.sharding.parallelize` stores one on
+    each MoE layer (a static attribute: part of the layer's graph definition, so a program traced
+    for one dispatch is never reused for another); the layer calls it in place of computing its
+    experts locally. The token and hidden-width splits follow each call's shapes
+    (`expert_placement`)."""
+
+    mesh: Mesh
+    config: MeshConfig
+
+    def __call__(self, x, indices, weights, w_gate, w_up, w_down, activation: GLUActivation):
+        """`expert_parallel_experts` of these arrays on the placement their shapes allow."""
+        placement = expert_placement(self.mesh, self.config, x.shape[0], w_gate.shape[-1])
+        return expert_parallel_experts(x, indices, weights, w_gate, w_up, w_down, activation, placement)
+
+
+def expert_dispatch(mesh: Mesh, config: MeshConfig) -> ExpertDispatch | None:
+    """The dispatch MoE layers use on ``mesh``: None (experts computed where the tokens are) for
+    ``moe_dispatch: local``."""
+    return None if config.moe_dispatch == "local" else ExpertDispatch(mesh, config)

@@ -2,11 +2,12 @@
 
     mesh = make_mesh(config.mesh)                    # axes data, fsdp, expert, tensor (Auto)
     check_run_fits(config, mesh)                     # one-line ConfigErrors
-    parts, params, buffers = abstract_model(config.model)          # k3jax.training: shapes only
+    parts, params, buffers = abstract_model(config.model, mesh, config.mesh)   # k3jax.training:
+                                                     # shapes only, the model parallelized
     shapes = abstract_train_state(params, buffers, optimizer)
     shardings = step_shardings(shapes, parts.params.axes(), parts.buffers.axes(), mesh, config.mesh)
     state = sharded_train_state(config.model, seed, optimizer, shardings.state)   # shard by shard
-    step = make_train_step(parts, optimizer, shardings=shardings)     # traced under use_mesh
+    step = make_train_step(parts, optimizer, shardings=shardings)
     index, count = process_rows(shardings.batch, B)  # this process's block of each global batch
     state, metrics = step(state, global_batch(dataset.batch(i, B, process_index=index, process_count=count),
                                               shardings.batch, B))
@@ -16,19 +17,14 @@ Every parameter carries logical axis names (`k3jax.layers.params`); the rules ta
 rule's axes that are not used by an earlier dimension of the same array and whose sizes divide
 it -- so any mesh runs any model, a dimension that does not divide staying replicated. The
 optimizer state follows its parameter; batches split their first dimension over ``rules.batch``.
-
-Outside `use_mesh` nothing here is active and MoE layers compute their experts locally; inside,
-`expert_placement` tells them how to reach experts split over the rules' "experts" axes
-(`k3jax.expert_parallel`).
+What the model computes on the mesh (activation layouts, the expert dispatch) is set by
+`k3jax.sharding.parallelize`.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import functools
 import math
 import os
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -36,12 +32,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from k3jax.config import AxisRules, Config, ConfigError, MeshConfig
-from k3jax.expert_parallel import ExpertPlacement
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 AnyMesh = Mesh | AbstractMesh   # shardings are computed alike for concrete and abstract meshes
-_ACTIVE_MESH_CONFIG: contextvars.ContextVar[MeshConfig | None] = contextvars.ContextVar("k3jax_mesh_config",
-                                                                                       default=None)
 
 
 # --- the mesh ----------------------------------------------------------------------------------
@@ -69,7 +62,8 @@ def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -
                          devices=devices)
 
 
-def _size(mesh: AnyMesh, axes: Sequence[str]) -> int:
+def axes_size(mesh: AnyMesh, axes: Sequence[str]) -> int:
+    """How many devices the mesh ``axes`` span together."""
     return math.prod(mesh.shape[axis] for axis in axes)
 
 
@@ -77,7 +71,7 @@ def check_run_fits(config: Config, mesh: Mesh) -> None:
     """One-line ConfigErrors for a run the mesh cannot execute: experts that do not split over the
     expert axes, batches that do not split over the batch axes, a dispatch the platform lacks."""
     rules, dispatch = config.mesh.rules, config.mesh.moe_dispatch
-    experts = _size(mesh, rules.experts)
+    experts = axes_size(mesh, rules.experts)
     if dispatch != "local" and config.model.moe.num_experts % experts:
         raise ConfigError("mesh.rules.experts", f"model.moe.num_experts = {config.model.moe.num_experts} does "
                                                 f"not split over {experts} devices ({', '.join(rules.experts)})")
@@ -85,7 +79,7 @@ def check_run_fits(config: Config, mesh: Mesh) -> None:
         raise ConfigError("mesh.moe_dispatch", "'ragged' needs ragged_all_to_all, which XLA:CPU does not "
                                                "implement; use 'capacity' on CPU")
     micro_batch = config.train.batch_size // config.train.grad_accum
-    shards = _size(mesh, rules.batch)
+    shards = axes_size(mesh, rules.batch)
     if micro_batch % shards:
         raise ConfigError("train.batch_size", f"micro-batches of {micro_batch} sequences (batch_size / grad_accum) "
                                               f"do not split over the {shards} devices of mesh.rules.batch")
@@ -110,7 +104,7 @@ def partition_spec(logical_axes: Sequence[str | None], shape: Sequence[int], rul
             raise ValueError(f"no sharding rule for the logical axis {name!r}")
         taken: list[str] = []
         for axis in (getattr(rules, name) if name else ()):
-            split = _size(mesh, taken) * mesh.shape[axis]
+            split = axes_size(mesh, taken) * mesh.shape[axis]
             if mesh.shape[axis] > 1 and axis not in used and size % split == 0:
                 taken.append(axis)
                 used.add(axis)
@@ -163,29 +157,20 @@ def batch_sharding(mesh: Mesh, rules: AxisRules) -> NamedSharding:
 
 
 class StepShardings(NamedTuple):
-    """How a train or eval step (`k3jax.training.make_train_step`) runs on a mesh: ``state`` a
-    TrainState of NamedShardings, ``batch`` every batch array's, ``replicated`` the metrics', and
-    the mesh config its MoE layers dispatch by (`on_mesh`)."""
+    """How a train or eval step (`k3jax.training.make_train_step`) lays out its arrays on a mesh:
+    ``state`` a TrainState of NamedShardings, ``batch`` every batch array's, ``replicated`` the
+    metrics'."""
 
     state: Any
     batch: NamedSharding
     replicated: NamedSharding
-    mesh_config: MeshConfig
-
-    def on_mesh(self, fn: Callable) -> Callable:
-        """``fn`` traced under ``use_mesh`` (so the program it is jitted into sees the mesh)."""
-        @functools.wraps(fn)
-        def traced_on_mesh(*args):
-            with use_mesh(self.batch.mesh, self.mesh_config):
-                return fn(*args)
-        return traced_on_mesh
 
 
 def step_shardings(state, param_axes: Mapping[str, Sequence[str]], buffer_axes: Mapping[str, Sequence[str]],
                    mesh: Mesh, config: MeshConfig) -> StepShardings:
     """The `StepShardings` of training ``state`` on ``mesh``."""
     return StepShardings(state_shardings(state, param_axes, buffer_axes, config.rules, mesh),
-                         batch_sharding(mesh, config.rules), NamedSharding(mesh, P()), config)
+                         batch_sharding(mesh, config.rules), NamedSharding(mesh, P()))
 
 
 def abstract(tree: Any, shardings: Any) -> Any:
@@ -220,71 +205,6 @@ def global_batch(local: Mapping[str, np.ndarray], sharding: NamedSharding, globa
 def to_host(x: jax.Array) -> np.ndarray:
     """The full value of a (possibly multi-process) array on this host."""
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-# --- the active mesh -----------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def use_mesh(mesh: AnyMesh, config: MeshConfig) -> Iterator[None]:
-    """Trace on ``mesh`` (enter it inside the function being jitted): MoE layers dispatch to their
-    experts as ``config`` says (``moe_dispatch``, ``capacity_factor``, ``rules``). What is traced
-    depends on ``config``, which jit's cache does not see: jit a new function per configuration
-    (`StepShardings.on_mesh` does)."""
-    abstract_mesh = mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh
-    token = _ACTIVE_MESH_CONFIG.set(config)
-    try:
-        with jax.sharding.use_abstract_mesh(abstract_mesh):
-            yield
-    finally:
-        _ACTIVE_MESH_CONFIG.reset(token)
-
-
-def with_logical_constraint(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
-    """``x`` laid out by the active `use_mesh`'s rules for these logical axis names (model code
-    names the axes of activations whose layout matters; unchanged outside `use_mesh`).
-
-    GSPMD otherwise lets the FSDP split of a weight's model width leak into the activations it
-    multiplies and reshuffles them (all-to-alls) back and forth between layers.
-    """
-    config = _ACTIVE_MESH_CONFIG.get()
-    mesh = jax.sharding.get_abstract_mesh()
-    if config is None or mesh.empty:
-        return x
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, partition_spec(logical_axes, x.shape, config.rules,
-                                                                                  mesh)))
-
-
-def expert_placement(num_tokens: int, expert_width: int) -> ExpertPlacement | None:
-    """How an MoE layer with ``num_tokens`` token rows and experts of hidden width ``expert_width``
-    reaches its experts under the active `use_mesh`; None (compute locally) outside one or with
-    ``moe_dispatch: local``.
-
-    Token rows split over the expert axes (each device ships its own rows) and those of the
-    rules' batch axes that still divide them, in the batch rule's order (the batch's own layout);
-    the hidden width over the rules' expert_mlp axes that divide it and split neither tokens nor
-    experts.
-    """
-    config = _ACTIVE_MESH_CONFIG.get()
-    mesh = jax.sharding.get_abstract_mesh()
-    if config is None or config.moe_dispatch == "local" or mesh.empty:
-        return None
-    rules = config.rules
-    experts = tuple(axis for axis in rules.experts if mesh.shape[axis] > 1)
-    if num_tokens % _size(mesh, experts):
-        raise ValueError(f"{num_tokens} token rows do not split over the expert axes {experts} "
-                         f"({_size(mesh, experts)} devices); expert parallelism needs them to")
-    chosen = set(experts)
-    for axis in rules.batch:
-        if axis not in chosen and mesh.shape[axis] > 1 and num_tokens % (_size(mesh, chosen) * mesh.shape[axis]) == 0:
-            chosen.add(axis)
-    tokens = tuple(axis for axis in dict.fromkeys((*rules.batch, *experts)) if axis in chosen)
-    hidden: list[str] = []
-    for axis in rules.expert_mlp:
-        if (axis not in tokens and axis not in experts and mesh.shape[axis] > 1
-                and expert_width % (_size(mesh, hidden) * mesh.shape[axis]) == 0):
-            hidden.append(axis)
-    return ExpertPlacement(mesh, tokens, experts, tuple(hidden), config.moe_dispatch, config.capacity_factor)
 
 
 # --- several processes ---------------------------------------------------------------------------
