@@ -1,6 +1,6 @@
 """Compile time of the K3 stack vs depth: scanning the repeating period keeps it flat.
 
-    python -m eval.compile_time [--config configs/tiny.yaml] [--layers 8 32] [--out bench_results/compile_time.json]
+    python -m bench.compile_time [--config configs/tiny.yaml] [--layers 8 32] [--out bench_results/compile_time.json]
 
 For each depth it builds the model (shapes only), then lowers and compiles (XLA:CPU) the
 training forward and the training step (loss and gradients), and prints seconds for each, with
@@ -9,9 +9,8 @@ the layer split (unrolled prefix, scanned body x repeats, unrolled suffix). Writ
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import platform
+import sys
 import time
 
 import k3jax  # noqa: F401  (XLA:CPU workaround before JAX starts)
@@ -19,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from bench.common import table, write_json
 from k3jax.config import ConfigError, load_config
 from k3jax.model import K3Model, layer_groups
 
@@ -62,19 +62,16 @@ def main() -> int:
     try:
         rows = [measure(args.config, n, args.batch, args.length) for n in args.layers]
     except (ConfigError, OSError) as error:
-        print(f"error: {error}")
+        print(f"error: {error}", file=sys.stderr)
         return 2
-    header = f"{'layers':>7}{'split (prefix+body x n+suffix)':>32}{'fwd lower s':>13}{'fwd compile s':>15}{'step lower s':>14}{'step compile s':>16}"
-    print(header)
-    for r in rows:
-        split = f"{r['prefix']}+{r['body']}x{r['repeats']}+{r['suffix']}"
-        print(f"{r['num_layers']:>7}{split:>32}{r['forward_lower_s']:>13.2f}{r['forward_compile_s']:>15.2f}"
-              f"{r['train_step_lower_s']:>14.2f}{r['train_step_compile_s']:>16.2f}")
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": args.config, "batch": args.batch, "length": args.length,
-                               "jax": jax.__version__, "machine": platform.machine(), "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    lines = [[r["num_layers"], f"{r['prefix']}+{r['body']}x{r['repeats']}+{r['suffix']}",
+              *(f"{r[key]:.2f}" for key in ("forward_lower_s", "forward_compile_s", "train_step_lower_s",
+                                             "train_step_compile_s"))] for r in rows]
+    print(table(["layers", "split (prefix+body x n+suffix)", "fwd lower s", "fwd compile s", "step lower s",
+                 "step compile s"], lines))
+    written = write_json(args.out, {"config": args.config, "batch": args.batch, "length": args.length,
+                                    "jax": jax.__version__, "machine": platform.machine(), "rows": rows})
+    print(f"wrote {written}")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Benchmark of the KDA operator on the local backend: reference scan vs chunked form.
 
-    python -m eval.bench_kda [--out bench_results/kda.json] [--repeats 7] [--quick]
+    python -m bench.kda [--out bench_results/kda.json] [--repeats 7] [--quick]
 
 For each shape (B, T, H, K, V) it measures, in one process and in interleaved rounds (each round
 runs every implementation once, so the ratios are side by side even on a noisy machine; the
@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import pathlib
 import platform
-import time
 
 import k3jax  # noqa: F401  (XLA:CPU workaround before JAX starts)
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.common import best_time, interleaved_times, table, write_json
 from k3jax.host import keep_freed_memory
 from k3jax.ops.kda import kda, kda_gate, l2_normalize
 from k3jax.ops.kda.chunk import SUB_BLOCK, block_width, chunk_algorithm_flops, effective_chunk_size
@@ -64,17 +62,6 @@ def forward_backward_fn(implementation, chunk_size=64):
         return jnp.sum(o * o) + jnp.sum(state * state)
 
     return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5))))
-
-
-def best_time(fn, args, repeats: int) -> float:
-    """Minimum wall time over ``repeats`` runs after one compile-and-warm-up run."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def gemm_rate(repeats: int) -> float:
@@ -131,24 +118,6 @@ def program_bytes(fn, args) -> dict:
     temp = int(analysis.temp_size_in_bytes)
     return dict(temp=temp, total=temp + int(analysis.argument_size_in_bytes) + int(analysis.output_size_in_bytes)
                 - int(analysis.alias_size_in_bytes))
-
-
-def interleaved_times(fns, args, rounds: int) -> np.ndarray:
-    """Wall times ``[rounds, len(fns)]`` after one compile-and-warm-up run each. Every round runs
-    each function once, in turn, so the slow spells of a noisy machine fall on all of them alike
-    and the per-round ratios stay comparable; the order rotates from round to round, so no
-    function always follows the same one (after the reference's forward+backward, which frees a
-    gigabyte of per-token states, the next program runs slower)."""
-    for fn in fns:
-        jax.block_until_ready(fn(*args))
-    times = np.empty((rounds, len(fns)))
-    for r in range(rounds):
-        for step in range(len(fns)):
-            i = (r + step) % len(fns)
-            start = time.perf_counter()
-            jax.block_until_ready(fns[i](*args))
-            times[r, i] = time.perf_counter() - start
-    return times
 
 
 IMPLEMENTATIONS = (("reference", 64), ("chunk", 64), ("chunk", 32), ("chunk", 16))
@@ -213,16 +182,15 @@ def run(repeats: int, quick: bool):
 def print_table(result):
     print(f"\nfp32 GEMM rate measured in this run: {result['gemm_gflop_per_s']:.1f} GFLOP/s "
           f"({jax.devices()[0].platform}, {jax.device_count()} device(s))")
-    header = (f"{'B,T,H,K,V':22s} {'gate':9s} {'impl':9s} {'C':>3s} {'fwd tok/s':>11s} {'fwd+bwd tok/s':>14s} "
-              f"{'GFLOP/s':>8s} {'% GEMM':>7s}")
-    print(header)
-    print("-" * len(header))
+    rows = []
     for r in result["rows"]:
-        gf = f"{r['forward_gflop_per_s']:8.1f}" if "forward_gflop_per_s" in r else f"{'':8s}"
-        pct = f"{100 * r['fraction_of_gemm']:6.1f}%" if "fraction_of_gemm" in r else f"{'':7s}"
-        chunk = str(r["chunk_size"]) if r["implementation"] == "chunk" else ""
-        print(f"{str(tuple(r['shape'])):22s} {r['gate']:9s} {r['implementation']:9s} {chunk:>3s} "
-              f"{r['forward_tokens_per_s']:11.0f} {r['forward_backward_tokens_per_s']:14.0f} {gf} {pct}")
+        measured_rate = "forward_gflop_per_s" in r
+        rows.append([str(tuple(r["shape"])), r["gate"], r["implementation"],
+                     r["chunk_size"] if r["implementation"] == "chunk" else "",
+                     f"{r['forward_tokens_per_s']:.0f}", f"{r['forward_backward_tokens_per_s']:.0f}",
+                     f"{r['forward_gflop_per_s']:.1f}" if measured_rate else "",
+                     f"{100 * r['fraction_of_gemm']:.1f}%" if measured_rate else ""])
+    print(table(["B,T,H,K,V", "gate", "impl", "C", "fwd tok/s", "fwd+bwd tok/s", "GFLOP/s", "% GEMM"], rows))
     print("\nchunk vs reference in this run: best time / best time; then the median (min-max) of the "
           "ratios within each interleaved round")
     for r in result["ratios"]:
@@ -260,10 +228,7 @@ def main(argv=None):
                                  processor=platform.processor() or platform.machine(),
                                  cpu_count=len(jax.devices("cpu")), keep_freed_memory=allocator_tuned)
     print_table(result)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {out}")
+    print(f"\nwrote {write_json(args.out, result)}")
 
 
 if __name__ == "__main__":

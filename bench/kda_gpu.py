@@ -1,7 +1,7 @@
 """KDA kernels on one GPU: correctness against the XLA chunk path, speed, decode bandwidth.
 
-    python -m eval.bench_kda_gpu --out kda_gpu.json           # H100/H200: about 3-4 minutes
-    python -m eval.bench_kda_gpu --smoke --out smoke.json     # tiny shapes, any machine (CPU: interpret)
+    python -m bench.kda_gpu --out kda_gpu.json           # H100/H200: about 3-4 minutes
+    python -m bench.kda_gpu --smoke --out smoke.json     # tiny shapes, any machine (CPU: interpret)
 
 Sections, each isolated (a failure is printed and recorded, the rest still run) and skipped
 once the time budget (--budget-s) is spent:
@@ -34,6 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.common import median_seconds, write_json  # noqa: E402
 from k3jax.ops.kda import kda, kda_gate  # noqa: E402
 from k3jax.ops.kda.decode_pool import conv_pool_step, kda_pool_step  # noqa: E402
 
@@ -84,8 +85,7 @@ class Report:
         return result
 
     def write(self) -> None:
-        with open(self.out_path, "w") as f:
-            json.dump(self.data, f, indent=2, default=str)
+        write_json(self.out_path, self.data)
 
 
 def kda_inputs(seed, batch, length, heads, value_heads, key_dim, value_dim, *, dtype, gate="bounded"):
@@ -188,19 +188,6 @@ def check_decode(smoke: bool):
                        and results["kda untouched slots identical"] and results["conv y"] < 2e-2
                        and results["conv tails identical to xla"])
     return results
-
-
-def median_seconds(fn, *args, iters: int):
-    """(first call incl. compile, median of ``iters`` timed calls) in seconds."""
-    began = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - began
-    times = []
-    for _ in range(iters):
-        began = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - began)
-    return first, statistics.median(times)
 
 
 def bench_decode_bandwidth(smoke: bool, iters: int):

@@ -1,10 +1,10 @@
 """The chunked KDA of this tree against the one of another git revision, side by side.
 
-    python -m eval.bench_kda_versions REV [--chunk-sizes 16 64] [--rounds 9] [--out FILE]
+    python -m bench.kda_versions REV [--chunk-sizes 16 64] [--rounds 9] [--out FILE]
 
 Loads ``k3jax/ops/kda/chunk.py`` as it is at REV (``git show``) next to the working tree's, runs
-both on the same inputs (the shapes and bounded gates of `eval.bench_kda`) in interleaved rounds
-(`eval.bench_kda.interleaved_times`: the order rotates from round to round), and prints the best
+both on the same inputs (the shapes and bounded gates of `bench.kda`) in interleaved rounds
+(`bench.common.interleaved_times`: the order rotates from round to round), and prints the best
 time of each and the median of the per-round time ratios, for the forward and for
 forward+backward, with the largest difference between the two versions' results. For
 performance work on the chunk form, where this machine's run-to-run noise is larger than the
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import pathlib
 import subprocess
 import sys
@@ -24,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.bench_kda import SHAPES, interleaved_times, make_inputs
+from bench.common import interleaved_times, table, write_json
+from bench.kda import SHAPES, make_inputs
 from k3jax.host import keep_freed_memory
 from k3jax.ops.kda import chunk as working_tree
 
@@ -85,16 +85,11 @@ def main(argv=None):
         versions = {args.revision: load_revision(args.revision, pathlib.Path(directory)), "working tree": working_tree}
         rows = [row for shape in SHAPES for chunk_size in args.chunk_sizes
                 for row in compare(versions, shape, chunk_size, args.rounds)]
-    print(f"\n{'B,T,H,K,V':22s} {'C':>3s} {'measured':17s} {args.revision[:12]:>12s} {'working tree':>13s} "
-          f"{'speed-up':>9s} {'max |diff|':>10s}")
-    for r in rows:
-        old, new = r["best_s"].values()
-        print(f"{str(tuple(r['shape'])):22s} {r['chunk_size']:3d} {r['measured']:17s} {old * 1e3:9.1f} ms "
-              f"{new * 1e3:10.1f} ms {r['median_speedup']:8.2f}x {r['max_abs_difference']:10.1e}")
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(revision=args.revision, rows=rows), indent=2))
-    print(f"\nwrote {out}")
+    old_name = args.revision[:12]
+    lines = [[str(tuple(r["shape"])), r["chunk_size"], r["measured"], *(f"{t * 1e3:.1f} ms" for t in r["best_s"].values()),
+              f"{r['median_speedup']:.2f}x", f"{r['max_abs_difference']:.1e}"] for r in rows]
+    print("\n" + table(["B,T,H,K,V", "C", "measured", old_name, "working tree", "speed-up", "max |diff|"], lines))
+    print(f"\nwrote {write_json(args.out, dict(revision=args.revision, rows=rows))}")
 
 
 if __name__ == "__main__":
