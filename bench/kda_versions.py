@@ -85,10 +85,11 @@ def main(argv=None):
         versions = {args.revision: load_revision(args.revision, pathlib.Path(directory)), "working tree": working_tree}
         rows = [row for shape in SHAPES for chunk_size in args.chunk_sizes
                 for row in compare(versions, shape, chunk_size, args.rounds)]
-    old_name = args.revision[:12]
-    lines = [[str(tuple(r["shape"])), r["chunk_size"], r["measured"], *(f"{t * 1e3:.1f} ms" for t in r["best_s"].values()),
+    lines = [[str(tuple(r["shape"])), r["chunk_size"], r["measured"],
+              *(f"{seconds * 1e3:.1f} ms" for seconds in r["best_s"].values()),
               f"{r['median_speedup']:.2f}x", f"{r['max_abs_difference']:.1e}"] for r in rows]
-    print("\n" + table(["B,T,H,K,V", "C", "measured", old_name, "working tree", "speed-up", "max |diff|"], lines))
+    headers = ["B,T,H,K,V", "C", "measured", args.revision[:12], "working tree", "speed-up", "max |diff|"]
+    print("\n" + table(headers, lines))
     print(f"\nwrote {write_json(args.out, dict(revision=args.revision, rows=rows))}")
 
 

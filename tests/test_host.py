@@ -29,6 +29,7 @@ PROGRAM = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow   # subprocesses
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
 def test_large_blocks_come_from_the_heap_and_stay_after_free():
     def run(mode):

@@ -48,12 +48,14 @@ def assert_one_line_error(status: int, stderr: str) -> None:
     assert "Traceback" not in stderr
 
 
+@pytest.mark.slow   # a subprocess
 def test_missing_checkpoint_is_one_line_and_status_2(tmp_path):
     result = run_cli(tmp_path / "no-such-run", "--no-progress")
     assert_one_line_error(result.returncode, result.stderr)
     assert "no such directory" in result.stderr
 
 
+@pytest.mark.slow   # a subprocess
 def test_corrupted_checkpoint_is_one_line_and_status_2(trained_run, tmp_path):
     copy = shutil.copytree(trained_run.path, tmp_path / "corrupted")
     for path in (copy / "checkpoints" / str(trained_run.step) / "state").rglob("*"):

@@ -18,6 +18,8 @@ import pytest
 from k3jax.checkpoint import RunCheckpoints
 from tests.ops.numpy_moe import capacity_dropped
 
+pytestmark = pytest.mark.slow   # subprocesses of 8 devices
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MICRO = ROOT / "tests" / "train" / "micro.yaml"
 TOLERANCE = 1e-5

@@ -14,6 +14,8 @@ import pytest
 
 from k3jax.checkpoint import RunCheckpoints
 
+pytestmark = pytest.mark.slow   # subprocesses
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MICRO = str(pathlib.Path(__file__).with_name("micro.yaml"))
 
