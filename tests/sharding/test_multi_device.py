@@ -42,7 +42,7 @@ def start(args, devices=8):
                             stderr=subprocess.PIPE, text=True)
 
 
-def finish(process, timeout=900) -> str:
+def finish(process, timeout=1800) -> str:
     stdout, stderr = process.communicate(timeout=timeout)
     assert process.returncode == 0, stderr[-3000:]
     return stdout
