@@ -86,15 +86,6 @@ def select_column(x, j):
     return jnp.sum(jnp.where(_iota(x.shape[-2:], 1) == j, x, 0.0), axis=-1, keepdims=True)
 
 
-def transpose_vector(x):
-    """``[..., 1, d]`` <-> ``[..., d, 1]`` through a diagonal mask (vector transposes do not
-    lower everywhere)."""
-    row = x.shape[-2] == 1
-    size = x.shape[-1] if row else x.shape[-2]
-    eye = _iota((size, size), 0) == _iota((size, size), 1)
-    return jnp.sum(jnp.where(eye, x, 0.0), axis=-1 if row else -2, keepdims=True)
-
-
 def token_step(state, q, k, v, g, beta):
     """One KDA token on a state ``[..., K, V]``: q (scaled), k, g columns ``[..., K, 1]``, v row
     ``[..., 1, V]``, beta ``[..., 1, 1]``. Returns ``(o [..., 1, V], new state)``:
@@ -397,6 +388,8 @@ class ValueBlock(NamedTuple):
     d_out: list          # dO tiles                        [.., 16, BV]
     state: jax.Array     # S entering the chunk            [.., K, BV]
     d_next_state: jax.Array  # dL/dS' of the leaving state [.., K, BV]
+    new_values: list | None = None    # V~ tiles, when the caller has them (else recomputed)
+    d_new_values: list | None = None  # dV~ tiles (`new_value_gradient`), likewise
 
 
 class ChunkGradients(NamedTuple):
@@ -425,8 +418,12 @@ class _ContractedGradients(NamedTuple):
 def _value_block_gradients(chunk: Chunk, block: ValueBlock, dots: Dots):
     """One column block of V: ``(_ContractedGradients part, dV tiles, dV~ tiles)``."""
     count = len(chunk.q)
-    values = new_values(chunk.w, solve_values(chunk, block.v, dots), block.state, dots)
-    d_new_values = new_value_gradient(chunk.scores.query, chunk.write_keys, block.d_out, block.d_next_state, dots)
+    values = block.new_values
+    if values is None:
+        values = new_values(chunk.w, solve_values(chunk, block.v, dots), block.state, dots)
+    d_new_values = block.d_new_values
+    if d_new_values is None:
+        d_new_values = new_value_gradient(chunk.scores.query, chunk.write_keys, block.d_out, block.d_next_state, dots)
     d_x = solve_upper(chunk.scores, d_new_values, dots)
     innovation = [v - dots.mm(keys, block.state) for v, keys in zip(block.v, chunk.read_keys)]
     part = _ContractedGradients(
@@ -541,7 +538,7 @@ def chunk_gradients(chunk: Chunk, blocks: list, dots: Dots) -> ChunkGradients:
     d_q_scores, d_k_rows, d_k_columns = score_gradients(chunk, grad_query, grad_key, dots)
 
     d_gamma, d_q, d_k = [], [], []
-    d_gamma_total = transpose_vector(summed.decay) * chunk.decay
+    d_gamma_total = dots.vector_t(summed.decay) * chunk.decay
     for r, (q, k) in enumerate(zip(chunk.q, chunk.k)):
         d_read_q, d_read_k, d_write_k = summed.read_queries[r], summed.read_keys[r], summed.write_keys[r]
         d_gamma.append(q * d_q_scores[r] + k * (d_k_rows[r] - d_k_columns[r])

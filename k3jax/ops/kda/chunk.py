@@ -13,9 +13,9 @@ from and written to the token-major arrays in place. Packed documents: the in-bl
 start counts drive the masks of `blocks.Segments`.
 
 Backward (`jax.custom_vjp`): the forward saves its inputs and the state entering each chunk.
-Per chunk, in reverse: recompute the block terms, rebuild the states entering each block,
-walk the blocks backwards for dS (`blocks.new_value_gradient`, `blocks.state_gradient`), then
-take all G blocks' gradients at once (`blocks.chunk_gradients`).
+Per chunk, in reverse: recompute the block terms, rebuild the states entering each block (and
+V~), walk the blocks backwards for dS (`blocks.new_value_gradient`, `blocks.state_gradient`),
+then take all G blocks' gradients at once (`blocks.chunk_gradients`, given V~ and dV~).
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ class _BlockView:
         self.read_queries = [terms.read_queries[0][:, b]]
         self.query_scores = [[terms.scores.query[0][0][:, b]]]
         self.write_keys = [terms.write_keys[0][:, b]]
-        self.decay_column = blocks.transpose_vector(terms.decay[:, b])
+        self.decay_column = DOTS.vector_t(terms.decay[:, b])
 
 
 def _views(terms, v):
@@ -93,18 +93,21 @@ def _backward_step(d_state, xs):
     (q, k, v, g, beta, counts), state, d_o = xs
     terms = _chunk_terms(q, k, g, beta, counts)
     views = _views(terms, v)
-    entering = [state]
-    for view in views[:-1]:
-        values = blocks.new_values(view.w, view.u, entering[-1], DOTS)
-        entering.append(blocks.next_state(view.write_keys, values, view.decay_column, entering[-1], DOTS))
+    entering, values = [state], []
+    for view in views:
+        values.append(blocks.new_values(view.w, view.u, entering[-1], DOTS)[0])
+        if len(entering) < len(views):
+            entering.append(blocks.next_state(view.write_keys, [values[-1]], view.decay_column, entering[-1], DOTS))
     d_o = _to_blocks(d_o)
-    d_next = [None] * len(views)
+    d_next, d_values = [None] * len(views), [None] * len(views)
     for b in reversed(range(len(views))):
         view, d_out = views[b], [d_o[:, b]]
         d_next[b] = d_state
-        d_values = blocks.new_value_gradient(view.query_scores, view.write_keys, d_out, d_state, DOTS)
-        d_state = blocks.state_gradient(view.w, view.read_queries, d_out, d_values, view.decay_column, d_state, DOTS)
-    value_block = blocks.ValueBlock([_to_blocks(v)], [d_o], jnp.stack(entering, axis=1), jnp.stack(d_next, axis=1))
+        d_values[b] = blocks.new_value_gradient(view.query_scores, view.write_keys, d_out, d_state, DOTS)[0]
+        d_state = blocks.state_gradient(view.w, view.read_queries, d_out, [d_values[b]], view.decay_column, d_state,
+                                        DOTS)
+    stacked = [jnp.stack(x, axis=1) for x in (entering, d_next, values, d_values)]
+    value_block = blocks.ValueBlock([_to_blocks(v)], [d_o], stacked[0], stacked[1], [stacked[2]], [stacked[3]])
     grads = blocks.chunk_gradients(terms, [value_block], DOTS)
     d_inputs = (grads.q[0], grads.k[0], grads.v[0][0], grads.g[0], grads.beta[0][..., 0])
     return d_state, tuple(_from_blocks(x) for x in d_inputs)

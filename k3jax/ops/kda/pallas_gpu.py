@@ -127,7 +127,7 @@ def _advance_kernel(w_ref, u_ref, read_q_ref, write_k_ref, scores_ref, decay_ref
     def step(n, state):
         states_ref[n] = state
         o, state = blocks.advance([w_ref[n]], [u_ref[n]], [read_q_ref[n]], [[scores_ref[n]]],
-                                 [write_k_ref[n]], blocks.transpose_vector(decay_ref[n]), state, dots)
+                                 [write_k_ref[n]], dots.vector_t(decay_ref[n]), state, dots)
         o_ref[pl.ds(n * chunk, chunk), :] = o[0].astype(o_ref.dtype)
         return state
 
@@ -144,7 +144,7 @@ def _retreat_kernel(w_ref, read_q_ref, write_k_ref, scores_ref, decay_ref, d_o_r
         d_o = [d_o_ref[pl.ds(n * chunk, chunk), :].astype(d_state.dtype)]
         d_new_values = blocks.new_value_gradient([[scores_ref[n]]], [write_k_ref[n]], d_o, d_state, dots)
         return blocks.state_gradient([w_ref[n]], [read_q_ref[n]], d_o, d_new_values,
-                                    blocks.transpose_vector(decay_ref[n]), d_state, dots)
+                                    dots.vector_t(decay_ref[n]), d_state, dots)
 
     d_initial_ref[...] = jax.lax.fori_loop(0, n_chunks, step, d_final_ref[...])
 

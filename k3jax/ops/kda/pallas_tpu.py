@@ -76,7 +76,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, count_ref, count_row_r
                              scale=scale, dtype=dtype, dots=_DOTS)
     u = blocks.solve_values(chunk, tiles.load_tiles(v_ref, len(chunk.q), dtype), _DOTS)
     o, state = blocks.advance(chunk.w, u, chunk.read_queries, chunk.scores.query, chunk.write_keys,
-                             blocks.transpose_vector(chunk.decay), state, _DOTS)
+                             _DOTS.vector_t(chunk.decay), state, _DOTS)
     tiles.store_tiles(o_ref, o)
     state_scratch[...] = state
 
@@ -135,7 +135,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, count_ref, count_row_
     tiles.store_tiles(d_g_ref, grads.g)
     tiles.store_tiles(d_beta_ref, grads.beta)
     d_state = blocks.state_gradient(chunk.w, chunk.read_queries, d_o, grads.new_values[0],
-                                   blocks.transpose_vector(chunk.decay), d_next, _DOTS)
+                                   _DOTS.vector_t(chunk.decay), d_next, _DOTS)
     d_state_scratch[...] = d_state
 
     @pl.when(n == pl.num_programs(2) - 1)
