@@ -346,17 +346,23 @@ def next_state(write_keys, values, decay_column, state, dots: Dots):
     return state_out
 
 
-def advance(w, u, read_queries, query_scores, write_keys, decay_column, state, dots: Dots):
-    """One chunk of the recurrence: ``(O tiles, S')`` with V~ = U - W S, O = Q^ S + A_qk V~,
-    S' = D S + K-^T V~. Tiles may be 16-token tiles or one whole-chunk tile."""
-    values = new_values(w, u, state, dots)
-    outputs = []
+def outputs(read_queries, query_scores, values, state, dots: Dots) -> list:
+    """O = Q^ S + A_qk V~ per tile."""
+    out = []
     for r_block, queries in enumerate(read_queries):
         o = dots.mm(queries, state)
         for i_block, a in enumerate(query_scores[r_block]):
             o = o + dots.mm(a, values[i_block])
-        outputs.append(o)
-    return outputs, next_state(write_keys, values, decay_column, state, dots)
+        out.append(o)
+    return out
+
+
+def advance(w, u, read_queries, query_scores, write_keys, decay_column, state, dots: Dots):
+    """One chunk of the recurrence: ``(O tiles, S')`` with V~ = U - W S, O = Q^ S + A_qk V~,
+    S' = D S + K-^T V~. Tiles may be 16-token tiles or one whole-chunk tile."""
+    values = new_values(w, u, state, dots)
+    return outputs(read_queries, query_scores, values, state, dots), next_state(write_keys, values, decay_column,
+                                                                                state, dots)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -425,12 +431,14 @@ def _value_block_gradients(chunk: Chunk, block: ValueBlock, dots: Dots):
     if d_new_values is None:
         d_new_values = new_value_gradient(chunk.scores.query, chunk.write_keys, block.d_out, block.d_next_state, dots)
     d_x = solve_upper(chunk.scores, d_new_values, dots)
-    innovation = [v - dots.mm(keys, block.state) for v, keys in zip(block.v, chunk.read_keys)]
+    d_x_state = [dots.mm_nt(d, block.state) for d in d_x]   # dX S^T
     part = _ContractedGradients(
         read_queries=[dots.mm_nt(d_o, block.state) for d_o in block.d_out],
-        read_keys=[-b * dots.mm_nt(d, block.state) for b, d in zip(chunk.beta, d_x)],
+        read_keys=[-b * d for b, d in zip(chunk.beta, d_x_state)],
         write_keys=[dots.mm_nt(v, block.d_next_state) for v in values],
-        beta=[jnp.sum(d * x, axis=-1, keepdims=True) for d, x in zip(d_x, innovation)],
+        # rowsum(dX * (V - K^ S)) = rowsum(dX * V) - rowsum(K^ * dX S^T): no product with S
+        beta=[jnp.sum(d * v, axis=-1, keepdims=True) - jnp.sum(keys * ds, axis=-1, keepdims=True)
+              for d, v, keys, ds in zip(d_x, block.v, chunk.read_keys, d_x_state)],
         query_scores=[[dots.mm_nt(block.d_out[r], values[i]) for i in range(r + 1)] for r in range(count)],
         lower=[[-dots.mm_nt(d_x[r], values[i]) for i in range(r + 1)] for r in range(count)],
         decay=jnp.sum(block.state * block.d_next_state, axis=-1, keepdims=True),

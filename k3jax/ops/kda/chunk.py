@@ -12,9 +12,9 @@ One `lax.scan` step handles one chunk: its intermediates stay in cache, and the 
 from and written to the token-major arrays in place. Packed documents: the in-block segment
 start counts drive the masks of `blocks.Segments`.
 
-Backward (`jax.custom_vjp`): the forward saves its inputs and the state entering each chunk.
-Per chunk, in reverse: recompute the block terms, rebuild the states entering each block (and
-V~), walk the blocks backwards for dS (`blocks.new_value_gradient`, `blocks.state_gradient`),
+Backward (`jax.custom_vjp`): the forward saves its inputs, the state entering each chunk and
+V~ (V floats per token and head; recomputing it made forward+backward ~N% slower). Per chunk,
+in reverse: recompute the block terms, rebuild the states entering each block from V~, walk the blocks backwards for dS (`blocks.new_value_gradient`, `blocks.state_gradient`),
 then take all G blocks' gradients at once (`blocks.chunk_gradients`, given V~ and dV~).
 """
 from __future__ import annotations
@@ -61,43 +61,40 @@ def _chunk_terms(q, k, g, beta, counts):
 
 
 class _BlockView:
-    """The terms of block ``b`` of a chunk in the list form `blocks.advance` takes."""
+    """The terms of block ``b`` of a chunk in the list form the block math takes."""
 
-    def __init__(self, terms: blocks.Chunk, u, b: int):
-        self.w, self.u = [terms.w[0][:, b]], [u[:, b]]
+    def __init__(self, terms: blocks.Chunk, b: int):
+        self.w = [terms.w[0][:, b]]
         self.read_queries = [terms.read_queries[0][:, b]]
         self.query_scores = [[terms.scores.query[0][0][:, b]]]
         self.write_keys = [terms.write_keys[0][:, b]]
         self.decay_column = DOTS.vector_t(terms.decay[:, b])
 
 
-def _views(terms, v):
-    u = blocks.solve_values(terms, [_to_blocks(v)], DOTS)[0]
-    return [_BlockView(terms, u, b) for b in range(u.shape[1])]
-
-
 def _forward_step(state, chunk_inputs):
-    """One chunk: ``(S_out, o [B, C, HV, V])`` from S_in and the chunk's ``(q, k, v, g, beta, counts)``."""
+    """One chunk: ``(S_out, o [B, C, HV, V], V~ [B, G, HV, 16, V])`` from S_in and the chunk's
+    ``(q, k, v, g, beta, counts)``."""
     q, k, v, g, beta, counts = chunk_inputs
-    outputs = []
-    for view in _views(_chunk_terms(q, k, g, beta, counts), v):
-        o, state = blocks.advance(view.w, view.u, view.read_queries, view.query_scores, view.write_keys,
-                                  view.decay_column, state, DOTS)
-        outputs.append(o[0])
-    return state, _from_blocks(jnp.stack(outputs, axis=1))
+    terms = _chunk_terms(q, k, g, beta, counts)
+    u = blocks.solve_values(terms, [_to_blocks(v)], DOTS)[0]
+    outputs, values = [], []
+    for b in range(u.shape[1]):
+        view = _BlockView(terms, b)
+        values.append(blocks.new_values(view.w, [u[:, b]], state, DOTS)[0])
+        outputs.append(blocks.outputs(view.read_queries, view.query_scores, [values[-1]], state, DOTS)[0])
+        state = blocks.next_state(view.write_keys, [values[-1]], view.decay_column, state, DOTS)
+    return state, _from_blocks(jnp.stack(outputs, axis=1)), jnp.stack(values, axis=1)
 
 
 def _backward_step(d_state, xs):
-    """One chunk in reverse: from dS_out, the chunk's inputs, the state entering it and dO, returns
-    dS_in and the gradients of the chunk's ``(q, k, v, g, beta)``, token-major."""
-    (q, k, v, g, beta, counts), state, d_o = xs
+    """One chunk in reverse: from dS_out, the chunk's inputs, the state entering it, its V~ and dO,
+    returns dS_in and the gradients of the chunk's ``(q, k, v, g, beta)``, token-major."""
+    (q, k, v, g, beta, counts), (state, values), d_o = xs
     terms = _chunk_terms(q, k, g, beta, counts)
-    views = _views(terms, v)
-    entering, values = [state], []
-    for view in views:
-        values.append(blocks.new_values(view.w, view.u, entering[-1], DOTS)[0])
-        if len(entering) < len(views):
-            entering.append(blocks.next_state(view.write_keys, [values[-1]], view.decay_column, entering[-1], DOTS))
+    views = [_BlockView(terms, b) for b in range(values.shape[1])]
+    entering = [state]
+    for b, view in enumerate(views[:-1]):
+        entering.append(blocks.next_state(view.write_keys, [values[:, b]], view.decay_column, entering[-1], DOTS))
     d_o = _to_blocks(d_o)
     d_next, d_values = [None] * len(views), [None] * len(views)
     for b in reversed(range(len(views))):
@@ -106,8 +103,8 @@ def _backward_step(d_state, xs):
         d_values[b] = blocks.new_value_gradient(view.query_scores, view.write_keys, d_out, d_state, DOTS)[0]
         d_state = blocks.state_gradient(view.w, view.read_queries, d_out, [d_values[b]], view.decay_column, d_state,
                                         DOTS)
-    stacked = [jnp.stack(x, axis=1) for x in (entering, d_next, values, d_values)]
-    value_block = blocks.ValueBlock([_to_blocks(v)], [d_o], stacked[0], stacked[1], [stacked[2]], [stacked[3]])
+    stacked = [jnp.stack(x, axis=1) for x in (entering, d_next, d_values)]
+    value_block = blocks.ValueBlock([_to_blocks(v)], [d_o], stacked[0], stacked[1], [values], [stacked[2]])
     grads = blocks.chunk_gradients(terms, [value_block], DOTS)
     d_inputs = (grads.q[0], grads.k[0], grads.v[0][0], grads.g[0], grads.beta[0][..., 0])
     return d_state, tuple(_from_blocks(x) for x in d_inputs)
@@ -124,12 +121,12 @@ def _write_chunk(buffers, values, index):
 
 
 def _forward(inputs, initial_state):
-    """Scan the chunks: ``(o, final state, the state entering each chunk [N, B, HV, K, V])``."""
+    """Scan the chunks: ``(o, final state, per chunk [N, ...]: the entering state and V~)``."""
 
     def body(carry, index):
         state, o = carry
-        next_state, o_chunk = _forward_step(state, _chunk(inputs, index))
-        return (next_state, _write_chunk(o, o_chunk, index)), state
+        next_state, o_chunk, values = _forward_step(state, _chunk(inputs, index))
+        return (next_state, _write_chunk(o, o_chunk, index)), (state, values)
 
     o = jnp.zeros(inputs[2].shape, inputs[2].dtype)
     (final_state, o), states = jax.lax.scan(body, (initial_state, o), jnp.arange(inputs[0].shape[1]))
@@ -146,17 +143,18 @@ def chunked(q, k, v, g, beta, initial_state, counts):
 
 def _chunked_fwd(q, k, v, g, beta, initial_state, counts):
     inputs = (q, k, v, g, beta, counts)
-    o, final_state, states = _forward(inputs, initial_state)
-    return (o, final_state), (inputs, states)
+    o, final_state, kept = _forward(inputs, initial_state)
+    return (o, final_state), (inputs, kept)
 
 
 def _chunked_bwd(residuals, cotangents):
-    inputs, states = residuals
+    inputs, kept = residuals
     d_o, d_final_state = cotangents
 
     def body(carry, index):
         d_state, grads = carry
-        d_state, chunk_grads = _backward_step(d_state, (_chunk(inputs, index), states[index], _chunk(d_o, index)))
+        chunk_kept = jax.tree.map(lambda x: x[index], kept)
+        d_state, chunk_grads = _backward_step(d_state, (_chunk(inputs, index), chunk_kept, _chunk(d_o, index)))
         return (d_state, _write_chunk(grads, chunk_grads, index)), None
 
     grads = tuple(jnp.zeros_like(x) for x in inputs[:5])
