@@ -395,7 +395,6 @@ class ValueBlock(NamedTuple):
     state: jax.Array     # S entering the chunk            [.., K, BV]
     d_next_state: jax.Array  # dL/dS' of the leaving state [.., K, BV]
     new_values: list | None = None    # V~ tiles, when the caller has them (else recomputed)
-    d_new_values: list | None = None  # dV~ tiles (`new_value_gradient`), likewise
 
 
 class ChunkGradients(NamedTuple):
@@ -409,7 +408,7 @@ class ChunkGradients(NamedTuple):
     new_values: list  # per value block: dV~ tiles (for `state_gradient`)
 
 
-class _ContractedGradients(NamedTuple):
+class ContractedGradients(NamedTuple):
     """Gradients that contract V away, summed over the value blocks."""
 
     read_queries: list   # dQ^ = dO S^T                        [.., 16, K]
@@ -421,18 +420,16 @@ class _ContractedGradients(NamedTuple):
     decay: jax.Array     # rowsum(S * dS')                      [.., K, 1]
 
 
-def _value_block_gradients(chunk: Chunk, block: ValueBlock, dots: Dots):
-    """One column block of V: ``(_ContractedGradients part, dV tiles, dV~ tiles)``."""
+def value_block_gradients(chunk: Chunk, block: ValueBlock, dots: Dots):
+    """One column block of V: ``(ContractedGradients part, dV tiles, dV~ tiles)``."""
     count = len(chunk.q)
     values = block.new_values
     if values is None:
         values = new_values(chunk.w, solve_values(chunk, block.v, dots), block.state, dots)
-    d_new_values = block.d_new_values
-    if d_new_values is None:
-        d_new_values = new_value_gradient(chunk.scores.query, chunk.write_keys, block.d_out, block.d_next_state, dots)
+    d_new_values = new_value_gradient(chunk.scores.query, chunk.write_keys, block.d_out, block.d_next_state, dots)
     d_x = solve_upper(chunk.scores, d_new_values, dots)
     d_x_state = [dots.mm_nt(d, block.state) for d in d_x]   # dX S^T
-    part = _ContractedGradients(
+    part = ContractedGradients(
         read_queries=[dots.mm_nt(d_o, block.state) for d_o in block.d_out],
         read_keys=[-b * d for b, d in zip(chunk.beta, d_x_state)],
         write_keys=[dots.mm_nt(v, block.d_next_state) for v in values],
@@ -534,7 +531,12 @@ def chunk_gradients(chunk: Chunk, blocks: list, dots: Dots) -> ChunkGradients:
     the log-gate gradient collects x dx - y dy from every exp(Gamma_r - Gamma_i) factor (and the
     like from Q^, K^, K-, D) and is summed from each token to the chunk end.
     """
-    parts, d_v, d_new_values = zip(*(_value_block_gradients(chunk, block, dots) for block in blocks))
+    return gradients_from_parts(chunk, [value_block_gradients(chunk, block, dots) for block in blocks], dots)
+
+
+def gradients_from_parts(chunk: Chunk, value_parts: list, dots: Dots) -> ChunkGradients:
+    """`chunk_gradients` from the `value_block_gradients` of each column block of V."""
+    parts, d_v, d_new_values = zip(*value_parts)
     summed = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *parts)
     segments, gates = chunk.segments, chunk.gates
     mask = lambda grads, masks: [[d * m for d, m in zip(*row)] for row in zip(grads, masks)]  # noqa: E731

@@ -13,9 +13,13 @@ from and written to the token-major arrays in place. Packed documents: the in-bl
 start counts drive the masks of `blocks.Segments`.
 
 Backward (`jax.custom_vjp`): the forward saves its inputs, the state entering each chunk and
-V~ (V floats per token and head; recomputing it made forward+backward ~N% slower). Per chunk,
-in reverse: recompute the block terms, rebuild the states entering each block from V~, walk the blocks backwards for dS (`blocks.new_value_gradient`, `blocks.state_gradient`),
-then take all G blocks' gradients at once (`blocks.chunk_gradients`, given V~ and dV~).
+V~ (V floats per token and head; recomputing V~ instead made forward+backward about 15%
+slower in an interleaved A/B). Per chunk, in reverse: recompute the block terms, rebuild the
+states entering each block from V~, walk the blocks backwards for dS, taking each block's
+products with its S_in and dS_out on the way (`blocks.value_block_gradients`,
+`blocks.state_gradient`: no state is stacked), then the rest of all G blocks' gradients at
+once (`blocks.gradients_from_parts`). (Autodiff of the forward with each chunk rematerialised
+measured 3x slower and used twice the temporary memory: see the report of issue 12.)
 """
 from __future__ import annotations
 
@@ -35,7 +39,8 @@ def effective_chunk_size(length: int, chunk_size: int) -> int:
 
 
 def block_width(chunk: int) -> int:
-    """Tokens between state passes for a chunk of ``chunk`` tokens: always 16 here."""
+    """Tokens between state passes for a chunk of ``chunk`` tokens (always 16 here), for
+    `chunk_algorithm_flops`."""
     del chunk
     return SUB_BLOCK
 
@@ -95,17 +100,15 @@ def _backward_step(d_state, xs):
     entering = [state]
     for b, view in enumerate(views[:-1]):
         entering.append(blocks.next_state(view.write_keys, [values[:, b]], view.decay_column, entering[-1], DOTS))
-    d_o = _to_blocks(d_o)
-    d_next, d_values = [None] * len(views), [None] * len(views)
+    v, d_o = _to_blocks(v), _to_blocks(d_o)
+    parts = [None] * len(views)
     for b in reversed(range(len(views))):
         view, d_out = views[b], [d_o[:, b]]
-        d_next[b] = d_state
-        d_values[b] = blocks.new_value_gradient(view.query_scores, view.write_keys, d_out, d_state, DOTS)[0]
-        d_state = blocks.state_gradient(view.w, view.read_queries, d_out, [d_values[b]], view.decay_column, d_state,
-                                        DOTS)
-    stacked = [jnp.stack(x, axis=1) for x in (entering, d_next, d_values)]
-    value_block = blocks.ValueBlock([_to_blocks(v)], [d_o], stacked[0], stacked[1], [values], [stacked[2]])
-    grads = blocks.chunk_gradients(terms, [value_block], DOTS)
+        block = blocks.ValueBlock([v[:, b]], d_out, entering[b], d_state, [values[:, b]])
+        parts[b] = blocks.value_block_gradients(jax.tree.map(lambda x: x[:, b], terms), block, DOTS)
+        d_state = blocks.state_gradient(view.w, view.read_queries, d_out, parts[b][2], view.decay_column, d_state, DOTS)
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs, axis=1), *parts)
+    grads = blocks.gradients_from_parts(terms, [stacked], DOTS)
     d_inputs = (grads.q[0], grads.k[0], grads.v[0][0], grads.g[0], grads.beta[0][..., 0])
     return d_state, tuple(_from_blocks(x) for x in d_inputs)
 
