@@ -65,16 +65,17 @@ class KDAConfig:
     gate: Literal["softplus", "lower_bound"] = "lower_bound"
     lower_bound: float = -5.0             # b of the lower_bound gate
     output_gate: Literal["full", "low_rank"] = "full"
-    chunk_size: int = 64
-    implementation: Literal["reference", "chunk"] | None = None   # None: the platform default
+    chunk_size: int = 64                  # tokens per chunk, a power of two >= 16 (k3jax.ops.kda.kda)
+    # auto: Pallas kernels where lowered for GPU/TPU, the XLA chunk form on CPU
+    implementation: Literal["auto", "reference", "chunk", "pallas"] = "auto"
 
     def __post_init__(self):
         _positive(self, "num_heads", "head_dim", "value_heads", "conv_size", "chunk_size")
         _require(self.value_heads is None or self.value_heads % self.num_heads == 0, "value_heads",
                  f"{self.value_heads} is not a multiple of num_heads = {self.num_heads}")
         _require(self.lower_bound < 0, "lower_bound", f"must be negative, got {self.lower_bound}")
-        _require(self.chunk_size <= 16 or self.chunk_size % 16 == 0, "chunk_size",
-                 f"must be at most 16 or a multiple of 16, got {self.chunk_size}")
+        _require(self.chunk_size >= 16 and self.chunk_size & (self.chunk_size - 1) == 0, "chunk_size",
+                 f"must be a power of two >= 16, got {self.chunk_size}")
 
     @property
     def num_value_heads(self) -> int:

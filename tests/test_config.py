@@ -69,6 +69,8 @@ def test_overrides_parse_yaml_scalars_and_lists():
     ("model.moe.latent_dim=null", "model.moe.latent_norm", "latent_dim"),
     ("model.attn_res.kind=blocks", "model.attn_res.kind", "did you mean 'block'"),
     ("model.kda=3", "model.kda", "mapping"),
+    ("model.kda.chunk_size=48", "model.kda.chunk_size", "power of two >= 16"),
+    ("model.kda.implementation=xla", "model.kda.implementation", "'auto'"),
 ])
 def test_errors_are_one_line_and_name_the_dotted_key(override, key, words):
     with pytest.raises(ConfigError) as info:
@@ -76,6 +78,11 @@ def test_errors_are_one_line_and_name_the_dotted_key(override, key, words):
     message = str(info.value)
     assert "\n" not in message and message.startswith(f"{key}: ") and words in message, message
     assert isinstance(info.value, ValueError) and info.value.key == key
+
+
+@pytest.mark.parametrize("implementation", ["auto", "reference", "chunk", "pallas"])
+def test_kda_implementation_is_selectable(implementation):
+    assert load("tiny.yaml", f"model.kda.implementation={implementation}").kda.implementation == implementation
 
 
 def test_missing_key_bad_override_and_base_loops(tmp_path):

@@ -259,3 +259,97 @@ def test_bad_step_shapes_raise_value_error():
     x = as_f32(make_inputs(16, length=1))
     with pytest.raises(ValueError, match="state must have shape"):
         kda_step(x["q"][:, 0], x["k"][:, 0], x["v"][:, 0], x["g"][:, 0], x["beta"][:, 0], x["initial_state"][:1])
+
+
+def _float64_reference_grads(x, cotangent):
+    """Gradients of sum(o * cotangent) + sum(state^2) through the token-serial recurrence in
+    float64, called directly (no log-decay floor): exp(-inf) = 0 there on its own."""
+    from k3jax.ops.kda.reference import recurrent_kda
+
+    with jax.enable_x64(True):
+        group = x["v"].shape[2] // x["q"].shape[2]
+        scale = x["q"].shape[-1] ** -0.5
+
+        def loss(q, k, v, g, beta, initial_state):
+            q, k = jnp.repeat(q * scale, group, axis=2), jnp.repeat(k, group, axis=2)
+            o, state = recurrent_kda(q, k, v, g, beta, initial_state, None)
+            return jnp.sum(o * cotangent) + jnp.sum(state**2)
+
+        args = [jnp.asarray(x[n], jnp.float64) for n in ("q", "k", "v", "g", "beta", "initial_state")]
+        return [np.asarray(d) for d in jax.grad(loss, argnums=tuple(range(6)))(*args)]
+
+
+def _chunk_grads(x, cotangent):
+    def loss(q, k, v, g, beta, initial_state):
+        o, state = kda(q, k, v, g, beta, initial_state=initial_state, chunk_size=32, implementation="chunk")
+        return jnp.sum(o * jnp.asarray(cotangent, jnp.float32)) + jnp.sum(state**2)
+
+    f = as_f32(x)
+    return jax.grad(loss, argnums=tuple(range(6)))(*(f[n] for n in ("q", "k", "v", "g", "beta", "initial_state")))
+
+
+def test_minus_infinity_gate_is_a_channel_reset_with_finite_gradients():
+    """g = -inf (exp(g) = 0): values equal the float64 oracle, gradients are finite and equal the
+    float64 recurrence's."""
+    x = make_inputs(17, length=70, heads=1, value_heads=2, regime="bounded")
+    x["g"][:, 5, :, :4] = -np.inf          # some channels reset at one token
+    x["g"][:, 40:44] = -np.inf             # every channel, several tokens (across a block edge)
+    o, state = kda(**as_f32(x), chunk_size=32, implementation="chunk")
+    o_ref, state_ref = kda_numpy(**x)
+    assert np.isfinite(o).all() and np.isfinite(state).all()
+    assert rel_err(o, o_ref) <= 1e-5 and rel_err(state, state_ref) <= 1e-5
+    cotangent = np.random.default_rng(18).standard_normal(o.shape)
+    for name, got, want in zip("q k v g beta initial_state".split(), _chunk_grads(x, cotangent),
+                               _float64_reference_grads(x, cotangent)):
+        assert np.isfinite(got).all(), name
+        assert rel_err(got, want) <= 1e-4, name
+    assert (np.asarray(_chunk_grads(x, cotangent)[3])[:, 40:44] == 0).all()
+
+
+def test_softplus_gate_overflow_gives_a_reset_with_finite_gradients():
+    """raw = 1e38 makes a * softplus(z) overflow fp32 (-inf before the floor); through the gate and
+    the chunk form, values and gradients are finite and equal to the float64 computation, where
+    the same g is finite (-1.6e39) and its decay exp(g) = 0."""
+    x = make_inputs(19, batch=1, length=40, heads=1, value_heads=2, regime="mild")
+    rng = np.random.default_rng(20)
+    raw = rng.standard_normal((1, 40, 2, 16))
+    raw[0, 10:13, :, :5] = 1e38
+    a_log, dt_bias = np.log(np.array([16.0, 2.0])), rng.standard_normal((2, 16))
+    cotangent = rng.standard_normal((1, 40, 2, 8))
+
+    def loss(raw, a_log, dt_bias, gate, implementation):
+        g = gate(raw, a_log, dt_bias)
+        o, state = kda_ops.kda(*(jnp.asarray(x[n], raw.dtype) for n in ("q", "k", "v")), g,
+                               jnp.asarray(x["beta"], raw.dtype), initial_state=jnp.asarray(x["initial_state"], raw.dtype),
+                               chunk_size=16, implementation=implementation)
+        return jnp.sum(o * cotangent) + jnp.sum(state**2)
+
+    def float64_gate(raw, a_log, dt_bias):  # -a softplus(z) written out, no floor
+        return -jnp.exp(a_log)[:, None] * jnp.logaddexp(raw + dt_bias, 0.0)
+
+    g32 = kda_gate(jnp.asarray(raw, jnp.float32), jnp.asarray(a_log, jnp.float32), jnp.asarray(dt_bias, jnp.float32))
+    assert np.isfinite(g32).all()
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    got = grad(*(jnp.asarray(a, jnp.float32) for a in (raw, a_log, dt_bias)),
+               lambda *a: kda_gate(*a), "chunk")
+    with jax.enable_x64(True):
+        want = grad(*(jnp.asarray(a, jnp.float64) for a in (raw, a_log, dt_bias)), float64_gate, "reference")
+        assert np.isfinite(float64_gate(raw, a_log, dt_bias)).all()
+    for name, d, w in zip(("raw", "A_log", "dt_bias"), got, want):
+        assert np.isfinite(d).all(), name
+        assert rel_err(d, w) <= 1e-4, name
+
+
+@pytest.mark.parametrize("chunk_size", [8, 48, 100])
+def test_chunk_size_must_be_a_power_of_two_of_at_least_16(chunk_size):
+    x = as_f32(make_inputs(21, length=20))
+    with pytest.raises(ValueError, match="chunk_size must be a power of two >= 16"):
+        kda_ops.kda(**x, chunk_size=chunk_size)
+
+
+def test_implementation_is_validated_and_auto_is_the_chunk_form_on_cpu():
+    x = as_f32(make_inputs(22, length=20))
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        kda_ops.kda(**x, implementation="xla")
+    for got, want in zip(kda(**x, implementation="auto"), kda(**x, implementation="chunk")):
+        np.testing.assert_array_equal(got, want)

@@ -16,7 +16,8 @@ import pytest
 
 from k3jax.ops import kda as kda_ops
 from k3jax.ops.kda import segment_starts
-from k3jax.ops.kda.pallas import pallas_chunk_size, pallas_kda
+from k3jax.ops.kda.blocks import chunk_length
+from k3jax.ops.kda.pallas import pallas_kda
 from tests.ops.numpy_kda import kda_numpy
 from tests.ops.test_kda import make_inputs, rel_err
 
@@ -58,8 +59,11 @@ def reference_grads(args, segment_ids, cotangent):
 
 
 def test_chunk_size_is_a_power_of_two_shrunk_for_short_sequences():
-    assert [pallas_chunk_size(t, 64) for t in (1, 16, 17, 33, 63, 64, 65, 1000)] == [16, 16, 32, 64, 64, 64, 64, 64]
-    assert [pallas_chunk_size(1000, c) for c in (8, 16, 32, 48, 64, 128)] == [16, 16, 32, 32, 64, 128]
+    assert [chunk_length(t, 64) for t in (1, 16, 17, 33, 63, 64, 65, 1000)] == [16, 16, 32, 64, 64, 64, 64, 64]
+    assert [chunk_length(1000, c) for c in (16, 32, 64, 128)] == [16, 32, 64, 128]
+    for bad in (8, 48, 0, 100):
+        with pytest.raises(ValueError, match="chunk_size must be a power of two >= 16"):
+            chunk_length(1000, bad)
 
 
 @pytest.mark.parametrize("length", [1, 63, 64, 65, 200])

@@ -10,22 +10,26 @@ Recurrence per value head (state S in R^{K x V}, fp32):
 
 Value head j reads query/key head j // (HV / H) (grouped values). Implementations:
 "reference" (token-serial scan), "chunk" (WY/UT chunked form in XLA), "pallas" (fused
-kernels, when the platform has them); ``None`` picks the fastest for the default backend.
+kernels: Mosaic on TPU, Triton on GPU, interpreted elsewhere), "auto" (or None): Pallas where
+the computation is lowered for a GPU or TPU, the XLA chunk form for CPUs. "chunk" and "pallas"
+share one definition of the block math (`blocks`) and one meaning of ``chunk_size``.
+Log decays below `gate.LOG_DECAY_FLOOR` (g = -inf included) are a full reset of the channel.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops.kda.blocks import check_chunk_size
 from k3jax.ops.kda.chunk import chunk_kda
-from k3jax.ops.kda.gate import kda_gate
+from k3jax.ops.kda.gate import floor_log_decay, kda_gate
 from k3jax.ops.kda.pallas import pallas_kda
 from k3jax.ops.kda.reference import recurrent_kda, recurrent_step
 from k3jax.ops.norms import l2_normalize
 
 __all__ = ["kda", "kda_step", "kda_gate", "l2_normalize", "IMPLEMENTATIONS", "segment_starts"]
 
-IMPLEMENTATIONS = ("reference", "chunk", "pallas")
+IMPLEMENTATIONS = ("auto", "reference", "chunk", "pallas")
 
 
 def _require_shape(name: str, x, expected: tuple, meaning: str) -> None:
@@ -76,10 +80,12 @@ def segment_starts(segment_ids: jax.Array) -> jax.Array:
     return jnp.concatenate([jnp.zeros((segment_ids.shape[0], 1), bool), changed], axis=1)
 
 
-def default_implementation() -> str:
-    """The fastest implementation available for the default backend: the Pallas kernels on
-    GPU/TPU, the XLA chunk form on CPU (where Pallas only interprets)."""
-    return "pallas" if jax.default_backend() in ("gpu", "tpu") else "chunk"
+def check_implementation(implementation: str | None) -> str:
+    """``implementation`` ("auto" for None), or ValueError."""
+    implementation = implementation or "auto"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    return implementation
 
 
 def kda(
@@ -105,9 +111,11 @@ def kda(
       scale: query scale, default ``K ** -0.5``.
       initial_state: ``[B, HV, K, V]``; zeros when None.
       segment_ids: ``[B, T]`` ints; the state restarts where the id changes (packed documents).
-      chunk_size: tokens per chunk (a multiple of 16, or at most 16): for "chunk", the tokens one
-        scan step handles in 16-token blocks; for "pallas", the kernels' chunk.
-      implementation: "reference", "chunk", "pallas", or None for the platform default.
+      chunk_size: tokens per chunk, a power of two >= 16 (`blocks.chunk_length`; shorter
+        sequences use the smallest power of two >= T): the tokens whose state-independent terms
+        are computed together, in 16-token tiles. "pallas" passes the state once per chunk;
+        "chunk" passes it from tile to tile inside the chunk (one scan step per chunk).
+      implementation: "auto" (or None), "reference", "chunk" or "pallas" (see the module docstring).
 
     Returns:
       ``(o [B, T, HV, V] in v.dtype, final_state [B, HV, K, V] fp32)``. All arithmetic is fp32
@@ -117,29 +125,36 @@ def kda(
     batch, length = q.shape[:2]
     if segment_ids is not None:
         _require_shape("segment_ids", segment_ids, (batch, length), "[B, T]")
-    if chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
-        raise ValueError(f"chunk_size must be a positive multiple of 16 (or at most 16), got {chunk_size}")
-    implementation = implementation or default_implementation()
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    check_chunk_size(chunk_size)
+    implementation = check_implementation(implementation)
 
     scale = key_dim**-0.5 if scale is None else scale
     starts = None if segment_ids is None else segment_starts(segment_ids)
-    if implementation == "pallas":
-        return pallas_kda(q, k, v, g, beta, initial_state, starts, scale=scale, chunk_size=chunk_size)
-    dtype = _compute_dtype(q, k, v, g, beta, initial_state)
-    q32, k32 = _to_value_heads(q, k, value_heads, scale, dtype)
-    v32, g32, beta32 = (x.astype(dtype) for x in (v, g, beta))
-    if initial_state is None:
-        state = jnp.zeros((batch, value_heads, key_dim, value_dim), dtype)
-    else:
-        state = initial_state.astype(dtype)
+    g = floor_log_decay(g)
 
-    if implementation == "reference":
-        o, final_state = recurrent_kda(q32, k32, v32, g32, beta32, state, starts)
-    else:
-        o, final_state = chunk_kda(q32, k32, v32, g32, beta32, state, starts, chunk_size)
-    return o.astype(v.dtype), final_state
+    def pallas(q, k, v, g, beta, initial_state, starts):
+        return pallas_kda(q, k, v, g, beta, initial_state, starts, scale=scale, chunk_size=chunk_size)
+
+    def xla(q, k, v, g, beta, initial_state, starts):
+        dtype = _compute_dtype(q, k, v, g, beta, initial_state)
+        q32, k32 = _to_value_heads(q, k, value_heads, scale, dtype)
+        v32, g32, beta32 = (x.astype(dtype) for x in (v, g, beta))
+        if initial_state is None:
+            state = jnp.zeros((batch, value_heads, key_dim, value_dim), dtype)
+        else:
+            state = initial_state.astype(dtype)
+        if implementation == "reference":
+            o, final_state = recurrent_kda(q32, k32, v32, g32, beta32, state, starts)
+        else:
+            o, final_state = chunk_kda(q32, k32, v32, g32, beta32, state, starts, chunk_size)
+        return o.astype(v.dtype), final_state
+
+    args = (q, k, v, g, beta, initial_state, starts)
+    if implementation == "pallas":
+        return pallas(*args)
+    if implementation == "auto" and jax.default_backend() != "cpu":
+        return jax.lax.platform_dependent(*args, cpu=xla, default=pallas)
+    return xla(*args)
 
 
 def kda_step(

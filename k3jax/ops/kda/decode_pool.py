@@ -29,6 +29,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from k3jax.ops.kda import kda_step
+from k3jax.ops.kda.blocks import token_step
 from k3jax.ops.kda.pallas import on_target_platform
 
 IMPLEMENTATIONS = ("xla", "pallas")
@@ -47,15 +48,6 @@ def _check_implementation(implementation):
     return implementation
 
 
-def delta_rule_step(state, q, k, v, g, beta):
-    """One KDA token on a state block ``[K, BV]``: q, k, g columns ``[K, 1]`` (q scaled), v row
-    ``[1, BV]``, beta ``[1, 1]``. Returns ``(o [1, BV], new state)``."""
-    state = jnp.exp(g) * state
-    predicted = jnp.sum(k * state, axis=0, keepdims=True)
-    state = state + (beta * k) * (v - predicted)
-    return jnp.sum(q * state, axis=0, keepdims=True), state
-
-
 def _kda_pool_kernel(*refs, scale, slot_in_index_map):
     """Refs: (slots,) q, k, v, g, beta, pool block | o, pool block (aliased)."""
     slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref, pool_out_ref = refs
@@ -65,7 +57,7 @@ def _kda_pool_kernel(*refs, scale, slot_in_index_map):
         index = (slots_ref[pl.program_id(0)], pl.program_id(1), slice(None),
                  pl.ds(pl.program_id(2) * o_ref.shape[-1], o_ref.shape[-1]))
     dtype = pool_out_ref.dtype
-    o, state = delta_rule_step(pool_ref[index], q_ref[...].astype(dtype) * scale, k_ref[...].astype(dtype),
+    o, state = token_step(pool_ref[index], q_ref[...].astype(dtype) * scale, k_ref[...].astype(dtype),
                                v_ref[...].astype(dtype), g_ref[...].astype(dtype), beta_ref[...].astype(dtype))
     o_ref[...] = o.astype(o_ref.dtype)
     pool_out_ref[index] = state

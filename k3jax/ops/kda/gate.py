@@ -4,11 +4,22 @@ With z the raw low-rank gate pre-activation, a = exp(A_log[h]) and d = dt_bias[h
 
     softplus    (Kimi Linear):  g = -a * softplus(z + d)            g in (-inf, 0)
     lower_bound (K3, b < 0):    g =  b * sigmoid(a * (z + d))       g in (b, 0)
+
+Decays below exp(LOG_DECAY_FLOOR) are zero in fp32 and float64 alike, so g is clamped there:
+a softplus that overflows (g = -inf) becomes a full reset of that channel with finite
+gradients (zero through the clamp, as the true gradient exp(g) * ... is).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+LOG_DECAY_FLOOR = -1.0e4  # exp(-1e4) = 0 in float64; within-chunk sums of it stay finite in fp32
+
+
+def floor_log_decay(g: jax.Array) -> jax.Array:
+    """``max(g, LOG_DECAY_FLOOR)``: the same decays (exp(g) = 0 below the floor), never -inf."""
+    return jnp.maximum(g, LOG_DECAY_FLOOR)
 
 
 def kda_gate(
@@ -37,5 +48,5 @@ def kda_gate(
     z = raw.astype(jnp.float32) + dt_bias.reshape(heads, key_dim).astype(jnp.float32)
     rate = jnp.exp(A_log.astype(jnp.float32))[:, None]
     if lower_bound is None:
-        return -rate * jax.nn.softplus(z)
+        return floor_log_decay(-rate * jax.nn.softplus(z))
     return lower_bound * jax.nn.sigmoid(rate * z)

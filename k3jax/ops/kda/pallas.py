@@ -1,6 +1,6 @@
 """KDA through Pallas kernels: `pallas_kda`, the ``implementation="pallas"`` of `k3jax.ops.kda.kda`.
 
-Same equations as the other implementations (see `pallas_tiles` for the chunk form). This module
+Same equations as the other implementations (the block math is `blocks`). This module
 owns what the kernels share: padding (T to whole chunks, K and V to powers of two >= 16),
 packed-document bookkeeping (segment starts counted inside each chunk), the `jax.custom_vjp`
 (forward kernels save the state entering every chunk; backward kernels start from them) and
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.ops.kda import pallas_gpu, pallas_tpu
-from k3jax.ops.kda.pallas_tiles import TILE
+from k3jax.ops.kda.blocks import TILE, chunk_length, start_counts
 
 BACKENDS = {"tpu": pallas_tpu, "gpu": pallas_gpu}
 
@@ -36,32 +36,13 @@ def on_target_platform(make_call, *args, backend: str | None = None, interpret: 
         *args, tpu=make_call("tpu", False), cuda=make_call("gpu", False), default=make_call("gpu", True))
 
 
-def pallas_chunk_size(length: int, chunk_size: int) -> int:
-    """Tokens per chunk: the largest power of two <= ``chunk_size`` (at least 16), shrunk for
-    short sequences to the smallest power of two >= T (the tiles need powers of two)."""
-    chunk = TILE
-    while chunk * 2 <= chunk_size:
-        chunk *= 2
-    while chunk > TILE and chunk // 2 >= length:
-        chunk //= 2
-    return chunk
-
-
 def _feature_size(dim: int) -> int:
     return max(TILE, 1 << (dim - 1).bit_length())
 
 
 def _start_counts(segment_starts, batch, length, padded, chunk, dtype):
-    """Segment starts counted from each chunk's start, inclusive: ``[B, T, 1]`` and ``[B, N, C/16, 16]``.
-
-    0 marks tokens that still belong to the segment carried into the chunk; padding continues
-    the last segment.
-    """
-    if segment_starts is None:
-        counts = jnp.zeros((batch, padded // chunk, chunk), dtype)
-    else:
-        starts = jnp.pad(segment_starts.astype(jnp.int32), ((0, 0), (0, padded - length)))
-        counts = jnp.cumsum(starts.reshape(batch, -1, chunk), axis=-1).astype(dtype)
+    """`blocks.start_counts` per chunk as ``[B, T, 1]`` and ``[B, N, C/16, 16]``."""
+    counts = start_counts(segment_starts, batch, length, padded, chunk, dtype)
     return counts.reshape(batch, padded, 1), counts.reshape(batch, padded // chunk, chunk // TILE, TILE)
 
 
@@ -124,7 +105,7 @@ def pallas_kda(q, k, v, g, beta, initial_state, segment_starts, *, scale: float,
     value_heads, value_dim = v.shape[2:]
     inputs = (q, k, v, g, beta, initial_state)
     dtype = jnp.float64 if any(x is not None and x.dtype == jnp.float64 for x in inputs) else jnp.float32
-    chunk = pallas_chunk_size(length, chunk_size)
+    chunk = chunk_length(length, chunk_size)
     padded = -(-length // chunk) * chunk
     keys, values = _feature_size(key_dim), _feature_size(value_dim)
 

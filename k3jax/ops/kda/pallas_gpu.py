@@ -4,7 +4,7 @@ Layout: the model's own [B, T, heads, dim] arrays, read in place (no transposes)
 whole chunks, K and V to powers of two >= 16 (Triton needs power-of-two tiles).
 
 A GPU needs thousands of independent programs, and B * HV alone gives too few at long context,
-so the work is split the way the math allows (tile math in `pallas_tiles`):
+so the work is split the way the math allows (tile math in `blocks`):
 
 forward
   1. `_terms_kernel`,   grid (B, HV, chunk), all parallel: per chunk the state-independent terms
@@ -17,7 +17,7 @@ backward (custom_vjp, from those saved states)
   4. `_retreat_kernel`, grid (B, HV, V block): walks the chunks backwards carrying dS:
      dV~ = A_qk^T dO + K- dS';  dS = D dS' + Q^^T dO - W^T dV~;  saves dS' per chunk.
   5. `_gradients_kernel`, grid (B, HV, chunk), parallel: each chunk's dq, dk, dv, dg, dbeta
-     from its entering state and dS' (`pallas_tiles.chunk_gradients`), V in blocks.
+     from its entering state and dS' (`pallas_blocks.chunk_gradients`), V in blocks.
 
 Matmuls run in TF32x3 on the GPU (tensor cores, ~fp32 accuracy); gate sums in exact fp32.
 Triton rather than Mosaic GPU: the jnp-level tile code shared with the TPU kernels lowers as it
@@ -33,8 +33,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from k3jax.ops.kda import blocks
 from k3jax.ops.kda import pallas_tiles as tiles
-from k3jax.ops.kda.pallas_tiles import TILE
+from k3jax.ops.kda.backend import pallas_dots
+from k3jax.ops.kda.blocks import TILE
 
 _TARGET_PROGRAMS = 256      # enough V blocks in the sequential kernels to fill an H100/H200
 _GRADIENT_VALUE_BLOCK = 64  # V columns per step inside `_gradients_kernel` (bounds registers)
@@ -42,11 +44,11 @@ _TILE_WARPS = 8             # per-chunk kernels hold dozens of [16, K] fp32 tile
 _WALK_WARPS = 4             # chunk walks hold one [K, BV] state block
 
 
-def _precision(dtype, interpret: bool):
+def _dots(dtype, interpret: bool):
     """TF32x3 on tensor cores when compiled for fp32; full precision when interpreted or fp64."""
     if interpret or dtype != jnp.float32:
-        return jax.lax.Precision.HIGHEST
-    return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+        return pallas_dots(jax.lax.Precision.HIGHEST)
+    return pallas_dots(jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
 
 
 def _sequential_value_block(programs: int, value_dim: int) -> int:
@@ -80,13 +82,13 @@ def _chunk_input_specs(chunk, key_dim, value_dim, group):
 
 
 def _terms_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, count_ref, count_row_ref,
-                  w_ref, u_ref, read_q_ref, write_k_ref, scores_ref, decay_ref, *, scale, precision):
+                  w_ref, u_ref, read_q_ref, write_k_ref, scores_ref, decay_ref, *, scale, dots):
     dtype = w_ref.dtype
     chunk = tiles.load_chunk(q_ref, k_ref, g_ref, beta_ref, count_ref, count_row_ref,
-                             scale=scale, dtype=dtype, precision=precision)
+                             scale=scale, dtype=dtype, dots=dots)
     count = len(chunk.q)
     tiles.store_tiles(w_ref, chunk.w)
-    tiles.store_tiles(u_ref, tiles.solve_values(chunk, tiles.load_tiles(v_ref, count, dtype), precision))
+    tiles.store_tiles(u_ref, blocks.solve_values(chunk, tiles.load_tiles(v_ref, count, dtype), dots))
     tiles.store_tiles(read_q_ref, chunk.read_queries)
     tiles.store_tiles(write_k_ref, chunk.write_keys)
     for r in range(count):
@@ -96,7 +98,7 @@ def _terms_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, count_ref, count_row_ref
     decay_ref[...] = chunk.decay
 
 
-def _terms(q, k, v, g, beta, counts, count_rows, *, scale, chunk, dtype, precision, interpret):
+def _terms(q, k, v, g, beta, counts, count_rows, *, scale, chunk, dtype, dots, interpret):
     """Per-chunk W, U, Q^, K- ``[B, HV, N, C, .]``, A_qk ``[B, HV, N, C, C]``, D ``[B, HV, N, 1, K]``."""
     batch, padded, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2:]
@@ -107,7 +109,7 @@ def _terms(q, k, v, g, beta, counts, count_rows, *, scale, chunk, dtype, precisi
 
     shape = lambda *tail: jax.ShapeDtypeStruct((batch, value_heads, n_chunks, *tail), dtype)  # noqa: E731
     return _call(
-        functools.partial(_terms_kernel, scale=scale, precision=precision),
+        functools.partial(_terms_kernel, scale=scale, dots=dots),
         grid=(batch, value_heads, n_chunks),
         in_specs=_chunk_input_specs(chunk, key_dim, value_dim, value_heads // heads),
         out_specs=[per_chunk(key_dim), per_chunk(value_dim), per_chunk(key_dim), per_chunk(key_dim),
@@ -121,11 +123,11 @@ def _terms(q, k, v, g, beta, counts, count_rows, *, scale, chunk, dtype, precisi
 
 
 def _advance_kernel(w_ref, u_ref, read_q_ref, write_k_ref, scores_ref, decay_ref, state_ref,
-                    o_ref, states_ref, final_ref, *, chunk, precision):
+                    o_ref, states_ref, final_ref, *, chunk, dots):
     def step(n, state):
         states_ref[n] = state
-        o, state = tiles.advance([w_ref[n]], [u_ref[n]], [read_q_ref[n]], [[scores_ref[n]]],
-                                 [write_k_ref[n]], tiles.transpose_vector(decay_ref[n]), state, precision)
+        o, state = blocks.advance([w_ref[n]], [u_ref[n]], [read_q_ref[n]], [[scores_ref[n]]],
+                                 [write_k_ref[n]], dots.vector_t(decay_ref[n]), state, dots)
         o_ref[pl.ds(n * chunk, chunk), :] = o[0].astype(o_ref.dtype)
         return state
 
@@ -133,16 +135,16 @@ def _advance_kernel(w_ref, u_ref, read_q_ref, write_k_ref, scores_ref, decay_ref
 
 
 def _retreat_kernel(w_ref, read_q_ref, write_k_ref, scores_ref, decay_ref, d_o_ref, d_final_ref,
-                    d_next_ref, d_initial_ref, *, chunk, precision):
+                    d_next_ref, d_initial_ref, *, chunk, dots):
     n_chunks = d_next_ref.shape[0]
 
     def step(i, d_state):
         n = n_chunks - 1 - i
         d_next_ref[n] = d_state
         d_o = [d_o_ref[pl.ds(n * chunk, chunk), :].astype(d_state.dtype)]
-        d_new_values = tiles.new_value_gradient([[scores_ref[n]]], [write_k_ref[n]], d_o, d_state, precision)
-        return tiles.state_gradient([w_ref[n]], [read_q_ref[n]], d_o, d_new_values,
-                                    tiles.transpose_vector(decay_ref[n]), d_state, precision)
+        d_new_values = blocks.new_value_gradient([[scores_ref[n]]], [write_k_ref[n]], d_o, d_state, dots)
+        return blocks.state_gradient([w_ref[n]], [read_q_ref[n]], d_o, d_new_values,
+                                    dots.vector_t(decay_ref[n]), d_state, dots)
 
     d_initial_ref[...] = jax.lax.fori_loop(0, n_chunks, step, d_final_ref[...])
 
@@ -163,17 +165,17 @@ def _sequential_specs(n_chunks, chunk, key_dim, value_block):
 def forward(q, k, v, g, beta, counts, count_rows, initial_state, *, scale, chunk, interpret):
     """``(o [B, T, HV, V] in v.dtype, final_state, states entering each chunk [B, HV, N, K, V])``."""
     dtype = initial_state.dtype
-    precision = _precision(dtype, interpret)
+    dots = _dots(dtype, interpret)
     batch, padded, value_heads, value_dim = v.shape
     key_dim, n_chunks = q.shape[-1], padded // chunk
     w, u, read_q, write_k, scores, decay = _terms(
         q, k, v, g, beta, counts, count_rows, scale=scale, chunk=chunk, dtype=dtype,
-        precision=precision, interpret=interpret)
+        dots=dots, interpret=interpret)
     value_block = _sequential_value_block(batch * value_heads, value_dim)
     keys, values, scores_spec, decay_spec, state, states, tokens = _sequential_specs(
         n_chunks, chunk, key_dim, value_block)
     o, states_out, final = _call(
-        functools.partial(_advance_kernel, chunk=chunk, precision=precision),
+        functools.partial(_advance_kernel, chunk=chunk, dots=dots),
         grid=(batch, value_heads, value_dim // value_block),
         in_specs=[keys, values, keys, keys, scores_spec, decay_spec, state],
         out_specs=[tokens, states, state],
@@ -188,18 +190,18 @@ def forward(q, k, v, g, beta, counts, count_rows, initial_state, *, scale, chunk
 
 def _gradients_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, count_ref, count_row_ref,
                       d_o_ref, state_ref, d_next_ref,
-                      d_q_ref, d_k_ref, d_v_ref, d_g_ref, d_beta_ref, *, scale, precision):
+                      d_q_ref, d_k_ref, d_v_ref, d_g_ref, d_beta_ref, *, scale, dots):
     dtype = d_q_ref.dtype
     chunk = tiles.load_chunk(q_ref, k_ref, g_ref, beta_ref, count_ref, count_row_ref,
-                             scale=scale, dtype=dtype, precision=precision)
+                             scale=scale, dtype=dtype, dots=dots)
     count = len(chunk.q)
     value_dim = v_ref.shape[-1]
     width = min(value_dim, _GRADIENT_VALUE_BLOCK)
     columns = [slice(j, j + width) for j in range(0, value_dim, width)]
-    blocks = [tiles.ValueBlock(tiles.load_tiles(v_ref, count, dtype, cols),
-                               tiles.load_tiles(d_o_ref, count, dtype, cols),
-                               state_ref[:, cols], d_next_ref[:, cols]) for cols in columns]
-    grads = tiles.chunk_gradients(chunk, blocks, precision)
+    value_blocks = [blocks.ValueBlock(tiles.load_tiles(v_ref, count, dtype, cols),
+                                      tiles.load_tiles(d_o_ref, count, dtype, cols),
+                                      state_ref[:, cols], d_next_ref[:, cols]) for cols in columns]
+    grads = blocks.chunk_gradients(chunk, value_blocks, dots)
     tiles.store_tiles(d_q_ref, [d * scale for d in grads.q])
     tiles.store_tiles(d_k_ref, grads.k)
     tiles.store_tiles(d_g_ref, grads.g)
@@ -211,17 +213,17 @@ def _gradients_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, count_ref, count_row
 def backward(q, k, v, g, beta, counts, count_rows, states, d_o, d_final, *, scale, chunk, interpret):
     """Gradients ``(dq, dk per value head [B, T, HV, K], dv, dg, dbeta [B, HV, T, 1], d_initial)``."""
     dtype = states.dtype
-    precision = _precision(dtype, interpret)
+    dots = _dots(dtype, interpret)
     batch, padded, value_heads, value_dim = v.shape
     key_dim, n_chunks = q.shape[-1], padded // chunk
     w, _, read_q, write_k, scores, decay = _terms(
         q, k, v, g, beta, counts, count_rows, scale=scale, chunk=chunk, dtype=dtype,
-        precision=precision, interpret=interpret)
+        dots=dots, interpret=interpret)
     value_block = _sequential_value_block(batch * value_heads, value_dim)
     keys, _, scores_spec, decay_spec, state, states_spec, tokens = _sequential_specs(
         n_chunks, chunk, key_dim, value_block)
     d_next, d_initial = _call(
-        functools.partial(_retreat_kernel, chunk=chunk, precision=precision),
+        functools.partial(_retreat_kernel, chunk=chunk, dots=dots),
         grid=(batch, value_heads, value_dim // value_block),
         in_specs=[keys, keys, keys, scores_spec, decay_spec, tokens, state],
         out_specs=[states_spec, state],
@@ -234,7 +236,7 @@ def backward(q, k, v, g, beta, counts, count_rows, states, d_o, d_final, *, scal
     chunk_state = pl.BlockSpec((None, None, None, key_dim, value_dim), lambda b, h, n: (b, h, n, 0, 0))
     token_shape = lambda width: jax.ShapeDtypeStruct((batch, padded, value_heads, width), dtype)  # noqa: E731
     d_q, d_k, d_v, d_g, d_beta = _call(
-        functools.partial(_gradients_kernel, scale=scale, precision=precision),
+        functools.partial(_gradients_kernel, scale=scale, dots=dots),
         grid=(batch, value_heads, n_chunks),
         in_specs=[*_chunk_input_specs(chunk, key_dim, value_dim, value_heads // q.shape[2]),
                   per_token(value_dim), chunk_state, chunk_state],

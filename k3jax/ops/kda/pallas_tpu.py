@@ -5,13 +5,13 @@ to whole chunks, K and V to powers of two >= 16.
 
 forward  `_forward_kernel`, grid (B, HV, chunk) with the chunk axis "arbitrary" (sequential): the
          [K, V] fp32 state stays in a VMEM scratch buffer while the kernel walks the chunks; per
-         chunk it computes the state-independent terms (`pallas_tiles.load_chunk`: 16-token tiles,
+         chunk it computes the state-independent terms (`blocks.chunk_terms`: 16-token tiles,
          anchored gates, exact diagonal blocks) and advances
              V~ = U - W S;   O = Q^ S + A_qk V~;   S <- D S + K-^T V~,
          writing O, the state entering the chunk (saved for the backward) and the final state.
 backward `_backward_kernel`, same grid walked from the last chunk to the first with dS in VMEM:
          per chunk, from the saved entering state S and the carried dS', the chunk's gradients
-         (`pallas_tiles.chunk_gradients`) and  dS <- D dS' + Q^^T dO - W^T dV~.
+         (`pallas_blocks.chunk_gradients`) and  dS <- D dS' + Q^^T dO - W^T dV~.
 A TensorCore has no use for more programs than B * HV, so one fused kernel per direction is
 enough here (the GPU version splits the work instead). Matmuls use full fp32 precision.
 """
@@ -24,10 +24,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from k3jax.ops.kda import blocks
 from k3jax.ops.kda import pallas_tiles as tiles
-from k3jax.ops.kda.pallas_tiles import TILE
+from k3jax.ops.kda.backend import pallas_dots
+from k3jax.ops.kda.blocks import TILE
 
-_PRECISION = jax.lax.Precision.HIGHEST
+_DOTS = pallas_dots(jax.lax.Precision.HIGHEST)
 
 
 def _head_major(x):
@@ -71,10 +73,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, count_ref, count_row_r
     state = state_scratch[...]
     states_ref[...] = state
     chunk = tiles.load_chunk(q_ref, k_ref, g_ref, beta_ref, count_ref, count_row_ref,
-                             scale=scale, dtype=dtype, precision=_PRECISION)
-    u = tiles.solve_values(chunk, tiles.load_tiles(v_ref, len(chunk.q), dtype), _PRECISION)
-    o, state = tiles.advance(chunk.w, u, chunk.read_queries, chunk.scores.query, chunk.write_keys,
-                             tiles.transpose_vector(chunk.decay), state, _PRECISION)
+                             scale=scale, dtype=dtype, dots=_DOTS)
+    u = blocks.solve_values(chunk, tiles.load_tiles(v_ref, len(chunk.q), dtype), _DOTS)
+    o, state = blocks.advance(chunk.w, u, chunk.read_queries, chunk.scores.query, chunk.write_keys,
+                             _DOTS.vector_t(chunk.decay), state, _DOTS)
     tiles.store_tiles(o_ref, o)
     state_scratch[...] = state
 
@@ -122,18 +124,18 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, count_ref, count_row_
 
     d_next = d_state_scratch[...]
     chunk = tiles.load_chunk(q_ref, k_ref, g_ref, beta_ref, count_ref, count_row_ref,
-                             scale=scale, dtype=dtype, precision=_PRECISION)
+                             scale=scale, dtype=dtype, dots=_DOTS)
     count = len(chunk.q)
     d_o = tiles.load_tiles(d_o_ref, count, dtype)
-    block = tiles.ValueBlock(tiles.load_tiles(v_ref, count, dtype), d_o, state_ref[...], d_next)
-    grads = tiles.chunk_gradients(chunk, [block], _PRECISION)
+    block = blocks.ValueBlock(tiles.load_tiles(v_ref, count, dtype), d_o, state_ref[...], d_next)
+    grads = blocks.chunk_gradients(chunk, [block], _DOTS)
     tiles.store_tiles(d_q_ref, [d * scale for d in grads.q])
     tiles.store_tiles(d_k_ref, grads.k)
     tiles.store_tiles(d_v_ref, grads.v[0])
     tiles.store_tiles(d_g_ref, grads.g)
     tiles.store_tiles(d_beta_ref, grads.beta)
-    d_state = tiles.state_gradient(chunk.w, chunk.read_queries, d_o, grads.new_values[0],
-                                   tiles.transpose_vector(chunk.decay), d_next, _PRECISION)
+    d_state = blocks.state_gradient(chunk.w, chunk.read_queries, d_o, grads.new_values[0],
+                                   _DOTS.vector_t(chunk.decay), d_next, _DOTS)
     d_state_scratch[...] = d_state
 
     @pl.when(n == pl.num_programs(2) - 1)

@@ -13,19 +13,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from k3jax.ops.precision import einsum
+from k3jax.ops.kda.blocks import token_step
 
 
 def recurrent_step(q, k, v, g, beta, state):
-    """One KDA token on fp32 arrays already expanded to value heads.
+    """One KDA token (`blocks.token_step`) on fp32 arrays already expanded to value heads.
 
     Shapes: q, k, g ``[B, HV, K]`` (q scaled), v ``[B, HV, V]``, beta ``[B, HV]``,
     state ``[B, HV, K, V]``. Returns ``(o [B, HV, V], new_state)``.
     """
-    state = state * jnp.exp(g)[..., None]
-    predicted = einsum("bhk,bhkv->bhv", k, state)
-    state = state + einsum("bhk,bhv->bhkv", beta[..., None] * k, v - predicted)
-    return einsum("bhk,bhkv->bhv", q, state), state
+    column = lambda x: x[..., None]  # noqa: E731
+    o, state = token_step(state, column(q), column(k), v[..., None, :], column(g), beta[..., None, None])
+    return o[..., 0, :], state
 
 
 def recurrent_kda(q, k, v, g, beta, initial_state, segment_starts):
