@@ -99,14 +99,11 @@ def plan_import(maps: list[TensorMap], manifest: dict[str, TensorInfo]) -> tuple
     return packed, len(vision)
 
 
-def _leaf_specs(config, maps: list[TensorMap], packed: set[str], drop: set[str]) -> dict[str, dict[str, LeafSpec]]:
-    """Shapes (fp32; scales uint8) and region chunks of every array the import writes."""
-    _, params, buffers = abstract_model(config)
-    abstract = {"params": params, "buffers": buffers}
+def _leaf_specs(abstract: dict, maps: list[TensorMap], packed: set[str]) -> dict[str, dict[str, LeafSpec]]:
+    """Shapes (fp32; scales uint8) and region chunks of every array the import writes, from the
+    abstract ``{"params": ..., "buffers": ...}`` of the model."""
     leaves: dict[str, dict[str, LeafSpec]] = {"params": {}, "buffers": {}}
     for spec in maps:
-        if spec.key in drop:
-            continue
         full = tuple(abstract[spec.top][spec.key].shape)
         chunks = (1,) * len(spec.index) + spec.shape
         leaves[spec.top][spec.key] = LeafSpec(full, np.dtype(np.float32), chunks)
@@ -165,15 +162,15 @@ def import_checkpoint(hf_dir, out_dir, overrides: Sequence[str] = (), log: Calla
     config, _ = _resolved_config(hf, out_dir, has_tokenizer, overrides)
     checkpoint = SafetensorsCheckpoint(hf_dir)
     maps = model_maps(config.model, flavour)
-    _, params, _ = abstract_model(config.model)
-    drop = {spec.key for spec in maps if spec.top == "params" and spec.key not in params}   # e.g. a tied head
-    maps = [spec for spec in maps if spec.key not in drop]
+    _, params, buffers = abstract_model(config.model)
+    abstract = {"params": params, "buffers": buffers}
+    maps = [spec for spec in maps if spec.key in abstract[spec.top]]   # e.g. no separate head when tied
     packed, vision = plan_import(maps, checkpoint.manifest)
     if vision:
         log(f"skipping {vision} vision tensors (k3jax imports the text model)")
 
     with atomic_directory(out_dir) as temporary:
-        leaves = _leaf_specs(config.model, maps, packed, drop)
+        leaves = _leaf_specs(abstract, maps, packed)
         writer = StreamedStateWriter(temporary / "checkpoints" / "0", leaves)
         for count, spec in enumerate(maps, 1):
             if spec.hf_name in packed:

@@ -11,6 +11,7 @@ so converting a model never holds more than one tensor; `k3jax.checkpoint.RunChe
 from __future__ import annotations
 
 import base64
+import collections
 import json
 import pathlib
 import time
@@ -45,34 +46,54 @@ class StreamedStateWriter:
     """The ``state`` and ``meta`` items of one checkpoint step, written region by region.
 
     ``leaves``: ``{top-level name: {leaf key: LeafSpec}}`` (e.g. ``{"params": {...}, "buffers": {...}}``).
+    Writes run in the background while the caller prepares the next region; at most
+    ``pending_bytes`` (at least one region) are in flight, which bounds the memory they hold.
     """
 
-    def __init__(self, step_dir: pathlib.Path, leaves: dict[str, dict[str, LeafSpec]]):
+    def __init__(self, step_dir: pathlib.Path, leaves: dict[str, dict[str, LeafSpec]], pending_bytes: int = 2**26):
         self.step_dir = step_dir
         self.state_dir = step_dir / STATE
         self.state_dir.mkdir(parents=True)
         self.leaves = leaves
         self._context = ts.Context()
-        self._arrays: dict[tuple[str, str], Any] = {}
+        self._pending: collections.deque = collections.deque()
+        self._pending_bytes, self._budget = 0, pending_bytes
+        opening = {}
         for top, specs in leaves.items():
             for key, spec in specs.items():
                 metadata = {"shape": list(spec.shape), "chunks": list(spec.chunks), "dtype": np.dtype(spec.dtype).str,
                             "compressor": {"id": "zstd", "level": 1}}
-                self._arrays[top, key] = ts.open(
+                opening[top, key] = ts.open(
                     {"driver": "zarr", "kvstore": {**_kvstore(self.state_dir), "path": _array_name(top, key)},
-                     "metadata": metadata}, create=True, context=self._context).result()
+                     "metadata": metadata}, create=True, context=self._context)
+        self._arrays: dict[tuple[str, str], Any] = {name: future.result() for name, future in opening.items()}
 
     def write(self, top: str, key: str, index: tuple[int, ...], value: np.ndarray) -> None:
-        """``array[index] = value`` for the leaf ``top/key`` (``value`` is cast to the leaf dtype)."""
-        array = self._arrays[top, key]
+        """Start ``array[index] = value`` for the leaf ``top/key`` (``value`` is cast to the leaf dtype)."""
         spec = self.leaves[top][key]
         expected = spec.shape[len(index):]
         if tuple(value.shape) != expected:
             raise ConvertError(f"{top}/{key}{list(index)}: got shape {list(value.shape)}, expected {list(expected)}")
-        array[index].write(np.asarray(value, spec.dtype)).result()
+        value = np.asarray(value, spec.dtype)
+        while self._pending and self._pending_bytes + value.nbytes > self._budget:
+            self._wait_oldest()
+        self._pending.append((self._arrays[top, key][index].write(value), value.nbytes))
+        self._pending_bytes += value.nbytes
+
+    def _wait_oldest(self) -> None:
+        future, nbytes = self._pending.popleft()
+        self._pending_bytes -= nbytes
+        future.result()
+
+    def flush(self) -> None:
+        """Wait for every write started so far."""
+        while self._pending:
+            self._wait_oldest()
 
     def finish(self, meta: dict) -> None:
-        """Write Orbax's metadata for the state item, the meta item and the step's commit markers."""
+        """Finish the writes, then write Orbax's metadata for the state item, the meta item and the
+        step's commit markers."""
+        self.flush()
         device = jax.devices()[0]
         sharding = json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": f"{device.platform}:{device.id}"})
         tree, shardings = {}, {}
