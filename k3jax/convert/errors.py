@@ -17,12 +17,16 @@ def _disk_full(error: BaseException) -> bool:
     return (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left on device" in str(error)
 
 
+def require_new(path: pathlib.Path) -> None:
+    if path.exists():
+        raise ConvertError(f"{path} already exists; choose a new output directory")
+
+
 @contextlib.contextmanager
 def atomic_directory(final: pathlib.Path) -> Iterator[pathlib.Path]:
     """Yield a fresh temporary directory beside ``final``; rename it to ``final`` when the block
     succeeds, delete it when it fails (a full disk or another write error becomes `ConvertError`)."""
-    if final.exists():
-        raise ConvertError(f"{final} already exists; choose a new output directory")
+    require_new(final)
     temporary = final.parent / f".{final.name}.partial-{os.getpid()}"
     try:
         temporary.mkdir(parents=True)

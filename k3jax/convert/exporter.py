@@ -26,7 +26,7 @@ import numpy as np
 
 from k3jax.checkpoint import CheckpointError, RunCheckpoints, checkpoint_directory
 from k3jax.config import ConfigError, config_from_dict
-from k3jax.convert.errors import ConvertError, atomic_directory
+from k3jax.convert.errors import ConvertError, atomic_directory, require_new
 from k3jax.convert.hf_config import HFConfigError, checkpoint_flavour, hf_config_from_model, model_config_from_hf
 from k3jax.convert.importer import SCALES, SOURCE_DIR, TOKENIZER_DIR
 from k3jax.convert.keymap import TensorMap, model_maps, mxfp4_names
@@ -121,8 +121,7 @@ def export_checkpoint(run_dir, hf_dir, *, mxfp4: bool = False, shard_bytes: int 
                       log: Callable[[str], None] = print) -> dict:
     """Write the latest checkpoint of ``run_dir`` as a HF checkpoint in ``hf_dir`` (which must not exist)."""
     run_dir, hf_dir = pathlib.Path(run_dir).expanduser().resolve(), pathlib.Path(hf_dir).expanduser().resolve()
-    if hf_dir.exists():
-        raise ConvertError(f"{hf_dir} already exists; choose a new output directory")
+    require_new(hf_dir)
     if not run_dir.is_dir():
         raise ConvertError(f"{run_dir}: no such directory")
     config, step_dir = _run_model(run_dir)

@@ -29,7 +29,7 @@ import numpy as np
 import yaml
 
 from k3jax.config import ConfigError, config_from_dict, to_dict
-from k3jax.convert.errors import ConvertError, atomic_directory
+from k3jax.convert.errors import ConvertError, atomic_directory, require_new
 from k3jax.convert.hf_config import HFConfigError, checkpoint_flavour, model_config_from_hf
 from k3jax.convert.keymap import TensorMap, is_vision, model_maps, mxfp4_names
 from k3jax.convert.mxfp4 import decode_mxfp4
@@ -145,8 +145,7 @@ def _resolved_config(hf: dict, out_dir: pathlib.Path, tokenizer: bool, overrides
 def import_checkpoint(hf_dir, out_dir, overrides: Sequence[str] = (), log: Callable[[str], None] = print) -> dict:
     """Convert ``hf_dir`` into the run directory ``out_dir`` (which must not exist); returns a summary."""
     hf_dir, out_dir = pathlib.Path(hf_dir), pathlib.Path(out_dir).expanduser().resolve()
-    if out_dir.exists():
-        raise ConvertError(f"{out_dir} already exists; choose a new output directory")
+    require_new(out_dir)
     if not hf_dir.is_dir():
         raise ConvertError(f"{hf_dir}: no such directory")
     hf_config_path = hf_dir / "config.json"
@@ -162,12 +161,16 @@ def import_checkpoint(hf_dir, out_dir, overrides: Sequence[str] = (), log: Calla
     config, _ = _resolved_config(hf, out_dir, has_tokenizer, overrides)
     checkpoint = SafetensorsCheckpoint(hf_dir)
     maps = model_maps(config.model, flavour)
-    _, params, buffers = abstract_model(config.model)
-    abstract = {"params": params, "buffers": buffers}
-    maps = [spec for spec in maps if spec.key in abstract[spec.top]]   # e.g. no separate head when tied
+    if getattr(config.model, "tie_embeddings", False):
+        maps = [spec for spec in maps if spec.key != "lm_head"]     # the head is the embedding
     packed, vision = plan_import(maps, checkpoint.manifest)
     if vision:
         log(f"skipping {vision} vision tensors (k3jax imports the text model)")
+    _, params, buffers = abstract_model(config.model)
+    abstract = {"params": params, "buffers": buffers}
+    uncovered = sorted((set(params) | set(buffers)) - {spec.key for spec in maps})
+    if uncovered:
+        raise ConvertError(f"no HF tensor fills k3jax parameter {uncovered[0]} ({len(uncovered)} in all)")
 
     with atomic_directory(out_dir) as temporary:
         leaves = _leaf_specs(abstract, maps, packed)
