@@ -2,6 +2,7 @@
 
     python -m k3jax.convert import HF_DIR OUT_DIR [key=value ...]     HF -> a k3jax run directory
     python -m k3jax.convert export RUN_DIR HF_DIR [--mxfp4]           a k3jax run -> HF safetensors
+    python -m k3jax.convert config CONFIG_JSON OUT_YAML [key=value ...]  the run config an import would use
 
 Bad input (a missing or truncated shard, a missing or unexpected tensor, a shape or dtype
 mismatch, an unsupported config field, an existing output directory, a full disk) prints one
@@ -31,6 +32,10 @@ def _parser() -> argparse.ArgumentParser:
     exporting.add_argument("run_dir")
     exporting.add_argument("hf_dir")
     exporting.add_argument("--mxfp4", action="store_true", help="pack the routed experts as MXFP4")
+    configuring = commands.add_parser("config", help="a HF config.json -> the k3jax run config (YAML)")
+    configuring.add_argument("config_json")
+    configuring.add_argument("out_yaml")
+    configuring.add_argument("overrides", nargs="*", metavar="key=value")
     exporting.add_argument("--shard-gb", type=float, default=5.0, help="largest shard in GiB (default 5)")
     return parser
 
@@ -42,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "import":
             from k3jax.convert.importer import import_checkpoint
             import_checkpoint(args.hf_dir, args.out_dir, args.overrides, log=log)
+        elif args.command == "config":
+            from k3jax.convert.importer import write_run_config
+            write_run_config(args.config_json, args.out_yaml, args.overrides)
         else:
             from k3jax.convert.exporter import export_checkpoint
             if args.shard_gb <= 0:

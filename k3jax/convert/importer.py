@@ -142,6 +142,28 @@ def _resolved_config(hf: dict, out_dir: pathlib.Path, tokenizer: bool, overrides
         raise ConvertError(f"override: {error}") from None
 
 
+def read_hf_config(path: pathlib.Path) -> tuple[dict, str]:
+    """``(config.json mapping, checkpoint flavour)``; one-line `ConvertError` when unusable."""
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConvertError(f"{path}: not readable JSON ({' '.join(str(error).split())})") from None
+    try:
+        return hf, checkpoint_flavour(hf)
+    except HFConfigError as error:
+        raise ConvertError(f"{path.name}: {error}") from None
+
+
+def write_run_config(hf_config_path, out_yaml, overrides: Sequence[str] = ()) -> None:
+    """The k3jax config an import of ``hf_config_path`` (a config.json) would use, as YAML at
+    ``out_yaml`` (for ``python -m train.plan`` or the trainer), without reading any tensor."""
+    out_yaml = pathlib.Path(out_yaml).expanduser().resolve()
+    require_new(out_yaml)
+    hf, _ = read_hf_config(pathlib.Path(hf_config_path))
+    config, _ = _resolved_config(hf, out_yaml.parent / out_yaml.stem, False, overrides)
+    out_yaml.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
 def import_checkpoint(hf_dir, out_dir, overrides: Sequence[str] = (), log: Callable[[str], None] = print) -> dict:
     """Convert ``hf_dir`` into the run directory ``out_dir`` (which must not exist); returns a summary."""
     hf_dir, out_dir = pathlib.Path(hf_dir), pathlib.Path(out_dir).expanduser().resolve()
@@ -149,14 +171,7 @@ def import_checkpoint(hf_dir, out_dir, overrides: Sequence[str] = (), log: Calla
     if not hf_dir.is_dir():
         raise ConvertError(f"{hf_dir}: no such directory")
     hf_config_path = hf_dir / "config.json"
-    try:
-        hf = json.loads(hf_config_path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ConvertError(f"{hf_config_path}: not readable JSON ({' '.join(str(error).split())})") from None
-    try:
-        flavour = checkpoint_flavour(hf)
-    except HFConfigError as error:
-        raise ConvertError(f"config.json: {error}") from None
+    hf, flavour = read_hf_config(hf_config_path)
     has_tokenizer = (hf_dir / BPE_FILE_NAME).is_file()
     config, _ = _resolved_config(hf, out_dir, has_tokenizer, overrides)
     checkpoint = SafetensorsCheckpoint(hf_dir)
