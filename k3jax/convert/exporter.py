@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from k3jax.checkpoint import CheckpointError, RunCheckpoints, checkpoint_directory
+from k3jax.checkpoint import CheckpointError, checkpoint_directory, latest_meta
 from k3jax.config import ConfigError, config_from_dict
 from k3jax.convert.errors import ConvertError, atomic_directory, require_new
 from k3jax.convert.hf_config import HFConfigError, checkpoint_flavour, hf_config_from_model, model_config_from_hf
@@ -106,13 +106,8 @@ def _set_quantization(hf: dict, mxfp4: bool) -> dict:
 def _run_model(run_dir: pathlib.Path):
     """``(config, step directory)`` of the latest checkpoint of a run."""
     try:
-        checkpoints = RunCheckpoints(checkpoint_directory(run_dir), read_only=True)
-        try:
-            step = checkpoints.require_step(None)
-            meta = checkpoints.meta(step)
-        finally:
-            checkpoints.close()
-        return config_from_dict(meta["config"]), checkpoints.directory / str(step)
+        step, meta = latest_meta(run_dir)
+        return config_from_dict(meta["config"]), checkpoint_directory(run_dir) / str(step)
     except (CheckpointError, ConfigError, KeyError) as error:
         raise ConvertError(f"{run_dir}: not a readable k3jax run ({error})") from None
 
