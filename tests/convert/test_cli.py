@@ -45,7 +45,12 @@ def test_init_from_an_imported_run(imported):
                  f"init_from={root / 'run'}", "train.steps=2", "train.eval_batches=0", "logging.progress=false",
                  "train.compilation_cache=null")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert len((root / "finetune" / "metrics.jsonl").read_text().splitlines()) == 2
+    assert json.loads((root / "finetune" / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 2
+    result = run("-m", "k3jax.convert", "export", str(root / "finetune"), str(root / "finetuned_hf"))   # a trainer checkpoint
+    assert result.returncode == 0, result.stderr
+    exported = json.loads((root / "finetuned_hf" / "model.safetensors.index.json").read_text())["weight_map"]
+    source = json.loads((root / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(exported) == set(source)
 
 
 def test_export_command_and_bad_input(imported, tmp_path):
