@@ -323,8 +323,9 @@ def test_decoder_layers_read_the_feed_forward_fields_of_the_config():
     f64 = lambda v: np.asarray(v[...], np.float64)  # noqa: E731
     p = {"router": f64(moe.router.weight), "bias": f64(moe.router.e_score_correction_bias),
          "w_gate": f64(moe.experts.w_gate), "w_up": f64(moe.experts.w_up), "w_down": f64(moe.experts.w_down),
-         "latent_down": f64(moe.latent_down), "latent_up": f64(moe.latent_up), "latent_norm": f64(moe.latent_norm_weight),
-         "shared_gate": f64(moe.shared.w_gate), "shared_up": f64(moe.shared.w_up), "shared_down": f64(moe.shared.w_down)}
+         "latent_down": f64(moe.latent_down), "latent_up": f64(moe.latent_up),
+         "latent_norm": f64(moe.latent_norm_weight), "shared_gate": f64(moe.shared.w_gate),
+         "shared_up": f64(moe.shared.w_up), "shared_down": f64(moe.shared.w_down)}
     y, _ = moe(jnp.asarray(x, jnp.float32))
     expected, _, _ = ref_moe.moe_forward(x.reshape(-1, config.d_model), p, config.moe.top_k, activation,
                                          score="softmax", renormalize=False, expert_groups=4, topk_groups=2)
