@@ -172,9 +172,10 @@ class MoEConfig:
         _require(self.expert_groups == 1 or self.num_experts // self.expert_groups >= 2, "expert_groups",
                  f"groups need at least 2 experts each (a group scores by its top 2), got "
                  f"{self.num_experts // self.expert_groups}")
-        _require(self.topk_groups * (self.num_experts // self.expert_groups) > self.top_k, "topk_groups",
-                 f"the {self.topk_groups} selected groups hold {self.topk_groups * (self.num_experts // self.expert_groups)} "
-                 f"experts, need more than top_k = {self.top_k} (the balancer ranks a top-(k+1))")
+        selectable = self.topk_groups * (self.num_experts // self.expert_groups)
+        _require(selectable > self.top_k, "topk_groups",
+                 f"the {self.topk_groups} selected groups hold {selectable} experts, need more than "
+                 f"top_k = {self.top_k} (the balancer ranks a top-(k+1))")
 
     @property
     def shared_width(self) -> int | None:

@@ -84,12 +84,16 @@ class DecoderLayer(nnx.Module):
                 d_model=d, num_experts=moe.num_experts, top_k=moe.top_k, expert_width=moe.expert_width,
                 latent_dim=moe.latent_dim, latent_norm=moe.latent_norm, shared_width=moe.shared_width,
                 activation=config.activation, routed_scale=moe.routed_scale,
-                bias_in_weights=moe.router_bias_in_weights, norm_eps=eps, init_std=config.init_std,
+                bias_in_weights=moe.router_bias_in_weights, router_score=moe.router_score,
+                renormalize=moe.renormalize, expert_groups=moe.expert_groups, topk_groups=moe.topk_groups,
+                situ_beta=config.situ_beta, situ_beta_linear=config.situ_linear_beta, norm_eps=eps,
+                init_std=config.init_std,
                 dtype=dtype, expert_matmul=moe.expert_matmul, quantile_bins=moe.quantile_bins, rngs=rngs,
             )
         else:
-            self.ffn = DenseGLU(d, config.dense_width, activation=config.activation, init_std=config.init_std,
-                                dtype=dtype, rngs=rngs)
+            self.ffn = DenseGLU(d, config.dense_width, activation=config.activation, situ_beta=config.situ_beta,
+                                situ_beta_linear=config.situ_linear_beta, init_std=config.init_std, dtype=dtype,
+                                rngs=rngs)
 
     def __call__(self, stream: ResidualStream, memory, segment_ids):
         """-> (stream, the mixer's updated memory, MoEStats or None)."""
@@ -199,7 +203,8 @@ class K3Model(nnx.Module):
 
     Parameters: ``embedding`` [vocab, d]; ``prefix`` / ``suffix`` (`LayerStack`s) and ``body``
     (a `LayerStack` with every parameter stacked over ``groups.repeats``); ``output_res`` (block
-    AttnRes); ``final_norm`` [d]; ``lm_head`` [d, vocab] (untied).
+    AttnRes); ``final_norm`` [d]; ``lm_head`` [d, vocab], absent with ``tie_embeddings`` (the
+    head is then the transposed embedding: logits = h E^T).
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -214,7 +219,8 @@ class K3Model(nnx.Module):
         if config.attn_res.kind == "block":
             self.output_res = AttnRes(d, norm_eps=config.norm_eps, rngs=rngs)
         self.final_norm = param(rngs, nnx.initializers.ones, (d,), ("embed",))
-        self.lm_head = param(rngs, truncated_normal(config.init_std), (d, vocab), ("embed", "vocab"))
+        if not config.tie_embeddings:
+            self.lm_head = param(rngs, truncated_normal(config.init_std), (d, vocab), ("embed", "vocab"))
 
     def __call__(self, tokens: jax.Array, memory: Memory | None = None, segment_ids: jax.Array | None = None) -> ModelOutput:
         """tokens ``[B, T]`` int; memory from `k3jax.memory.init_memory` (or a previous call) to
@@ -249,7 +255,8 @@ class K3Model(nnx.Module):
 
         out = self.output_res(stream) if cfg.attn_res.kind == "block" else stream.partial
         out = rms_norm(out, self.final_norm[...], cfg.norm_eps)
-        logits = project(out, self.lm_head[...], jnp.dtype(cfg.compute_dtype)).astype(jnp.float32)
+        head = self.embedding[...].T if cfg.tie_embeddings else self.lm_head[...]
+        logits = project(out, head, jnp.dtype(cfg.compute_dtype)).astype(jnp.float32)
         if memory is not None:
             memory = Memory(
                 kda=_join_layers(*(m.kda for m in (prefix_memory, body_memory, suffix_memory))),
@@ -300,7 +307,9 @@ class K3Model(nnx.Module):
         """The configured balancing (SPEC §4, ``config.moe.balancing``) of every router from one
         optimizer step's `ModelOutput.moe_stats`; call after the optimizer update."""
         moe = self.config.moe
-        update = functools.partial(updated_router_bias, method=moe.balancing, top_k=moe.top_k, rate=moe.bias_update_rate)
+        update = functools.partial(updated_router_bias, method=moe.balancing, top_k=moe.top_k,
+                                   rate=moe.bias_update_rate, expert_groups=moe.expert_groups,
+                                   topk_groups=moe.topk_groups)
         self.set_router_bias(jax.vmap(update)(self.router_bias(), moe_stats))
 
 
@@ -325,14 +334,15 @@ def param_counts(config: ModelConfig) -> tuple[int, int]:
     """``(total, active)`` parameter counts from shapes alone (nothing is allocated).
 
     Active counts routed experts at top_k / num_experts of their size and excludes the input
-    embedding (SPEC §6); the router's selection bias is not a parameter.
+    embedding (SPEC §6) unless it is also the (tied) head; the router's selection bias is not a
+    parameter.
     """
     model = nnx.eval_shape(lambda: K3Model(config, rngs=nnx.Rngs(0)))
     total = active = 0.0
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         size = variable.size
         total += size
-        if path == ("embedding",):
+        if path == ("embedding",) and not config.tie_embeddings:
             continue
         routed = "expert_mlp" in logical_axes(variable)
         active += size * config.moe.top_k / config.moe.num_experts if routed else size

@@ -150,7 +150,8 @@ def _one_based_layers(section: _Section, key: str, num_layers: int, required: bo
     for number in layers:
         _check_type(number, int, section.field(key), optional=False)
         if not 1 <= number <= num_layers:
-            raise HFConfigError(section.field(key), f"layer {number} is outside 1..{num_layers} (the lists are 1-based)")
+            raise HFConfigError(section.field(key),
+                                f"layer {number} is outside 1..{num_layers} (the lists are 1-based)")
     if len(set(layers)) != len(layers):
         raise HFConfigError(section.field(key), f"names a layer twice: {layers}")
     return sorted(layers)
@@ -241,7 +242,8 @@ def _kda_fields(linear: _Section, norm_eps: float) -> dict:
 
 def _mla_fields(text: _Section) -> dict:
     if text.peek("mla_use_nope", bool, True, optional=False) is not True:
-        raise HFConfigError(text.field("mla_use_nope"), "false (rotary MLA) is not supported; k3jax's MLA has no positional encoding")
+        raise HFConfigError(text.field("mla_use_nope"),
+                            "false (rotary MLA) is not supported; k3jax's MLA has no positional encoding")
     return {
         "num_heads": text.take("num_attention_heads", int),
         "q_lora_rank": text.take("q_lora_rank", int, None, optional=True),
@@ -401,7 +403,7 @@ def _check_expressible(model: ModelConfig) -> None:
         "model.kda.value_heads": (model.kda.value_heads not in (None, model.kda.num_heads),
                                   "grouped KDA values have no config.json field"),
         "model.kda.output_norm_eps": (model.kda.output_norm_eps != model.norm_eps,
-                                      f"config.json has one rms_norm_eps; it differs from model.norm_eps = {model.norm_eps}"),
+                                      f"config.json has one rms_norm_eps, and model.norm_eps = {model.norm_eps}"),
         "model.mla.norm_eps": (model.mla.norm_eps != HF_MLA_NORM_EPS,
                                f"the HF Kimi code fixes the MLA q_a / kv_a norm eps at {HF_MLA_NORM_EPS}"),
         "model.moe.router_bias_in_weights": (model.moe.router_bias_in_weights,
@@ -436,7 +438,8 @@ def _write_linear_attn(model: ModelConfig, linear: dict) -> None:
     linear["head_dim"] = model.kda.head_dim
     linear["short_conv_kernel_size"] = model.kda.conv_size
     _set_unless_default(linear, "use_full_rank_gate", model.kda.output_gate == "full", False)
-    _set_unless_default(linear, "gate_lower_bound", model.kda.lower_bound if model.kda.gate == "lower_bound" else None, None)
+    bound = model.kda.lower_bound if model.kda.gate == "lower_bound" else None
+    _set_unless_default(linear, "gate_lower_bound", bound, None)
 
 
 def _write_moe(model: ModelConfig, text: dict) -> None:

@@ -2,6 +2,7 @@
 
 Stable LatentMoE (K3), for a pre-normed token x in R^d:
     s = sigmoid(W_r x);  indices = top-k(s + b);  p = s_sel / (sum s_sel + 1e-20) * routed_scale
+    (or softmax scores, unnormalised weights, grouped top-k: `k3jax.ops.moe.select_experts`)
     z = W_down x                                  (d -> l, shared by all routed experts)
     u = sum_i p_i E_i(z)                          (E_i a GLU of width m on l-dim inputs)
     y = W_up RMSNorm(u) + Shared(x)               (l -> d; Shared one GLU of width n_shared * m)
@@ -43,12 +44,15 @@ class RouterBias(nnx.Variable):
 
 
 class Router(nnx.Module):
-    """Sigmoid top-k router on the full-width x: weight [d, E] ("embed", "experts"), bias [E].
+    """Top-k router on the full-width x: weight [d, E] ("embed", "experts"), bias [E].
 
     Args:
       d_model, num_experts, top_k: d, E, k.
-      routed_scale: the routing weights of each token sum to this.
+      routed_scale: the routing weights of each token sum to this (times the scores' sum
+        without ``renormalize``).
       bias_in_weights: reproduce the Kimi Linear HF quirk (bias leaks into the weights).
+      score, renormalize, expert_groups, topk_groups: the router score function ("sigmoid" or
+        "softmax"), renormalisation and grouped top-k of `k3jax.ops.moe.select_experts`.
       init_std, param_dtype: weight init std and storage dtype (the bias is always fp32, zeros).
     """
 
@@ -60,10 +64,15 @@ class Router(nnx.Module):
         *,
         routed_scale: float = 1.0,
         bias_in_weights: bool = False,
+        score: str = "sigmoid",
+        renormalize: bool = True,
+        expert_groups: int = 1,
+        topk_groups: int = 1,
         init_std: float = 0.02,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
+        router_scores(jnp.zeros((1, num_experts)), score)  # fail at construction on an unknown name
         if not 0 < top_k < num_experts:
             raise ValueError(f"top_k must be in [1, num_experts - 1], got top_k={top_k}, num_experts={num_experts}")
         self.weight = param(rngs, truncated_normal(init_std), (d_model, num_experts), ("embed", "experts"), param_dtype)
@@ -73,13 +82,16 @@ class Router(nnx.Module):
         self.top_k = top_k
         self.routed_scale = routed_scale
         self.bias_in_weights = bias_in_weights
+        self.score, self.renormalize = score, renormalize
+        self.expert_groups, self.topk_groups = expert_groups, topk_groups
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [N, d] -> (indices [N, k] int32, weights [N, k] fp32, scores [N, E] fp32), all in fp32."""
         logits = einsum("nd,de->ne", x.astype(jnp.float32), self.weight[...].astype(jnp.float32))
-        scores = router_scores(logits)
+        scores = router_scores(logits, self.score)
         bias = jax.lax.stop_gradient(self.e_score_correction_bias[...])
-        indices, weights = select_experts(scores, bias, self.top_k, self.routed_scale, self.bias_in_weights)
+        indices, weights = select_experts(scores, bias, self.top_k, self.routed_scale, self.bias_in_weights,
+                                          self.renormalize, self.expert_groups, self.topk_groups)
         return indices, weights, scores
 
 
@@ -102,7 +114,7 @@ class RoutedExperts(nnx.Module):
         input_axis: str,
         activation: str,
         situ_beta: float,
-        situ_beta_linear: float,
+        situ_beta_linear: float | None,
         init_std: float,
         dtype,
         param_dtype,
@@ -153,6 +165,7 @@ class MoE(nnx.Module):
         are SiTU's beta and beta_lin.
       routed_scale: routing weights of each token sum to this (K3 1.0, Kimi Linear 2.446).
       bias_in_weights: the Kimi Linear HF routing quirk (see ``select_experts``); default off.
+      router_score, renormalize, expert_groups, topk_groups: see `Router` (score, ...).
       norm_eps: eps of the latent RMSNorm.
       init_std: truncated-normal std of every weight matrix.
       dtype: compute dtype (fp32 or bf16); router, norm and activations run in fp32.
@@ -181,8 +194,12 @@ class MoE(nnx.Module):
         activation: str = "situ",
         routed_scale: float = 1.0,
         bias_in_weights: bool = False,
+        router_score: str = "sigmoid",
+        renormalize: bool = True,
+        expert_groups: int = 1,
+        topk_groups: int = 1,
         situ_beta: float = 4.0,
-        situ_beta_linear: float = 25.0,
+        situ_beta_linear: float | None = 25.0,
         norm_eps: float = 1e-5,
         init_std: float = 0.02,
         dtype=jnp.float32,
@@ -200,6 +217,10 @@ class MoE(nnx.Module):
             top_k,
             routed_scale=routed_scale,
             bias_in_weights=bias_in_weights,
+            score=router_score,
+            renormalize=renormalize,
+            expert_groups=expert_groups,
+            topk_groups=topk_groups,
             init_std=init_std,
             param_dtype=param_dtype,
             rngs=rngs,
@@ -256,8 +277,10 @@ class MoE(nnx.Module):
         if self.shared_width is not None:
             y = y + self.shared(tokens)
         scores = jax.lax.stop_gradient(scores)
+        router = self.router
         histogram = None if self.quantile_bins is None else required_bias_histogram(
-            scores, self.router.e_score_correction_bias[...], self.router.top_k, self.quantile_bins, mask)
+            scores, router.e_score_correction_bias[...], router.top_k, self.quantile_bins, mask,
+            router.expert_groups, router.topk_groups)
         stats = MoEStats(
             expert_load=expert_load(indices, self.num_experts, mask),
             router_scores=scores if histogram is None else None,

@@ -163,8 +163,8 @@ def test_unsupported_value_is_a_one_line_error_naming_the_field(path, value, fie
     assert "\n" not in str(error.value) and f"field {field}:" in str(error.value)
 
 
-@pytest.mark.parametrize("hf, field", [({"model_type": "llama"}, "model_type"), ({"model_type": "kimi_k3"}, "text_config"),
-                                       ([], "(top level)")])
+@pytest.mark.parametrize("hf, field", [({"model_type": "llama"}, "model_type"),
+                                       ({"model_type": "kimi_k3"}, "text_config"), ([], "(top level)")])
 def test_not_a_kimi_config(hf, field):
     with pytest.raises(HFConfigError) as error:
         checkpoint_flavour(hf)
