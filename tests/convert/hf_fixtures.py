@@ -48,6 +48,8 @@ def hf_tensors(hf: dict, *, seed: int = 0, mxfp4: bool = False, padded_a_log: in
     model, _ = model_config_from_hf(hf)
     tensors = {}
     for spec in model_maps(model, checkpoint_flavour(hf)):
+        if spec.key == "lm_head" and model.tie_embeddings:
+            continue
         if spec.expert and mxfp4:
             out, inputs = spec.hf_shape
             packed, scale = mxfp4_names(spec.hf_name)

@@ -127,4 +127,5 @@ def hf_forward(hf: dict, tensors: dict, tokens: np.ndarray) -> tuple[np.ndarray,
         p = p + (_glu(w, pre + "mlp.", f_in, act) if dense else _moe(w, pre + "block_sparse_moe.", f_in, text, act))
     out = _mix(w, prefix, "output_attn_res_norm", "output_attn_res_proj", p, sources, eps) if block else p
     out = rms_norm(out, w(prefix + "norm.weight"), eps)
-    return out @ w(root + "lm_head.weight").T, w.used
+    head = w(prefix + "embed_tokens.weight") if text.get("tie_word_embeddings") else w(root + "lm_head.weight")
+    return out @ head.T, w.used

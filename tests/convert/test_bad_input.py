@@ -38,6 +38,27 @@ def broken(source, tmp_path) -> pathlib.Path:
     return pathlib.Path(shutil.copytree(source, tmp_path / "hf"))
 
 
+@pytest.mark.slow   # compiles the model's forward
+def test_tied_embeddings_import_and_export(tmp_path):
+    """tie_word_embeddings: no lm_head tensor in or out; the logits use the embedding."""
+    import jax.numpy as jnp
+    from k3jax.training import restore_model
+    from tests.convert.numpy_hf_forward import hf_forward
+    from tests.convert.test_import_export import _same_tensors
+    hf = small_config()
+    hf["tie_word_embeddings"] = True
+    tensors = hf_tensors(hf, seed=5)
+    assert "lm_head.weight" not in tensors
+    write_checkpoint(tmp_path / "hf", hf, tensors)
+    import_checkpoint(tmp_path / "hf", tmp_path / "run", log=QUIET)
+    tokens = np.arange(10).reshape(2, 5)
+    logits = np.asarray(restore_model(tmp_path / "run").model(jnp.asarray(tokens)).logits, np.float64)
+    expected, _ = hf_forward(hf, tensors, tokens)
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=2e-4 * np.abs(expected).max())
+    export_checkpoint(tmp_path / "run", tmp_path / "out", log=QUIET)
+    _same_tensors(tmp_path / "hf", tmp_path / "out", list(tensors))
+
+
 def _shard_of(directory, name) -> str:
     return json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"][name]
 

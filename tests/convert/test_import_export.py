@@ -6,6 +6,7 @@ routed experts, a zero-padded A_log, block AttnRes and vision tensors (8 layers:
 prefix and a scanned body); Kimi-Linear-shaped in bf16 with fp32 [1, 1, H, 1] A_log, no AttnRes
 and a tokenizer (12 layers: the scanned body repeats twice).
 """
+import functools
 import json
 import shutil
 
@@ -56,7 +57,10 @@ class Imported:
             write_tokenizer(self.hf_dir)
         self.run_dir = root / f"{name}_run"
         self.summary = import_checkpoint(self.hf_dir, self.run_dir, log=QUIET)
-        self.restored = restore_model(self.run_dir)
+
+    @functools.cached_property
+    def restored(self):
+        return restore_model(self.run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +84,7 @@ def _check_logits(imported, vocab):
     return used, {name for name in set(imported.tensors) - used if ".experts." not in name}
 
 
+@pytest.mark.slow   # compiles the model forward
 def test_k3_mxfp4_import_matches_numpy_forward(k3):
     _, unused = _check_logits(k3, 640)       # besides routed experts no token chose
     assert unused - set(VISION) == {f"language_model.model.layers.0.{n}.weight" for n in ("self_attention_res_norm", "self_attention_res_proj")}
@@ -88,6 +93,7 @@ def test_k3_mxfp4_import_matches_numpy_forward(k3):
     assert groups.prefix and groups.body and groups.repeats == 1
 
 
+@pytest.mark.slow   # compiles the model forward
 def test_kimi_linear_import_matches_numpy_forward(kimi_linear):
     _, unused = _check_logits(kimi_linear, 520)
     assert unused == set()
@@ -131,6 +137,7 @@ def test_mxfp4_experts_exported_as_bf16_hold_the_decoded_values(k3, tmp_path):
     assert "quantization_config" not in hf["text_config"] and "quantization_config" not in hf
 
 
+@pytest.mark.slow   # compiles the model's forward (generate: prefill and decode)
 def test_imported_tokenizer_generates(kimi_linear):
     config = kimi_linear.restored.config
     tokenizer = load_tokenizer(config.data.tokenizer)
