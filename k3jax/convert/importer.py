@@ -198,6 +198,9 @@ def import_checkpoint(hf_dir, out_dir, overrides: Sequence[str] = (), log: Calla
                 writer.write(SCALES, spec.key, spec.index, scale)
             else:
                 value = checkpoint.read(spec.hf_name)
+            if spec.layout == "narrow" and np.any(np.asarray(value, np.float32).reshape(-1)[spec.shape[0]:]):
+                log(f"warning: {spec.hf_name} has non-zero entries past its {spec.shape[0]} heads; they are "
+                    f"dropped (export writes zeros there)")
             writer.write(spec.top, spec.key, spec.index, to_k3jax(value, spec))
             del value
             if count % 1000 == 0:
