@@ -128,6 +128,16 @@ class RunCheckpoints:
         return step
 
 
+def latest_meta(directory: str | pathlib.Path, step: int | None = None) -> tuple[int, dict]:
+    """``(step, metadata)`` of a run's checkpoint ``step`` (None: the latest), read only."""
+    checkpoints = RunCheckpoints(checkpoint_directory(directory), read_only=True)
+    try:
+        step = checkpoints.require_step(step)
+        return step, checkpoints.meta(step)
+    finally:
+        checkpoints.close()
+
+
 def restore_subtree(directory: str | pathlib.Path, key: str, abstract: Any, step: int | None = None) -> tuple[Any, dict]:
     """Restore only ``state[key]`` (e.g. the parameters, for fine-tuning) of a run's checkpoint,
     placed like ``abstract``; returns ``(subtree, meta)``."""

@@ -65,12 +65,13 @@ class KDAConfig:
     gate: Literal["softplus", "lower_bound"] = "lower_bound"
     lower_bound: float = -5.0             # b of the lower_bound gate
     output_gate: Literal["full", "low_rank"] = "full"
+    output_norm_eps: float = 1e-5         # of the per-head output RMSNorm (SPEC §1.6)
     chunk_size: int = 64                  # tokens per chunk, a power of two >= 16 (k3jax.ops.kda.kda)
     # auto: Pallas kernels where lowered for GPU/TPU, the XLA chunk form on CPU
     implementation: Literal["auto", "reference", "chunk", "pallas"] = "auto"
 
     def __post_init__(self):
-        _positive(self, "num_heads", "head_dim", "value_heads", "conv_size", "chunk_size")
+        _positive(self, "num_heads", "head_dim", "value_heads", "conv_size", "chunk_size", "output_norm_eps")
         _require(self.value_heads is None or self.value_heads % self.num_heads == 0, "value_heads",
                  f"{self.value_heads} is not a multiple of num_heads = {self.num_heads}")
         _require(self.lower_bound < 0, "lower_bound", f"must be negative, got {self.lower_bound}")
@@ -146,6 +147,10 @@ class MoEConfig:
     latent_norm: bool = False             # RMSNorm before W_up (Stable LatentMoE)
     num_shared_experts: int = 0           # one shared GLU of width num_shared_experts * m
     routed_scale: float = 1.0
+    router_score: Literal["sigmoid", "softmax"] = "sigmoid"   # s = sigmoid(W_r x) or softmax over experts
+    renormalize: bool = True              # p = s_sel / sum(s_sel) * routed_scale; false: p = s_sel * routed_scale
+    expert_groups: int = 1                # grouped top-k (DeepSeek-V3): E experts in this many equal groups,
+    topk_groups: int = 1                  # the best `topk_groups` groups by their top-2 biased scores, top-k in them
     router_bias_in_weights: bool = False  # the Kimi Linear HF quirk (SPEC §4); vLLM's behaviour is False
     balancing: Literal["quantile", "sign"] = "quantile"
     bias_update_rate: float = 1e-3        # of the `sign` balancer
@@ -155,16 +160,36 @@ class MoEConfig:
 
     def __post_init__(self):
         _positive(self, "num_experts", "top_k", "expert_width", "latent_dim", "routed_scale", "bias_update_rate",
-                  "quantile_bins")
+                  "quantile_bins", "expert_groups", "topk_groups")
         _require(self.num_shared_experts >= 0, "num_shared_experts", f"must be non-negative, got {self.num_shared_experts}")
         _require(self.top_k < self.num_experts, "top_k",
                  f"must be below num_experts = {self.num_experts} (the balancer ranks a top-(k+1)), got {self.top_k}")
         _require(not self.latent_norm or self.latent_dim is not None, "latent_norm",
                  "needs a latent_dim (plain MoE has no latent norm)")
+        _require(self.num_experts % self.expert_groups == 0, "expert_groups",
+                 f"must divide num_experts = {self.num_experts}, got {self.expert_groups}")
+        _require(self.topk_groups <= self.expert_groups, "topk_groups",
+                 f"must be at most expert_groups = {self.expert_groups}, got {self.topk_groups}")
+        _require(self.expert_groups == 1 or self.num_experts // self.expert_groups >= 2, "expert_groups",
+                 f"groups need at least 2 experts each (a group scores by its top 2), got "
+                 f"{self.num_experts // self.expert_groups}")
+        selectable = self.topk_groups * (self.num_experts // self.expert_groups)
+        _require(selectable > self.top_k, "topk_groups",
+                 f"the {self.topk_groups} selected groups hold {selectable} experts, need more than "
+                 f"top_k = {self.top_k} (the balancer ranks a top-(k+1))")
 
     @property
     def shared_width(self) -> int | None:
         return self.num_shared_experts * self.expert_width or None
+
+
+def periodic_mla_layers(num_layers: int, period: int, last_layer: bool) -> tuple[int, ...]:
+    """The MLA layers of the periodic placement: p-1, 2p-1, ... below ``num_layers``, plus the
+    last layer when ``last_layer``; increasing."""
+    layers = set(range(period - 1, num_layers, period))
+    if last_layer:
+        layers.add(num_layers - 1)
+    return tuple(sorted(layers))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,10 +208,13 @@ class ModelConfig:
     last_layer_full_attention: bool = True
     dense_layers: int = 1
     activation: Literal["situ", "swiglu"] = "situ"
+    situ_beta: float = 4.0                # SiTU-GLU (SPEC §4): beta of the gate factor,
+    situ_linear_beta: float | None = 25.0  # beta_lin of the linear factor (None: u passes unclipped)
     attn_res: AttnResConfig = AttnResConfig()
     norm_eps: float = 1e-5
     init_std: float = 0.02                # linear weights, truncated normal
     embed_init_std: float = 1.0
+    tie_embeddings: bool = False          # true: lm_head is the transposed embedding (one parameter)
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     # Activation checkpointing of the scanned period (`k3jax.model.REMAT_POLICIES`): "none" keeps
     # every activation for the backward pass, "full" keeps only the residual stream entering each
@@ -195,7 +223,7 @@ class ModelConfig:
 
     def __post_init__(self):
         _positive(self, "vocab_size", "d_model", "num_layers", "dense_width", "mla_period", "norm_eps",
-                  "init_std", "embed_init_std")
+                  "init_std", "embed_init_std", "situ_beta", "situ_linear_beta")
         _require(0 <= self.dense_layers <= self.num_layers, "dense_layers",
                  f"must be in [0, num_layers = {self.num_layers}], got {self.dense_layers}")
         if self.mla_layers is not None:
@@ -212,10 +240,7 @@ class ModelConfig:
         """The MLA layers, in order: the explicit list, or every `mla_period`-th layer (plus the last)."""
         if self.mla_layers is not None:
             return tuple(self.mla_layers)
-        layers = set(range(self.mla_period - 1, self.num_layers, self.mla_period))
-        if self.last_layer_full_attention:
-            layers.add(self.num_layers - 1)
-        return tuple(sorted(layers))
+        return periodic_mla_layers(self.num_layers, self.mla_period, self.last_layer_full_attention)
 
     def is_mla(self, layer: int) -> bool:
         return layer in self.mla_layer_indices

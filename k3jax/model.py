@@ -80,11 +80,13 @@ class DecoderLayer(nnx.Module):
             self.mixer = KDALayer(d, config.kda, init_std=config.init_std, dtype=dtype, rngs=rngs)
         self.post_attention_norm = param(rngs, ones, (d,), ("embed",))
         if self.uses_moe:
-            self.ffn = MoE(d, config.moe, activation=config.activation, norm_eps=eps, init_std=config.init_std,
+            self.ffn = MoE(d, config.moe, activation=config.activation, situ_beta=config.situ_beta,
+                           situ_beta_linear=config.situ_linear_beta, norm_eps=eps, init_std=config.init_std,
                            dtype=dtype, rngs=rngs)
         else:
-            self.ffn = DenseGLU(d, config.dense_width, activation=config.activation, init_std=config.init_std,
-                                dtype=dtype, rngs=rngs)
+            self.ffn = DenseGLU(d, config.dense_width, activation=config.activation, situ_beta=config.situ_beta,
+                                situ_beta_linear=config.situ_linear_beta, init_std=config.init_std, dtype=dtype,
+                                rngs=rngs)
 
     def __call__(self, stream: ResidualStream, memory, segment_ids):
         """-> (stream, the mixer's updated memory, MoEStats or None)."""
@@ -195,7 +197,8 @@ class K3Model(nnx.Module):
 
     Parameters: ``embedding`` [vocab, d]; ``prefix`` / ``suffix`` (`LayerStack`s) and ``body``
     (a `LayerStack` with every parameter stacked over ``groups.repeats``); ``output_res`` (block
-    AttnRes); ``final_norm`` [d]; ``lm_head`` [d, vocab] (untied). Activation layouts and the MoE
+    AttnRes); ``final_norm`` [d]; ``lm_head`` [d, vocab], absent with ``tie_embeddings`` (the
+    head is then the transposed embedding: logits = h E^T). Activation layouts and the MoE
     expert dispatch are unset (experts computed where the tokens are) until
     `k3jax.sharding.parallelize` sets them for a mesh.
     """
@@ -212,7 +215,8 @@ class K3Model(nnx.Module):
         if config.attn_res.kind == "block":
             self.output_res = AttnRes(d, norm_eps=config.norm_eps, rngs=rngs)
         self.final_norm = param(rngs, nnx.initializers.ones, (d,), ("embed",))
-        self.lm_head = param(rngs, truncated_normal(config.init_std), (d, vocab), ("embed", "vocab"))
+        if not config.tie_embeddings:
+            self.lm_head = param(rngs, truncated_normal(config.init_std), (d, vocab), ("embed", "vocab"))
         self.activation_layout: ActivationLayout | None = None   # set by `k3jax.sharding.parallelize`
 
     def __call__(self, tokens: jax.Array, memory: Memory | None = None, segment_ids: jax.Array | None = None) -> ModelOutput:
@@ -249,7 +253,8 @@ class K3Model(nnx.Module):
 
         out = self.output_res(stream) if cfg.attn_res.kind == "block" else stream.partial
         out = rms_norm(out, self.final_norm[...], cfg.norm_eps)
-        logits = project(out, self.lm_head[...], jnp.dtype(cfg.compute_dtype)).astype(jnp.float32)
+        head = self.embedding[...].T if cfg.tie_embeddings else self.lm_head[...]
+        logits = project(out, head, jnp.dtype(cfg.compute_dtype)).astype(jnp.float32)
         if memory is not None:
             memory = Memory(
                 kda=_join_layers(*(m.kda for m in (prefix_memory, body_memory, suffix_memory))),
@@ -300,7 +305,9 @@ class K3Model(nnx.Module):
         """The configured balancing (SPEC §4, ``config.moe.balancing``) of every router from one
         optimizer step's `ModelOutput.moe_stats`; call after the optimizer update."""
         moe = self.config.moe
-        update = functools.partial(updated_router_bias, method=moe.balancing, top_k=moe.top_k, rate=moe.bias_update_rate)
+        update = functools.partial(updated_router_bias, method=moe.balancing, top_k=moe.top_k,
+                                   rate=moe.bias_update_rate, expert_groups=moe.expert_groups,
+                                   topk_groups=moe.topk_groups)
         self.set_router_bias(jax.vmap(update)(self.router_bias(), moe_stats))
 
 
@@ -325,14 +332,15 @@ def param_counts(config: ModelConfig) -> tuple[int, int]:
     """``(total, active)`` parameter counts from shapes alone (nothing is allocated).
 
     Active counts routed experts at top_k / num_experts of their size and excludes the input
-    embedding (SPEC §6); the router's selection bias is not a parameter.
+    embedding (SPEC §6) unless it is also the (tied) head; the router's selection bias is not a
+    parameter.
     """
     model = nnx.eval_shape(lambda: K3Model(config, rngs=nnx.Rngs(0)))
     total = active = 0.0
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         size = variable.size
         total += size
-        if path == ("embedding",):
+        if path == ("embedding",) and not config.tie_embeddings:
             continue
         routed = "expert_mlp" in logical_axes(variable)
         active += size * config.moe.top_k / config.moe.num_experts if routed else size

@@ -243,15 +243,10 @@ def restore_model(directory, step: int | None = None) -> RestoredModel:
     """The model of a trainer checkpoint (a run directory or its ``checkpoints/``), built from the
     config saved with it; ``step`` None picks the latest. Only parameters and router biases are
     read (not the optimizer state). Raises `k3jax.checkpoint.CheckpointError` when there is none."""
-    from k3jax.checkpoint import RunCheckpoints, checkpoint_directory, restore_subtree
+    from k3jax.checkpoint import latest_meta, restore_subtree
     from k3jax.config import config_from_dict
 
-    checkpoints = RunCheckpoints(checkpoint_directory(directory), read_only=True)
-    try:
-        step = checkpoints.require_step(step)
-        meta = checkpoints.meta(step)
-    finally:
-        checkpoints.close()
+    step, meta = latest_meta(directory, step)
     config = config_from_dict(meta["config"])
     parts, params, buffers = abstract_model(config.model)
     params, _ = restore_subtree(directory, "params", params, step)

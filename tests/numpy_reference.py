@@ -61,7 +61,7 @@ def kda_layer(p, x, cfg, state=None, conv_state=None, segment_ids=None):
         g = cfg.lower_bound * sigmoid(rate * z)
     beta = sigmoid(np.einsum("btd,dh->bth", x, p["b_proj"]))
     o, state = kda_numpy(q, k, v, g, beta, initial_state=state, segment_ids=segment_ids)
-    o = rms_norm(o, p["o_norm"], 1e-5)
+    o = rms_norm(o, p["o_norm"], cfg.output_norm_eps)
     if cfg.output_gate == "full":
         gate = np.einsum("btd,dhv->bthv", x, p["g_proj"])
     else:

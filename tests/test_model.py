@@ -1,5 +1,6 @@
 """The K3 stack: prefill/decode consistency, causality, packed documents, AttnRes at init,
 training, gradients, parameter metadata and counts, memory bank, generation (SPEC §§0-6)."""
+import functools
 import pathlib
 
 import jax
@@ -13,7 +14,8 @@ from k3jax.config import load_config
 from k3jax.generate import generate
 from k3jax.layers.params import logical_axes
 from k3jax.memory import init_memory, memory_bytes
-from k3jax.model import K3Model, param_counts
+from k3jax.model import DecoderLayer, K3Model, param_counts
+from tests.ops import numpy_moe as ref_moe
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 # tiny.yaml with a 2-layer period (1 KDA : 1 MLA, AttnRes blocks of 2) and 7 layers, so a short
@@ -282,3 +284,49 @@ def test_init_memory_layout(model):
 def test_a_prefill_longer_than_the_cache_is_refused(model, tokens):
     with pytest.raises(ValueError, match=f"{LENGTH} tokens do not fit the memory's MLA cache of {LENGTH - 1}"):
         model(tokens, memory=init_memory(model.config, BATCH, LENGTH - 1))
+
+
+def test_tied_embeddings_make_the_head_the_transposed_embedding(tokens):
+    """One parameter: the tied logits are the untied model's with lm_head = E^T, and the tied
+    embedding's gradient is the sum of the untied embedding and head gradients (chain rule)."""
+    overrides = ("model.num_layers=2", "model.kda.implementation=reference")
+    tied = K3Model(micro_config("model.tie_embeddings=true", *overrides), rngs=nnx.Rngs(5))
+    untied = K3Model(micro_config(*overrides), rngs=nnx.Rngs(5))
+    untied.lm_head[...] = tied.embedding[...].T
+    assert not hasattr(tied, "lm_head")
+    vocab, d = tied.embedding[...].shape
+    assert param_counts(untied.config)[0] - param_counts(tied.config)[0] == vocab * d
+    probe = jax.random.normal(jax.random.key(6), (BATCH, LENGTH, vocab))
+    loss = lambda m: jnp.sum(m(tokens).logits * probe)  # noqa: E731
+    value_and_grad = nnx.jit(nnx.value_and_grad(loss))
+    (tied_loss, tied_grads), (untied_loss, untied_grads) = value_and_grad(tied), value_and_grad(untied)
+    assert rel_err(tied_loss, untied_loss) < 1e-6
+    expected = np.asarray(untied_grads["embedding"][...]) + np.asarray(untied_grads["lm_head"][...]).T
+    assert rel_err(tied_grads["embedding"][...], expected) < 1e-5
+    assert np.abs(np.asarray(untied_grads["lm_head"][...])).max() > 0
+
+
+def test_decoder_layers_read_the_feed_forward_fields_of_the_config():
+    """SiTU betas, router score, renormalisation and grouped top-k reach the dense FFN and the
+    MoE of a decoder layer (checked against the float64 NumPy feed-forward)."""
+    config = micro_config("model.situ_beta=2.0", "model.situ_linear_beta=null", "model.moe.router_score=softmax",
+                          "model.moe.renormalize=false", "model.moe.num_experts=8", "model.moe.expert_groups=4",
+                          "model.moe.topk_groups=2", "model.init_std=0.5")
+    activation = functools.partial(ref_moe.situ_glu, beta=2.0, beta_linear=None)
+    x = np.random.default_rng(7).standard_normal((1, 5, config.d_model))
+    dense = DecoderLayer(config, 0, rngs=nnx.Rngs(8)).ffn
+    weights = (np.asarray(w[...], np.float64) for w in (dense.w_gate, dense.w_up, dense.w_down))
+    expected = ref_moe.glu(x, *weights, activation)
+    assert rel_err(dense(jnp.asarray(x, jnp.float32)), expected) < 1e-5
+
+    moe = DecoderLayer(config, 1, rngs=nnx.Rngs(9)).ffn
+    f64 = lambda v: np.asarray(v[...], np.float64)  # noqa: E731
+    p = {"router": f64(moe.router.weight), "bias": f64(moe.router.e_score_correction_bias),
+         "w_gate": f64(moe.experts.w_gate), "w_up": f64(moe.experts.w_up), "w_down": f64(moe.experts.w_down),
+         "latent_down": f64(moe.latent_down), "latent_up": f64(moe.latent_up),
+         "latent_norm": f64(moe.latent_norm_weight), "shared_gate": f64(moe.shared.w_gate),
+         "shared_up": f64(moe.shared.w_up), "shared_down": f64(moe.shared.w_down)}
+    y, _ = moe(jnp.asarray(x, jnp.float32))
+    expected, _, _ = ref_moe.moe_forward(x.reshape(-1, config.d_model), p, config.moe.top_k, activation,
+                                         score="softmax", renormalize=False, expert_groups=4, topk_groups=2)
+    assert rel_err(y.reshape(-1, config.d_model), expected) < 1e-4

@@ -12,12 +12,18 @@ tokens and replaces byte sequences that are not UTF-8 with U+FFFD.
 A BPE file has one ``base64(token_bytes) rank`` line per token, ranks 0…n-1, every single byte among
 the tokens (K3's has n = 163,584, so vocab_size 163,840). Text is split before merging with K3's
 pattern (`K3_SPLIT_PATTERN`, from Kimi's ``tokenization_kimi.py``).
+
+A Hugging Face ``tokenizer_config.json`` beside the BPE file (as a released checkpoint ships it)
+names the special tokens instead: ``added_tokens_decoder`` {id: {"content": name}} for ids n…n+255
+(ids it leaves out keep the reserved names), ``bos_token`` / ``eos_token`` (a name or {"content": name})
+choose BOS and EOS.
 """
 from __future__ import annotations
 
 import base64
 import binascii
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -39,6 +45,7 @@ K3_SPLIT_PATTERN = "|".join([
 ])
 NUM_SPECIAL_TOKENS = 256
 BPE_FILE_NAME = "tiktoken.model"  # looked for when the tokenizer path is a directory
+TOKENIZER_CONFIG_NAME = "tokenizer_config.json"  # special tokens, read when beside the BPE file
 
 
 class Tokenizer(Protocol):
@@ -123,14 +130,17 @@ class TiktokenTokenizer:
         self.path = str(path)
         self.file_sha256 = hashlib.sha256(data).hexdigest()
         self.num_text_tokens = len(ranks)
-        self.bos_id = self.num_text_tokens
-        self.eos_id = self.num_text_tokens + 1
-        self.vocab_size = self.num_text_tokens + NUM_SPECIAL_TOKENS
-        reserved = [f"<|reserved_token_{i}|>" for i in range(self.eos_id + 1, self.vocab_size)]
-        special_names = ["[BOS]", "[EOS]", *reserved]
+        first = self.num_text_tokens
+        self.vocab_size = first + NUM_SPECIAL_TOKENS
+        special_names = ["[BOS]", "[EOS]", *(f"<|reserved_token_{i}|>" for i in range(first + 2, self.vocab_size))]
+        bos_name, eos_name = "[BOS]", "[EOS]"
+        config_path = Path(path).with_name(TOKENIZER_CONFIG_NAME)
+        if config_path.is_file():
+            special_names, bos_name, eos_name = special_tokens_from_config(config_path, first, special_names)
+        self.special_tokens = {name: first + offset for offset, name in enumerate(special_names)}
+        self.bos_id, self.eos_id = self.special_tokens[bos_name], self.special_tokens[eos_name]
         self._encoding = tiktoken.Encoding(
-            name=Path(path).name, pat_str=K3_SPLIT_PATTERN, mergeable_ranks=ranks,
-            special_tokens={name: self.bos_id + offset for offset, name in enumerate(special_names)})
+            name=Path(path).name, pat_str=K3_SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=self.special_tokens)
 
     def encode(self, text: str) -> list[int]:
         return self._encoding.encode_ordinary(text)
@@ -140,6 +150,35 @@ class TiktokenTokenizer:
 
     def describe(self) -> dict:
         return {"kind": "tiktoken", "path": self.path, "sha256": self.file_sha256, "vocab_size": self.vocab_size}
+
+
+def _token_name(value, key: str, path) -> str:
+    name = value.get("content") if isinstance(value, dict) else value
+    if not isinstance(name, str):
+        raise DataError(f"{path}: {key} must be a token name or {{'content': name}}, got {value!r}")
+    return name
+
+
+def special_tokens_from_config(path: str | os.PathLike, first: int, defaults: list[str]) -> tuple[list[str], str, str]:
+    """``(names of ids first…first+255, BOS name, EOS name)`` from a HF ``tokenizer_config.json``."""
+    try:
+        config = json.loads(read_file_bytes(path))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DataError(f"{path}: not valid JSON ({error})") from None
+    names = list(defaults)
+    for token_id, entry in (config.get("added_tokens_decoder") or {}).items():
+        index = int(token_id) - first
+        if not 0 <= index < len(names):
+            raise DataError(f"{path}: special token id {token_id} is outside [{first}, {first + len(names)})")
+        names[index] = _token_name(entry, f"added_tokens_decoder[{token_id}]", path)
+    if len(set(names)) != len(names):
+        raise DataError(f"{path}: special token names repeat")
+    bos, eos = (_token_name(config.get(key, default), key, path) for key, default in
+                (("bos_token", defaults[0]), ("eos_token", defaults[1])))
+    for key, name in (("bos_token", bos), ("eos_token", eos)):
+        if name not in names:
+            raise DataError(f"{path}: {key} {name!r} is not one of the special tokens")
+    return names, bos, eos
 
 
 def load_tokenizer(path: str | os.PathLike | None = None) -> ByteTokenizer | TiktokenTokenizer:

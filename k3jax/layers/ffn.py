@@ -34,7 +34,7 @@ class DenseGLU(nnx.Module):
         *,
         activation: str = "situ",
         situ_beta: float = 4.0,
-        situ_beta_linear: float = 25.0,
+        situ_beta_linear: float | None = 25.0,
         init_std: float = 0.02,
         dtype=jnp.float32,
         param_dtype=jnp.float32,

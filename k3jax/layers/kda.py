@@ -7,7 +7,8 @@ For x in R^d, with H query/key heads, HV = m H value heads, K = V = head_dim, P 
     g       = kda_gate(W_fb W_fa x, A_log, dt_bias)                      softplus or lower_bound form
     beta    = sigmoid(W_b x)                                             one scalar per value head
     o, S    = kda(q, k, v, g, beta, S)                                   the delta rule, state S fp32
-    y       = W_o [RMSNorm_V(o) * sigmoid(gate(x))]                      gate full (W_g x) or low rank (W_gb W_ga x)
+    y       = W_o [RMSNorm_V(o) * sigmoid(gate(x))]                      gate full (W_g x) or low rank (W_gb W_ga x);
+                                                                         RMSNorm eps config.output_norm_eps
 
 The low-rank gates have rank K. Parameters are stored per head ([d, H, K] etc.) so per-head
 optimizers and head sharding see the head axis.
@@ -28,8 +29,6 @@ from k3jax.memory import KDAMemory
 from k3jax.ops.conv import causal_depthwise_conv
 from k3jax.ops.kda import kda, kda_gate, kda_step, l2_normalize
 from k3jax.ops.norms import rms_norm
-
-OUTPUT_NORM_EPS = 1e-5
 
 
 def _conv_init(key, shape, dtype):
@@ -120,7 +119,7 @@ class KDALayer(nnx.Module):
             o, state = kda(q, k, v, g, beta, initial_state=state, segment_ids=segment_ids,
                            chunk_size=cfg.chunk_size, implementation=cfg.implementation)
 
-        o = rms_norm(o.astype(jnp.float32), self.o_norm[...], OUTPUT_NORM_EPS)
+        o = rms_norm(o.astype(jnp.float32), self.o_norm[...], self.config.output_norm_eps)
         o = o * jax.nn.sigmoid(self._output_gate(x).astype(jnp.float32))
         y = project(o, self.o_proj[...], self.dtype, contract=2)
         if memory is not None:

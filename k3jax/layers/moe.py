@@ -1,6 +1,7 @@
 """Mixture-of-experts feed-forward (SPEC §4): router, routed experts, Stable LatentMoE / plain MoE.
 
 Stable LatentMoE (K3), for a pre-normed token x in R^d:
+    (or softmax scores, unnormalised weights, grouped top-k: `k3jax.ops.moe.select_experts`)
     s = sigmoid(W_r x);  indices = top-k(s + b);  p = s_sel / (sum s_sel + 1e-20) * routed_scale
     z = W_down x                                  (d -> l, shared by all routed experts)
     u = sum_i p_i E_i(z)                          (E_i a GLU of width m on l-dim inputs)
@@ -48,12 +49,14 @@ class RouterBias(nnx.Variable):
 
 
 class Router(nnx.Module):
-    """Sigmoid top-k router on the full-width x: weight [d, E] ("embed", "experts"), bias [E].
+    """Top-k router on the full-width x: weight [d, E] ("embed", "experts"), bias [E].
 
     Args:
       d_model: d.
       config: E = ``num_experts``, k = ``top_k``, ``routed_scale`` (each token's routing weights
-        sum to it), ``router_bias_in_weights`` (the Kimi Linear HF quirk).
+        sum to it, times the scores' sum without ``renormalize``), ``router_bias_in_weights`` (the
+        Kimi Linear HF quirk), ``router_score`` ("sigmoid" or "softmax"), ``renormalize`` and the
+        grouped top-k ``expert_groups`` / ``topk_groups`` of `k3jax.ops.moe.select_experts`.
       init_std: weight init std (the bias is always fp32, zeros).
     """
 
@@ -66,13 +69,16 @@ class Router(nnx.Module):
         self.top_k = config.top_k
         self.routed_scale = config.routed_scale
         self.bias_in_weights = config.router_bias_in_weights
+        self.score, self.renormalize = config.router_score, config.renormalize
+        self.expert_groups, self.topk_groups = config.expert_groups, config.topk_groups
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [N, d] -> (indices [N, k] int32, weights [N, k] fp32, scores [N, E] fp32), all in fp32."""
         logits = einsum("nd,de->ne", x.astype(jnp.float32), self.weight[...].astype(jnp.float32))
-        scores = router_scores(logits)
+        scores = router_scores(logits, self.score)
         bias = jax.lax.stop_gradient(self.e_score_correction_bias[...])
-        indices, weights = select_experts(scores, bias, self.top_k, self.routed_scale, self.bias_in_weights)
+        indices, weights = select_experts(scores, bias, self.top_k, self.routed_scale, self.bias_in_weights,
+                                          self.renormalize, self.expert_groups, self.topk_groups)
         return indices, weights, scores
 
 
@@ -85,8 +91,8 @@ class RoutedExperts(nnx.Module):
     every token); a ``dispatch`` given to the call replaces both on these weights.
     """
 
-    def __init__(self, input_width: int, config: MoEConfig, *, input_axis: str, activation: str, init_std: float,
-                 dtype, rngs: nnx.Rngs):
+    def __init__(self, input_width: int, config: MoEConfig, *, input_axis: str, activation: str,
+                 situ_beta: float, situ_beta_linear: float | None, init_std: float, dtype, rngs: nnx.Rngs):
         glu_activation(activation)  # fail at construction on an unknown name
         init = truncated_normal(init_std)
         experts, width = config.num_experts, config.expert_width
@@ -96,6 +102,7 @@ class RoutedExperts(nnx.Module):
         self.w_down = param(rngs, init, (experts, width, input_width), ("experts", "expert_mlp", input_axis))
         self.expert_matmul = config.expert_matmul
         self.activation = activation
+        self.situ_beta, self.situ_beta_linear = situ_beta, situ_beta_linear
         self.dtype = dtype
 
     def __call__(self, x: jax.Array, indices: jax.Array, weights: jax.Array,
@@ -103,7 +110,7 @@ class RoutedExperts(nnx.Module):
         """x [N, in], indices / weights [N, k] -> (sum_i weights_i E_{indices_i}(x) [N, in] in ``dtype``,
         (token, expert) assignments dropped by a capacity dispatch [] fp32)."""
         w_gate, w_up, w_down = (w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
-        activation = glu_activation(self.activation)
+        activation = glu_activation(self.activation, self.situ_beta, self.situ_beta_linear)
         x = x.astype(self.dtype)
         if dispatch is not None:
             return dispatch(x, indices, weights, w_gate, w_up, w_down, activation)
@@ -118,7 +125,8 @@ class MoE(nnx.Module):
       d_model: model width d.
       config: the `MoEConfig` (experts, top-k, widths, latent, shared experts, routing, balancing
         histogram bins, expert matmul); the layer reads its fields from it.
-      activation: "situ" or "swiglu", for routed and shared experts.
+      activation: "situ" or "swiglu", for routed and shared experts; situ_beta, situ_beta_linear
+        are SiTU's beta and beta_lin (None: no clipping of the linear branch).
       norm_eps: eps of the latent RMSNorm.
       init_std: truncated-normal std of every weight matrix.
       dtype: compute dtype (fp32 or bf16); router, norm and activations run in fp32; weights are
@@ -131,22 +139,24 @@ class MoE(nnx.Module):
     Static: ``expert_dispatch`` (None: experts computed locally; set by `k3jax.sharding.parallelize`).
     """
 
-    def __init__(self, d_model: int, config: MoEConfig, *, activation: str = "situ", norm_eps: float = 1e-5,
-                 init_std: float = 0.02, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, config: MoEConfig, *, activation: str = "situ", situ_beta: float = 4.0,
+                 situ_beta_linear: float | None = 25.0, norm_eps: float = 1e-5, init_std: float = 0.02,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
         latent = config.latent_dim
         init = truncated_normal(init_std)
         self.router = Router(d_model, config, init_std=init_std, rngs=rngs)
         self.experts = RoutedExperts(d_model if latent is None else latent, config,
                                      input_axis="embed" if latent is None else "latent", activation=activation,
-                                     init_std=init_std, dtype=dtype, rngs=rngs)
+                                     situ_beta=situ_beta, situ_beta_linear=situ_beta_linear, init_std=init_std,
+                                     dtype=dtype, rngs=rngs)
         if latent is not None:
             self.latent_down = param(rngs, init, (d_model, latent), ("embed", "latent"))
             self.latent_up = param(rngs, init, (latent, d_model), ("latent", "embed"))
         if config.latent_norm:
             self.latent_norm_weight = param(rngs, nnx.initializers.ones, (latent,), ("latent",))
         if config.shared_width is not None:
-            self.shared = DenseGLU(d_model, config.shared_width, activation=activation, init_std=init_std, dtype=dtype,
-                                   rngs=rngs)
+            self.shared = DenseGLU(d_model, config.shared_width, activation=activation, situ_beta=situ_beta,
+                                   situ_beta_linear=situ_beta_linear, init_std=init_std, dtype=dtype, rngs=rngs)
         self.config = config
         self.norm_eps = norm_eps
         self.dtype = dtype
@@ -166,8 +176,10 @@ class MoE(nnx.Module):
             y = y + self.shared(tokens)
         scores = jax.lax.stop_gradient(scores)
         bins = self.config.quantile_bins
+        router = self.router
         histogram = None if bins is None else required_bias_histogram(
-            scores, self.router.e_score_correction_bias[...], self.router.top_k, bins, mask)
+            scores, router.e_score_correction_bias[...], router.top_k, bins, mask, router.expert_groups,
+            router.topk_groups)
         stats = MoEStats(
             expert_load=expert_load(indices, self.config.num_experts, mask),
             router_scores=scores if histogram is None else None,

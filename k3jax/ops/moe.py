@@ -7,8 +7,11 @@ k experts per token, F expert (or dense) hidden width.
     situ_glu(a, u)   = [beta tanh(a/beta) sigmoid(a)] * [beta_lin tanh(u/beta_lin)]   fp32 inside
     swiglu(a, u)     = SiLU(a) * u                                                      fp32 inside
     glu_ffn(x)       = act(x W_gate, x W_up) W_down                                     dense GLU
-    s                = sigmoid(logits)                                                  router, fp32
-    indices          = top-k_j (s_j + b_j);  p_i = s_i / (sum_selected s + 1e-20) * routed_scale
+    s                = sigmoid(logits)  or  softmax_E(logits)                           router, fp32
+    indices          = top-k_j (s_j + b_j)  (within the top groups when grouped, see below)
+    p_i              = s_i / (sum_selected s + 1e-20) * routed_scale   (renormalize; else s_i * routed_scale)
+    grouped top-k    : E experts in G equal groups; group score = sum of its top-2 s + b; the
+                       best ``topk_groups`` groups stay, the others' experts are excluded
     routed_experts   : y_t = sum_i p_ti * E_{e_ti}(x_t), dropless, grouped with lax.ragged_dot
     dense_experts    : the same function, every expert on every token weighted by a dense
                        [N, E] routing matrix (zero off the chosen experts): E/k times the FLOPs,
@@ -16,8 +19,8 @@ k experts per token, F expert (or dense) hidden width.
 
 Balancing (after each optimizer step, never through gradients):
     sign:      b_j += rate * sign(mean_load - load_j)
-    quantile:  alpha_t = (k+1)-th largest s_t + b;  r_tj = alpha_t - s_tj;
-               b_j = k/E quantile of {r_tj}_t;  b <- b - mean(b)
+    quantile:  alpha_t = (k+1)-th largest s_t + b (among the token's allowed experts when grouped);
+               r_tj = alpha_t - s_tj;  b_j = k/E quantile of {r_tj}_t;  b <- b - mean(b)
 
 The routed path is three pieces so that an expert-parallel dispatch (shard_map + all_to_all over
 an "expert" mesh axis) can replace the movement around the unchanged grouped computation:
@@ -46,15 +49,16 @@ def _at_least_fp32(x: jax.Array) -> jax.Array:
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
-def situ_glu(gate: jax.Array, up: jax.Array, beta: float = 4.0, beta_linear: float = 25.0) -> jax.Array:
+def situ_glu(gate: jax.Array, up: jax.Array, beta: float = 4.0, beta_linear: float | None = 25.0) -> jax.Array:
     """SiTU-GLU (K3): ``[beta tanh(a/beta) sigmoid(a)] * [beta_lin tanh(u/beta_lin)]``.
 
     ``gate`` (a) and ``up`` (u) have the same shape [..., F]; computed in fp32, returned in
-    ``gate.dtype``. Both factors are soft-clipped: |gate factor| < beta, |up factor| < beta_lin.
+    ``gate.dtype``. Both factors are soft-clipped: |gate factor| < beta, |up factor| < beta_lin;
+    ``beta_linear=None`` leaves u unclipped (the HF reference without a linear beta).
     """
     a, u = _at_least_fp32(gate), _at_least_fp32(up)
     gated = beta * jnp.tanh(a / beta) * jax.nn.sigmoid(a)
-    linear = beta_linear * jnp.tanh(u / beta_linear)
+    linear = u if beta_linear is None else beta_linear * jnp.tanh(u / beta_linear)
     return (gated * linear).astype(gate.dtype)
 
 
@@ -64,7 +68,7 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return (jax.nn.silu(a) * u).astype(gate.dtype)
 
 
-def glu_activation(name: str, situ_beta: float = 4.0, situ_beta_linear: float = 25.0) -> GLUActivation:
+def glu_activation(name: str, situ_beta: float = 4.0, situ_beta_linear: float | None = 25.0) -> GLUActivation:
     """The GLU activation ``(gate, up) -> hidden`` called ``name`` ("situ" or "swiglu")."""
     if name == "situ":
         return functools.partial(situ_glu, beta=situ_beta, beta_linear=situ_beta_linear)
@@ -87,9 +91,35 @@ def glu_ffn(
 # --- router ----------------------------------------------------------------------------------
 
 
-def router_scores(logits: jax.Array) -> jax.Array:
-    """Router affinities ``s = sigmoid(logits)`` in fp32. logits [N, E] -> s [N, E]."""
-    return jax.nn.sigmoid(_at_least_fp32(logits))
+ROUTER_SCORES = ("sigmoid", "softmax")
+
+
+def router_scores(logits: jax.Array, score: str = "sigmoid") -> jax.Array:
+    """Router affinities in fp32, logits [N, E] -> s [N, E]: ``sigmoid(logits)`` (K3, Kimi Linear)
+    or ``softmax(logits)`` over the experts."""
+    logits = _at_least_fp32(logits)
+    if score == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    if score == "softmax":
+        return jax.nn.softmax(logits, axis=-1)
+    raise ValueError(f"unknown router score {score!r}; expected one of {ROUTER_SCORES}")
+
+
+def limit_to_top_groups(biased: jax.Array, expert_groups: int = 1, topk_groups: int = 1) -> jax.Array:
+    """Grouped top-k's expert mask applied to the biased scores (DeepSeek-V3 / Kimi's noaux_tc).
+
+    The E experts form ``expert_groups`` contiguous groups of E/G; group g scores
+    ``sum of the 2 largest (s + b) in g``; the ``topk_groups`` best groups keep their scores, every
+    other expert gets -inf. biased [N, E] -> [N, E]; the identity when G = 1 or topk_groups = G.
+    """
+    if expert_groups == 1 or topk_groups == expert_groups:
+        return biased
+    num_tokens, num_experts = biased.shape
+    grouped = biased.reshape(num_tokens, expert_groups, num_experts // expert_groups)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+    _, best = jax.lax.top_k(group_scores, topk_groups)
+    kept = jnp.any(jax.nn.one_hot(best, expert_groups, dtype=bool), axis=-2)     # [N, G]
+    return jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(num_tokens, num_experts)
 
 
 def select_experts(
@@ -98,23 +128,28 @@ def select_experts(
     top_k: int,
     routed_scale: float = 1.0,
     bias_in_weights: bool = False,
+    renormalize: bool = True,
+    expert_groups: int = 1,
+    topk_groups: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
     """Top-k selection on biased scores; weights from the unbiased scores.
 
-        indices_t = top-k_j (s_tj + b_j)                                   [N, k] int32
-        p_ti      = s_{t,e_i} / (sum_{j in indices_t} s_tj + 1e-20) * routed_scale   [N, k] fp32
+        indices_t = top-k_j (s_tj + b_j)   over the experts `limit_to_top_groups` leaves   [N, k] int32
+        p_ti      = s_{t,e_i} / (sum_{j in indices_t} s_tj + 1e-20) * routed_scale         [N, k] fp32
+                    (``renormalize=False``: p_ti = s_{t,e_i} * routed_scale)
 
-    so each token's weights sum to ``routed_scale`` and the bias b [E] only changes *which*
-    experts are chosen (vLLM's behaviour, which k3jax follows). ``bias_in_weights=True``
-    reproduces the Kimi Linear Hugging Face code, whose in-place add leaks b into the weights:
-    p_ti = (s + b)_{t,e_i} / (sum_selected (s + b) + 1e-20) * routed_scale.
+    so with renormalisation each token's weights sum to ``routed_scale``, and the bias b [E] only
+    changes *which* experts are chosen (vLLM's behaviour, which k3jax follows).
+    ``bias_in_weights=True`` reproduces the Kimi Linear Hugging Face code, whose in-place add
+    leaks b into the weights: p uses (s + b) in place of s.
     """
     biased = scores + bias.astype(scores.dtype)
-    _, indices = jax.lax.top_k(biased, top_k)
+    _, indices = jax.lax.top_k(limit_to_top_groups(biased, expert_groups, topk_groups), top_k)
     weight_source = biased if bias_in_weights else scores
     chosen = jnp.take_along_axis(weight_source, indices, axis=-1)
-    weights = chosen / (jnp.sum(chosen, axis=-1, keepdims=True) + ROUTE_NORM_EPS) * routed_scale
-    return indices.astype(jnp.int32), _at_least_fp32(weights)
+    if renormalize:
+        chosen = chosen / (jnp.sum(chosen, axis=-1, keepdims=True) + ROUTE_NORM_EPS)
+    return indices.astype(jnp.int32), _at_least_fp32(chosen * routed_scale)
 
 
 # --- dropless routed experts -----------------------------------------------------------------
@@ -231,7 +266,7 @@ class MoEStats(NamedTuple):
     """What one MoE layer's forward pass reports to the trainer (a pytree, no gradients).
 
     expert_load   [E] fp32  tokens routed to each expert (masked tokens not counted)
-    router_scores [N, E] fp32  sigmoid affinities s, the input of the exact quantile update
+    router_scores [N, E] fp32  router affinities s, the input of the exact quantile update
                             (None when the layer reports ``bias_histogram`` instead)
     token_mask    [N] bool  which tokens count for balancing (False: padding)
     dropped       [] fp32   (token, expert) assignments a capacity dispatch dropped
@@ -283,15 +318,20 @@ def sign_bias_update(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array
     return (bias + step).astype(bias.dtype)
 
 
-def required_bias(scores: jax.Array, bias: jax.Array, top_k: int) -> jax.Array:
+def required_bias(
+    scores: jax.Array, bias: jax.Array, top_k: int, expert_groups: int = 1, topk_groups: int = 1
+) -> jax.Array:
     """The bias each expert would need to enter each token's top-k: ``r_tj = alpha_t - s_tj``.
 
     alpha_t is the (k+1)-th largest biased score s_t + b (the token's cutoff): expert j is
     chosen for t exactly when s_tj + b_j beats the cutoff, i.e. when b_j > r_tj (other biases
-    held fixed). scores [N, E], bias [E] -> r [N, E] fp32. Needs top_k < E.
+    held fixed). With grouped top-k the cutoff is taken among the experts of the token's selected
+    groups (`limit_to_top_groups`), so r_tj is exact for those experts and, for an expert outside
+    them, the bias it would need once its group is selected. scores [N, E], bias [E] -> r [N, E]
+    fp32. Needs more than top_k experts in the selected groups.
     """
     biased = scores.astype(jnp.float32) + bias.astype(jnp.float32)
-    cutoff = jax.lax.top_k(biased, top_k + 1)[0][:, top_k]
+    cutoff = jax.lax.top_k(limit_to_top_groups(biased, expert_groups, topk_groups), top_k + 1)[0][:, top_k]
     return cutoff[:, None] - scores.astype(jnp.float32)
 
 
@@ -301,11 +341,16 @@ def _target_rank(num_tokens: jax.Array, top_k: int, num_experts: int) -> jax.Arr
 
 
 def quantile_bias_update(
-    scores: jax.Array, bias: jax.Array, top_k: int, token_mask: jax.Array | None = None
+    scores: jax.Array,
+    bias: jax.Array,
+    top_k: int,
+    token_mask: jax.Array | None = None,
+    expert_groups: int = 1,
+    topk_groups: int = 1,
 ) -> jax.Array:
     """Quantile balancing (K3): the bias that would give every expert its k/E share of the tokens.
 
-        r_tj  = alpha_t - s_tj                         (``required_bias``, current bias b)
+        r_tj  = alpha_t - s_tj                         (``required_bias``, current bias b, groups)
         b'_j  = r_j,(m),  m = ceil(k n / E)            (m-th smallest of {r_tj} over the n counted tokens)
         b'    <- b' - mean(b')
 
@@ -316,7 +361,7 @@ def quantile_bias_update(
     The result overwrites b once per optimizer step. scores [N, E] (sigmoid, fp32),
     bias [E], token_mask [N] bool or None -> new bias [E] fp32; b is unchanged when no token counts.
     """
-    required = required_bias(scores, bias, top_k)
+    required = required_bias(scores, bias, top_k, expert_groups, topk_groups)
     num_experts = scores.shape[-1]
     if token_mask is None:
         num_tokens = jnp.asarray(scores.shape[0])
@@ -331,7 +376,7 @@ def quantile_bias_update(
 
 def _histogram_range(bias: jax.Array, num_bins: int) -> tuple[jax.Array, jax.Array]:
     """Lower edge and bin width covering every possible r: r_tj = s_tk' + b_k' - s_tj lies in
-    (min b - 1, max b + 1) because sigmoid scores lie in (0, 1)."""
+    (min b - 1, max b + 1) because sigmoid and softmax scores lie in (0, 1)."""
     low = jnp.min(bias) - 1.0
     return low, (jnp.max(bias) + 1.0 - low) / num_bins
 
@@ -342,6 +387,8 @@ def required_bias_histogram(
     top_k: int,
     num_bins: int = 1000,
     token_mask: jax.Array | None = None,
+    expert_groups: int = 1,
+    topk_groups: int = 1,
 ) -> jax.Array:
     """Per-expert histogram of ``required_bias`` over uniform bins spanning [min b - 1, max b + 1].
 
@@ -350,7 +397,7 @@ def required_bias_histogram(
     fixed until the optimizer step. scores [N, E], bias [E] -> counts [E, num_bins] int32.
     """
     low, width = _histogram_range(bias.astype(jnp.float32), num_bins)
-    required = required_bias(scores, bias, top_k)
+    required = required_bias(scores, bias, top_k, expert_groups, topk_groups)
     bins = jnp.clip(jnp.floor((required - low) / width), 0, num_bins - 1).astype(jnp.int32)
     counted = jnp.ones(required.shape, jnp.int32)
     if token_mask is not None:
@@ -382,13 +429,21 @@ def quantile_bias_from_histogram(histogram: jax.Array, bias: jax.Array, top_k: i
 
 
 def updated_router_bias(
-    bias: jax.Array, stats: MoEStats, *, method: str, top_k: int, rate: float = 1e-3
+    bias: jax.Array,
+    stats: MoEStats,
+    *,
+    method: str,
+    top_k: int,
+    rate: float = 1e-3,
+    expert_groups: int = 1,
+    topk_groups: int = 1,
 ) -> jax.Array:
     """The selection bias after one optimizer step, by ``method`` ("sign" or "quantile").
 
     "sign" moves b by ``rate`` per step using ``stats.expert_load`` (1e-3 is DeepSeek-V3's rate);
-    "quantile" overwrites b from ``stats.bias_histogram`` when the layer reported one, else from
-    ``stats.router_scores`` and ``stats.token_mask`` (rate unused).
+    "quantile" overwrites b from ``stats.bias_histogram`` when the layer reported one (built with
+    the same groups), else from ``stats.router_scores`` and ``stats.token_mask`` with the cutoffs
+    of grouped top-k (rate unused).
     For a stack of layers whose stats carry a leading layer axis, ``jax.vmap`` this function.
     """
     if method == "sign":
@@ -396,5 +451,5 @@ def updated_router_bias(
     if method == "quantile" and stats.bias_histogram is not None:
         return quantile_bias_from_histogram(stats.bias_histogram, bias, top_k)
     if method == "quantile":
-        return quantile_bias_update(stats.router_scores, bias, top_k, stats.token_mask)
+        return quantile_bias_update(stats.router_scores, bias, top_k, stats.token_mask, expert_groups, topk_groups)
     raise ValueError(f"unknown balancing method {method!r}; expected one of {BALANCING}")

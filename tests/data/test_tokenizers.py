@@ -80,3 +80,31 @@ def test_bad_bpe_file_names_the_file(tmp_path, case):
 def test_missing_bpe_file(tmp_path):
     with pytest.raises(DataError, match="absent.model: no such file"):
         load_tokenizer(tmp_path / "absent.model")
+
+
+def test_special_tokens_from_tokenizer_config(bpe_file):
+    import json
+    num_text = 256 + len(TINY_MERGES)
+    bpe_file.with_name("tokenizer_config.json").write_text(json.dumps({
+        "added_tokens_decoder": {str(num_text): {"content": "[BOS]"}, str(num_text + 1): {"content": "[EOS]"},
+                                 str(num_text + 2): {"content": "<|im_end|>"}, str(num_text + 5): {"content": "<|x|>"}},
+        "bos_token": "[BOS]", "eos_token": {"content": "<|im_end|>"}}))
+    tokenizer = TiktokenTokenizer(bpe_file)
+    assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.vocab_size) == (num_text, num_text + 2, num_text + 256)
+    assert tokenizer.special_tokens["<|x|>"] == num_text + 5
+    assert tokenizer.special_tokens[f"<|reserved_token_{num_text + 3}|>"] == num_text + 3   # left out: reserved
+    assert tokenizer.decode([tokenizer.eos_id, *tokenizer.encode("hi")]) == "hi"
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"added_tokens_decoder": {"5": {"content": "x"}}}, "outside"),
+    ({"eos_token": "<|nope|>"}, "eos_token"),
+    ({"added_tokens_decoder": {"300": {"content": "[EOS]"}}}, "repeat"),
+])
+def test_bad_tokenizer_config_names_the_file(bpe_file, config, words):
+    import json
+    config_path = bpe_file.with_name("tokenizer_config.json")
+    config_path.write_text(json.dumps(config).replace('"300"', f'"{256 + len(TINY_MERGES)}"'))
+    with pytest.raises(DataError, match=words) as caught:
+        TiktokenTokenizer(bpe_file)
+    assert "tokenizer_config.json" in str(caught.value)

@@ -65,3 +65,15 @@ def test_parameters_carry_logical_axes():
         assert len(axes) == variable[...].ndim, path
     assert layer.A_log[...].shape == (4,) and layer.dt_bias[...].size == 4 * 8
     assert np.all((np.exp(layer.A_log[...]) >= 1) & (np.exp(layer.A_log[...]) <= 16))
+
+
+def test_output_norm_eps_matches_numpy():
+    cfg = KDAConfig(num_heads=2, head_dim=8, output_norm_eps=0.5)   # large enough to change the output
+    layer = KDALayer(D_MODEL, cfg, init_std=0.3, rngs=nnx.Rngs(4))
+    p = param_values(layer)
+    x = np.random.default_rng(5).standard_normal((1, 6, D_MODEL))
+    y, _ = call(layer, jnp.asarray(x, jnp.float32))
+    y_ref, _, _ = ref.kda_layer(p, x, cfg)
+    assert rel_err(y, y_ref) < 1e-4
+    y_default_eps, _, _ = ref.kda_layer(p, x, KDAConfig(num_heads=2, head_dim=8))
+    assert rel_err(y_default_eps, y_ref) > 1e-2

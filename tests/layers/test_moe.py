@@ -1,4 +1,6 @@
 """DenseGLU and MoE layers (SPEC §4) against a float64 NumPy forward built from their own parameters."""
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -19,7 +21,7 @@ PLAIN_KIMI_LINEAR = dict(latent_dim=None, latent_norm=False, num_shared_experts=
                          routed_scale=2.446)
 LATENT_NO_NORM_NO_SHARED = dict(latent_dim=8, latent_norm=False, num_shared_experts=0, activation="situ",
                                 routed_scale=1.0)
-LAYER_OPTIONS = ("activation", "dtype")   # the MoE's own arguments; the rest are MoEConfig fields
+LAYER_OPTIONS = ("activation", "situ_beta", "situ_beta_linear", "dtype")   # the MoE's own arguments; the rest are MoEConfig fields
 
 
 def moe_config(**fields) -> MoEConfig:
@@ -99,6 +101,56 @@ def test_moe_matches_numpy_forward_from_its_parameters(options):
     np.testing.assert_allclose(y.reshape(-1, D_MODEL), y_ref, rtol=1e-4, atol=1e-4 * np.abs(y_ref).max())
     np.testing.assert_allclose(stats.router_scores, scores_ref, rtol=1e-5)
     np.testing.assert_array_equal(stats.expert_load, ref.expert_load(indices_ref, EXPERTS))
+
+
+ROUTER_OPTIONS = dict(router_score="softmax", renormalize=False, expert_groups=4, topk_groups=2)
+SITU_OPTIONS = dict(situ_beta=2.0, situ_beta_linear=None)
+
+
+def test_moe_router_and_situ_options_match_numpy():
+    model = make_moe(**ROUTER_OPTIONS, **SITU_OPTIONS)
+    perturb_non_matrix_params(model, seed=2)
+    x = inputs(3)
+    y, stats = forward(model, jnp.asarray(x, jnp.float32))
+    activation = functools.partial(ref.situ_glu, beta=2.0, beta_linear=None)
+    y_ref, scores_ref, indices_ref = ref.moe_forward(
+        x.reshape(-1, D_MODEL), numpy_params(model), TOP_K, activation, score="softmax", renormalize=False,
+        expert_groups=4, topk_groups=2)
+    np.testing.assert_allclose(y.reshape(-1, D_MODEL), y_ref, rtol=1e-4, atol=1e-4 * np.abs(y_ref).max())
+    np.testing.assert_allclose(stats.router_scores, scores_ref, rtol=1e-5)
+    np.testing.assert_array_equal(stats.expert_load, ref.expert_load(indices_ref, EXPERTS))
+
+
+def test_softmax_router_weight_gradient_matches_numpy_finite_differences():
+    model = make_moe(**ROUTER_OPTIONS)
+    perturb_non_matrix_params(model, seed=4)
+    x = inputs(5, batch=1, length=4)
+    probe = np.random.default_rng(6).standard_normal(x.shape)
+    grad = nnx.grad(lambda m: jnp.sum(m(jnp.asarray(x, jnp.float32))[0] * probe))(model)
+    p = numpy_params(model)
+
+    def numpy_loss(router):
+        y, _, _ = ref.moe_forward(x.reshape(-1, D_MODEL), {**p, "router": router}, TOP_K, "situ", score="softmax",
+                                  renormalize=False, expert_groups=4, topk_groups=2)
+        return np.sum(y * probe.reshape(-1, D_MODEL))
+
+    step, expected = 1e-6, np.zeros_like(p["router"])
+    for index in np.ndindex(expected.shape):
+        shift = np.zeros_like(expected)
+        shift[index] = step
+        expected[index] = (numpy_loss(p["router"] + shift) - numpy_loss(p["router"] - shift)) / (2 * step)
+    actual = np.asarray(grad["router"]["weight"][...])
+    np.testing.assert_allclose(actual, expected, atol=1e-4 * np.abs(expected).max())
+
+
+def test_dense_glu_situ_betas_match_numpy():
+    layer = DenseGLU(D_MODEL, 24, activation="situ", **SITU_OPTIONS, init_std=1.0, rngs=nnx.Rngs(0))
+    x = 3 * inputs(1)   # large pre-activations: the betas matter
+    y = layer(jnp.asarray(x, jnp.float32))
+    weights = as64(layer.w_gate), as64(layer.w_up), as64(layer.w_down)
+    expected = ref.glu(x, *weights, functools.partial(ref.situ_glu, beta=2.0, beta_linear=None))
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    assert np.abs(expected - ref.glu(x, *weights, "situ")).max() > 0.1 * np.abs(expected).max()
 
 
 def test_token_mask_changes_load_statistics_but_not_outputs():

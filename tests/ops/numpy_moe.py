@@ -13,9 +13,16 @@ def sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
+def softmax(x):
+    z = np.exp(x - x.max(-1, keepdims=True))
+    return z / z.sum(-1, keepdims=True)
+
+
 def situ_glu(a, u, beta=4.0, beta_linear=25.0):
+    """beta_linear None: the up factor is u itself (no soft clip)."""
     a, u = np.asarray(a, np.float64), np.asarray(u, np.float64)
-    return beta * np.tanh(a / beta) * sigmoid(a) * beta_linear * np.tanh(u / beta_linear)
+    linear = u if beta_linear is None else beta_linear * np.tanh(u / beta_linear)
+    return beta * np.tanh(a / beta) * sigmoid(a) * linear
 
 
 def swiglu(a, u):
@@ -27,18 +34,39 @@ ACTIVATIONS = {"situ": situ_glu, "swiglu": swiglu}
 
 
 def glu(x, w_gate, w_up, w_down, activation):
-    return ACTIVATIONS[activation](x @ w_gate, x @ w_up) @ w_down
+    """``activation``: a name of ACTIVATIONS or a function (a, u) -> hidden."""
+    act = ACTIVATIONS[activation] if isinstance(activation, str) else activation
+    return act(x @ w_gate, x @ w_up) @ w_down
 
 
-def route(scores, bias, top_k, routed_scale=1.0, bias_in_weights=False):
-    """(indices [N,k], weights [N,k]): top-k of s + b by a full descending sort; weights from s
-    (or from s + b with the HF quirk), normalised over the selection, times routed_scale."""
+def allowed_experts(biased_row, expert_groups, topk_groups):
+    """Grouped top-k (DeepSeek-V3 noaux_tc): the experts of the ``topk_groups`` groups whose two
+    best biased scores sum highest; every expert when there is one group."""
+    num_experts = len(biased_row)
+    size = num_experts // expert_groups
+    group_score = [sum(sorted(biased_row[g * size:(g + 1) * size])[-2:])
+                   for g in range(expert_groups)]
+    best = sorted(range(expert_groups), key=lambda g: -group_score[g])[:topk_groups]
+    return sorted(e for g in best for e in range(g * size, (g + 1) * size))
+
+
+def route(scores, bias, top_k, routed_scale=1.0, bias_in_weights=False, renormalize=True,
+          expert_groups=1, topk_groups=1):
+    """(indices [N,k], weights [N,k]): top-k of s + b (within the allowed groups) by a full
+    descending sort; weights from s (or from s + b with the HF quirk), normalised over the
+    selection when ``renormalize``, times routed_scale."""
     scores = np.asarray(scores, np.float64)
     biased = scores + np.asarray(bias, np.float64)
-    indices = np.argsort(-biased, axis=-1, kind="stable")[:, :top_k]
+    indices = []
+    for row in biased:
+        allowed = allowed_experts(row, expert_groups, topk_groups)
+        indices.append(sorted(allowed, key=lambda e: -row[e])[:top_k])
+    indices = np.array(indices)
     source = biased if bias_in_weights else scores
     chosen = np.take_along_axis(source, indices, axis=-1)
-    return indices, chosen / (chosen.sum(-1, keepdims=True) + 1e-20) * routed_scale
+    if renormalize:
+        chosen = chosen / (chosen.sum(-1, keepdims=True) + 1e-20)
+    return indices, chosen * routed_scale
 
 
 def routed_experts_dense(x, indices, weights, w_gate, w_up, w_down, activation):
@@ -55,10 +83,12 @@ def rms_norm(x, weight, eps):
     return weight * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
-def moe_forward(x, p, top_k, activation, routed_scale=1.0, norm_eps=1e-5, bias_in_weights=False):
-    """MoE layer on x [N, d] from a dict of float64 parameters (keys as below; latent ones optional)."""
-    scores = sigmoid(x @ p["router"])
-    indices, weights = route(scores, p["bias"], top_k, routed_scale, bias_in_weights)
+def moe_forward(x, p, top_k, activation, routed_scale=1.0, norm_eps=1e-5, bias_in_weights=False,
+                score="sigmoid", **routing):
+    """MoE layer on x [N, d] from a dict of float64 parameters (keys as below; latent ones
+    optional); ``score`` "sigmoid" or "softmax", ``routing`` more `route` options."""
+    scores = (sigmoid if score == "sigmoid" else softmax)(x @ p["router"])
+    indices, weights = route(scores, p["bias"], top_k, routed_scale, bias_in_weights, **routing)
     experts = (p["w_gate"], p["w_up"], p["w_down"])
     if "latent_down" in p:
         u = routed_experts_dense(x @ p["latent_down"], indices, weights, *experts, activation)
@@ -86,13 +116,15 @@ def sign_update(bias, load, rate):
     return np.array([b + rate * (1.0 if l < mean else -1.0 if l > mean else 0.0) for b, l in zip(bias, load)])
 
 
-def quantile_update(scores, bias, top_k, mask=None):
-    """alpha_t = (k+1)-th largest of s_t + b; r_tj = alpha_t - s_tj; b_j = the ceil(k n / E)-th
-    smallest r_tj over the n kept tokens; centred to mean zero."""
+def quantile_update(scores, bias, top_k, mask=None, expert_groups=1, topk_groups=1):
+    """alpha_t = (k+1)-th largest of s_t + b among the token's allowed experts; r_tj = alpha_t - s_tj;
+    b_j = the ceil(k n / E)-th smallest r_tj over the n kept tokens; centred to mean zero."""
     scores, bias = np.asarray(scores, np.float64), np.asarray(bias, np.float64)
     keep = np.ones(len(scores), bool) if mask is None else np.asarray(mask, bool)
     num_experts = scores.shape[1]
-    alpha = np.sort(scores[keep] + bias, axis=-1)[:, ::-1][:, top_k]
+    biased = scores[keep] + bias
+    alpha = np.array([np.sort(row[allowed_experts(row, expert_groups, topk_groups)])[::-1][top_k]
+                      for row in biased])
     required = alpha[:, None] - scores[keep]
     n = int(keep.sum())
     rank = -(-top_k * n // num_experts)  # ceil without floats

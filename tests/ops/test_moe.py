@@ -49,6 +49,8 @@ def f32(*arrays):
         ("situ", moe.situ_glu, ref.situ_glu),
         ("situ betas 2, 3", functools.partial(moe.situ_glu, beta=2.0, beta_linear=3.0),
          functools.partial(ref.situ_glu, beta=2.0, beta_linear=3.0)),
+        ("situ beta 2, no linear beta", functools.partial(moe.situ_glu, beta=2.0, beta_linear=None),
+         functools.partial(ref.situ_glu, beta=2.0, beta_linear=None)),
         ("swiglu", moe.swiglu, ref.swiglu),
     ],
 )
@@ -104,6 +106,67 @@ def test_selection_bias_changes_the_choice_and_nothing_else():
     np.testing.assert_array_equal(quirk_indices, indices)
     np.testing.assert_allclose(quirk_weights, ref_quirk_weights, rtol=1e-5)
     assert np.abs(np.asarray(quirk_weights) - np.asarray(weights)).max() > 0.05
+
+
+def test_router_scores_softmax_matches_numpy_and_unknown_names_fail():
+    logits = np.random.default_rng(13).standard_normal((5, 7)) * 4
+    scores = moe.router_scores(*f32(logits), score="softmax")
+    np.testing.assert_allclose(scores, ref.softmax(logits), rtol=1e-5)
+    with pytest.raises(ValueError, match="unknown router score"):
+        moe.router_scores(*f32(logits), score="relu")
+
+
+ROUTING_OPTIONS = {
+    "unnormalised": dict(renormalize=False, routed_scale=2.446),
+    "grouped 4 keep 2": dict(expert_groups=4, topk_groups=2),
+    "grouped 2 keep 1, unnormalised": dict(expert_groups=2, topk_groups=1, renormalize=False),
+    "grouped 2 keep 2 (plain top-k)": dict(expert_groups=2, topk_groups=2),
+}
+
+
+@pytest.mark.parametrize("options", ROUTING_OPTIONS.values(), ids=ROUTING_OPTIONS)
+@pytest.mark.parametrize("score", ["sigmoid", "softmax"])
+def test_select_experts_options_match_numpy(options, score):
+    rng = np.random.default_rng(14)
+    logits = 2 * rng.standard_normal((40, 8))
+    scores = ref.sigmoid(logits) if score == "sigmoid" else ref.softmax(logits)
+    bias = 0.05 * rng.standard_normal(8)
+    indices, weights = moe.select_experts(*f32(scores, bias), top_k=3, **options)
+    ref_indices, ref_weights = ref.route(scores, bias, 3, **options)
+    np.testing.assert_array_equal(indices, ref_indices)
+    np.testing.assert_allclose(weights, ref_weights, rtol=1e-5)
+
+
+def test_grouped_top_k_skips_the_best_expert_of_a_weak_group():
+    # groups of 2: top-2 sums 0.9, 0.99, 1.08, 0.2 -> groups 2 and 1 stay; expert 0 (the best) does not
+    scores = np.array([[0.9, 0.0, 0.5, 0.49, 0.6, 0.48, 0.1, 0.1]])
+    indices, weights = moe.select_experts(*f32(scores, np.zeros(8)), top_k=2, expert_groups=4, topk_groups=2)
+    np.testing.assert_array_equal(indices, [[4, 2]])
+    np.testing.assert_allclose(weights, [[0.6 / 1.1, 0.5 / 1.1]], rtol=1e-6)
+    plain, _ = moe.select_experts(*f32(scores, np.zeros(8)), top_k=2)
+    np.testing.assert_array_equal(plain, [[0, 4]])
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_softmax_router_weights_gradient_matches_numpy_finite_differences(renormalize):
+    rng = np.random.default_rng(15)
+    logits, bias, probe = rng.standard_normal((6, 8)), 0.1 * rng.standard_normal(8), rng.standard_normal((6, 3))
+    options = dict(top_k=3, routed_scale=1.5, renormalize=renormalize, expert_groups=2, topk_groups=1)
+
+    def jax_loss(logits):
+        _, weights = moe.select_experts(moe.router_scores(logits, "softmax"), jnp.asarray(bias, jnp.float32), **options)
+        return jnp.sum(weights * probe)
+
+    def numpy_loss(logits):
+        return np.sum(ref.route(ref.softmax(logits), bias, **options)[1] * probe)
+
+    grad = jax.grad(jax_loss)(*f32(logits))
+    step, expected = 1e-6, np.zeros_like(logits)
+    for index in np.ndindex(logits.shape):
+        shift = np.zeros_like(logits)
+        shift[index] = step
+        expected[index] = (numpy_loss(logits + shift) - numpy_loss(logits - shift)) / (2 * step)
+    np.testing.assert_allclose(grad, expected, atol=2e-6 * np.abs(expected).max() + 1e-7, rtol=1e-4)
 
 
 # --- dropless routed experts -----------------------------------------------------------------
@@ -244,6 +307,23 @@ def test_updated_router_bias_dispatches_on_method():
     np.testing.assert_allclose(stacked[1], ref.quantile_update(np.asarray(scores), -np.asarray(bias), 2), atol=1e-6)
     with pytest.raises(ValueError, match="unknown balancing method"):
         moe.updated_router_bias(bias, stats, method="aux_loss", top_k=2)
+
+
+@pytest.mark.parametrize("groups, keep", [(4, 2), (2, 1)])
+def test_quantile_update_with_groups_matches_numpy(groups, keep):
+    rng = np.random.default_rng(16)
+    scores = ref.sigmoid(rng.standard_normal((50, 8)) + np.linspace(-1, 1, 8))
+    bias = 0.2 * rng.standard_normal(8)
+    mask = rng.random(50) < 0.8
+    stats = moe.MoEStats(jnp.zeros(8), *f32(scores), jnp.asarray(mask))
+    update = moe.updated_router_bias(*f32(bias), stats, method="quantile", top_k=2, expert_groups=groups,
+                                     topk_groups=keep)
+    expected = ref.quantile_update(scores, bias, 2, mask, expert_groups=groups, topk_groups=keep)
+    np.testing.assert_allclose(update, expected, atol=1e-6)
+    assert np.abs(expected - ref.quantile_update(scores, bias, 2, mask)).max() > 1e-3   # groups matter here
+    histogram = moe.required_bias_histogram(*f32(scores, bias), 2, 2000, jnp.asarray(mask), groups, keep)
+    estimate = moe.quantile_bias_from_histogram(histogram, *f32(bias), 2)
+    np.testing.assert_allclose(estimate, expected, atol=2 * (bias.max() - bias.min() + 2.0) / 2000)
 
 
 # --- balancing simulations -------------------------------------------------------------------

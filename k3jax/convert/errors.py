@@ -1,0 +1,41 @@
+"""Conversion errors, and the atomic output directory every conversion writes into."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import pathlib
+import shutil
+from typing import Iterator
+
+
+class ConvertError(ValueError):
+    """Bad conversion input or a failed write: a one-line message naming the file or tensor."""
+
+
+def _disk_full(error: BaseException) -> bool:
+    return (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left on device" in str(error)
+
+
+def require_new(path: pathlib.Path) -> None:
+    if path.exists():
+        raise ConvertError(f"{path} already exists; choose a new output directory")
+
+
+@contextlib.contextmanager
+def atomic_directory(final: pathlib.Path) -> Iterator[pathlib.Path]:
+    """Yield a fresh temporary directory beside ``final``; rename it to ``final`` when the block
+    succeeds, delete it when it fails (a full disk or another write error becomes `ConvertError`)."""
+    require_new(final)
+    temporary = final.parent / f".{final.name}.partial-{os.getpid()}"
+    try:
+        temporary.mkdir(parents=True)
+        yield temporary
+        temporary.rename(final)
+    except BaseException as error:
+        shutil.rmtree(temporary, ignore_errors=True)
+        if _disk_full(error):
+            raise ConvertError(f"disk full while writing {final} (nothing was left behind)") from None
+        if isinstance(error, OSError):
+            raise ConvertError(f"cannot write {final}: {error.strerror or error}") from None
+        raise

@@ -1,0 +1,153 @@
+"""Export a k3jax run directory as a Hugging Face checkpoint, streamed.
+
+    python -m k3jax.convert export RUN_DIR HF_DIR [--mxfp4]
+
+Writes safetensors shards (``model-0000i-of-0000n.safetensors``), ``model.safetensors.index.json``,
+``config.json`` (`k3jax.convert.hf_config.hf_config_from_model`, with the fields an imported run
+carried over) and the tokenizer files. Tensors are bf16 by default; a run imported from HF keeps
+each tensor's source dtype and shape (e.g. the zero-padded ``A_log``). With ``mxfp4`` the routed
+experts are packed (`k3jax.convert.mxfp4`) and ``quantization_config`` is the source's (or the
+release's compressed-tensors MXFP4 description); an expert that arrived as MXFP4 and was not
+changed comes back bit for bit. Vision tensors are not exported (k3jax holds the text model only).
+
+Each tensor is read from the checkpoint as one region and written to its shard as soon as it is
+converted, so the host holds about one tensor at a time. The output appears under its name only
+when complete.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import pathlib
+import shutil
+from typing import Callable, Iterator
+
+import numpy as np
+
+from k3jax.checkpoint import CheckpointError, checkpoint_directory, latest_meta
+from k3jax.config import ConfigError, config_from_dict
+from k3jax.convert.errors import ConvertError, atomic_directory, require_new
+from k3jax.convert.hf_config import HFConfigError, checkpoint_flavour, hf_config_from_model, model_config_from_hf
+from k3jax.convert.importer import SCALES, SOURCE_DIR, TOKENIZER_DIR
+from k3jax.convert.keymap import TensorMap, model_maps, mxfp4_names
+from k3jax.convert.mxfp4 import encode_mxfp4
+from k3jax.convert.orbax_stream import StateReader
+from k3jax.convert.safetensors_io import DTYPES, INDEX_NAME, plan_shards, write_shard
+
+FP32_DEFAULT = ("A_log", "dt_bias", "e_score_correction_bias")   # kept in fp32 by the reference code
+DEFAULT_SHARD_BYTES = 5 * 2**30
+MXFP4_QUANTIZATION = {     # the release's compressed-tensors description (SPEC §7), when the source had none
+    "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+    "config_groups": {"group_0": {"targets": ["Linear"], "format": "mxfp4-pack-quantized",
+                                  "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
+                                              "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8"}}},
+    "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp.*", "re:.*gate$", "re:.*routed_expert.*",
+               "re:.*lm_head.*", "re:.*vision.*"],
+}
+
+
+def to_hf(value: np.ndarray, spec: TensorMap, hf_shape: tuple[int, ...]) -> np.ndarray:
+    """Inverse of `k3jax.convert.importer.to_k3jax`: the HF layout (fp32) of a k3jax region."""
+    value = np.asarray(value, np.float32)
+    if spec.layout == "linear":
+        return value.reshape(hf_shape[1], hf_shape[0]).T
+    if spec.layout == "narrow":
+        padded = np.zeros(int(np.prod(hf_shape)), np.float32)
+        padded[: value.size] = value.reshape(-1)
+        return padded.reshape(hf_shape)
+    return value.reshape(hf_shape)
+
+
+def _entries(maps, manifest: dict, mxfp4: bool) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``(name, dtype, shape)`` of every exported tensor, in order."""
+    entries = []
+    for spec in maps:
+        if spec.expert and mxfp4:
+            out, inputs = spec.hf_shape
+            packed, scale = mxfp4_names(spec.hf_name)
+            entries += [(packed, "U8", (out, inputs // 2)), (scale, "U8", (out, inputs // 32))]
+            continue
+        source = manifest.get(spec.hf_name)
+        default = "F32" if spec.key.rsplit("/", 1)[-1] in FP32_DEFAULT else "BF16"
+        dtype = source["dtype"] if source else default
+        shape = tuple(source["shape"]) if source and spec.layout == "narrow" else spec.hf_shape
+        entries.append((spec.hf_name, dtype, shape))
+    return entries
+
+
+def _tensors(maps, entries, reader: StateReader, mxfp4: bool) -> Iterator[np.ndarray]:
+    """The exported arrays in `_entries` order, one region read at a time."""
+    shapes = {name: (dtype, shape) for name, dtype, shape in entries}
+    for spec in maps:
+        value = reader.read(spec.top, spec.key, spec.index)
+        if spec.expert and mxfp4:
+            preferred = reader.read(SCALES, spec.key, spec.index) if reader.has(SCALES, spec.key) else None
+            packed, scale = encode_mxfp4(to_hf(value, spec, spec.hf_shape), preferred)
+            yield packed
+            yield scale
+            continue
+        dtype, shape = shapes[spec.hf_name]
+        yield to_hf(value, spec, shape).astype(DTYPES[dtype])
+
+
+def _set_quantization(hf: dict, mxfp4: bool) -> dict:
+    """``hf`` with ``quantization_config`` where the source had it (or at the top level) when
+    exporting MXFP4 experts, and without it otherwise."""
+    sections = [hf] + ([hf["text_config"]] if isinstance(hf.get("text_config"), dict) else [])
+    found = [s for s in sections if "quantization_config" in s]
+    if not mxfp4:
+        for section in found:
+            section.pop("quantization_config")
+    elif not found:
+        hf["quantization_config"] = MXFP4_QUANTIZATION
+    return hf
+
+
+def _run_model(run_dir: pathlib.Path):
+    """``(config, step directory)`` of the latest checkpoint of a run."""
+    try:
+        step, meta = latest_meta(run_dir)
+        return config_from_dict(meta["config"]), checkpoint_directory(run_dir) / str(step)
+    except (CheckpointError, ConfigError, KeyError) as error:
+        raise ConvertError(f"{run_dir}: not a readable k3jax run ({error})") from None
+
+
+def export_checkpoint(run_dir, hf_dir, *, mxfp4: bool = False, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                      log: Callable[[str], None] = print) -> dict:
+    """Write the latest checkpoint of ``run_dir`` as a HF checkpoint in ``hf_dir`` (which must not exist)."""
+    run_dir, hf_dir = pathlib.Path(run_dir).expanduser().resolve(), pathlib.Path(hf_dir).expanduser().resolve()
+    require_new(hf_dir)
+    if not run_dir.is_dir():
+        raise ConvertError(f"{run_dir}: no such directory")
+    config, step_dir = _run_model(run_dir)
+    source = run_dir / SOURCE_DIR
+    carried, manifest = None, {}
+    try:
+        if (source / "config.json").is_file():
+            carried = model_config_from_hf(json.loads((source / "config.json").read_text()))[1]
+            manifest = json.loads((source / "tensors.json").read_text())
+        hf = _set_quantization(hf_config_from_model(config.model, carried), mxfp4)
+        flavour = checkpoint_flavour(hf)
+    except (HFConfigError, OSError, json.JSONDecodeError) as error:
+        raise ConvertError(f"{run_dir}: cannot describe the model as a HF config.json ({error})") from None
+    reader = StateReader(step_dir)
+    maps = [spec for spec in model_maps(config.model, flavour) if reader.has(spec.top, spec.key)]
+    entries = _entries(maps, manifest, mxfp4)
+    shards = plan_shards(entries, shard_bytes)
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+
+    total = sum(DTYPES[dtype].itemsize * int(np.prod(shape, dtype=np.int64)) for _, dtype, shape in entries)
+    with atomic_directory(hf_dir) as temporary:
+        tensors = _tensors(maps, entries, reader, mxfp4)
+        for name, shard in zip(names, shards):
+            write_shard(temporary / name, shard, itertools.islice(tensors, len(shard)))
+            log(f"  wrote {name} ({len(shard)} tensors)")
+        weight_map = {entry[0]: name for name, shard in zip(names, shards) for entry in shard}
+        (temporary / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (temporary / "config.json").write_text(json.dumps(hf, indent=2))
+        if (run_dir / TOKENIZER_DIR).is_dir():
+            for path in (run_dir / TOKENIZER_DIR).iterdir():
+                shutil.copyfile(path, temporary / path.name)
+    log(f"exported {len(entries)} tensors in {len(shards)} shards to {hf_dir}"
+        + (" (routed experts MXFP4)" if mxfp4 else ""))
+    return {"hf_dir": str(hf_dir), "tensors": len(entries), "shards": len(shards), "bytes": total}

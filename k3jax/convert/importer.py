@@ -1,0 +1,220 @@
+"""Import a Hugging Face K3 / Kimi Linear checkpoint into a k3jax run directory, streamed.
+
+    python -m k3jax.convert import HF_DIR OUT_DIR [key=value ...]
+
+Every HF tensor is read once (its shard opened for that read only), converted to its k3jax layout
+(`k3jax.convert.keymap`; MXFP4 experts decoded exactly, `k3jax.convert.mxfp4`) in fp32 — the
+model's parameter dtype, in which bf16 and decoded MXFP4 values are exact — and written straight
+into its region of the checkpoint (`k3jax.convert.orbax_stream`), so peak host memory is about one
+tensor in its HF and k3jax forms, whatever the model's depth. The run directory::
+
+    OUT_DIR/config.yaml                  the resolved config (model from config.json, key=value applied)
+    OUT_DIR/checkpoints/0/               params, router biases (buffers), the experts' MXFP4 scales
+    OUT_DIR/tokenizer/                   tiktoken.model, tokenizer_config.json (when HF_DIR has them)
+    OUT_DIR/hf_source/                   the source config.json and tensor manifest (for export)
+
+It is what `k3jax.training.restore_model`, ``python -m eval``, ``init_from=`` and
+`k3jax.generate.generate` read; the optimizer state starts fresh. Everything is written under a
+temporary name and renamed at the end: a failed import leaves nothing that looks complete.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+import yaml
+
+from k3jax.config import ConfigError, config_from_dict, to_dict
+from k3jax.convert.errors import ConvertError, atomic_directory, require_new
+from k3jax.convert.hf_config import HFConfigError, checkpoint_flavour, model_config_from_hf
+from k3jax.convert.keymap import TensorMap, is_vision, model_maps, mxfp4_names
+from k3jax.convert.mxfp4 import decode_mxfp4
+from k3jax.convert.orbax_stream import LeafSpec, StreamedStateWriter
+from k3jax.convert.safetensors_io import SafetensorsCheckpoint, TensorInfo
+from k3jax.data.tokenizers import BPE_FILE_NAME, TOKENIZER_CONFIG_NAME
+from k3jax.training import abstract_model
+
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+SOURCE_DIR, TOKENIZER_DIR = "hf_source", "tokenizer"
+SCALES = "mxfp4_scales"      # top-level state item: the E8M0 scales experts arrived with [.., out, in/32]
+
+
+def to_k3jax(hf_value: np.ndarray, spec: TensorMap) -> np.ndarray:
+    """An HF tensor (any float dtype) in the k3jax layout of ``spec``, fp32."""
+    value = np.asarray(hf_value, np.float32)
+    if spec.layout == "linear":
+        return value.T.reshape(spec.shape)
+    if spec.layout == "narrow":
+        return value.reshape(-1)[: spec.shape[0]]
+    return value.reshape(spec.shape)
+
+
+def _first(names, limit: int = 3) -> str:
+    names = sorted(names)
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _check_tensor(spec: TensorMap, info: TensorInfo, name: str, dtypes: Sequence[str], shape: tuple[int, ...]) -> None:
+    if info.dtype not in dtypes:
+        raise ConvertError(f"tensor {name} in shard {info.shard}: dtype {info.dtype}, expected {' or '.join(dtypes)}")
+    if spec.layout == "narrow":
+        ok = int(np.prod(info.shape)) >= spec.shape[0] and sum(n != 1 for n in info.shape) <= 1
+    else:
+        ok = tuple(info.shape) == tuple(shape)
+    if not ok:
+        raise ConvertError(f"tensor {name} in shard {info.shard}: shape {list(info.shape)}, expected {list(shape)}"
+                           + (" (or zero-padded)" if spec.layout == "narrow" else ""))
+
+
+def plan_import(maps: list[TensorMap], manifest: dict[str, TensorInfo]) -> tuple[set[str], int]:
+    """Check the checkpoint against the model: ``(names of experts stored as MXFP4, vision tensors
+    skipped)``; a missing, unexpected, misshapen or mistyped tensor raises `ConvertError`."""
+    expected, packed = set(), set()
+    for spec in maps:
+        packed_name, scale_name = mxfp4_names(spec.hf_name)
+        if spec.expert and packed_name in manifest:
+            out, inputs = spec.hf_shape
+            _check_tensor(spec, manifest[packed_name], packed_name, ("U8",), (out, inputs // 2))
+            if scale_name not in manifest:
+                raise ConvertError(f"tensor {scale_name} is missing (its weight_packed is in shard {manifest[packed_name].shard})")
+            _check_tensor(spec, manifest[scale_name], scale_name, ("U8",), (out, inputs // 32))
+            expected |= {packed_name, scale_name}
+            packed.add(spec.hf_name)
+        else:
+            expected.add(spec.hf_name)
+            if spec.hf_name in manifest:
+                _check_tensor(spec, manifest[spec.hf_name], spec.hf_name, FLOAT_DTYPES, spec.hf_shape)
+    missing = expected - set(manifest)
+    if missing:
+        raise ConvertError(f"{len(missing)} tensors the config needs are missing: {_first(missing)}")
+    vision = {name for name in manifest if is_vision(name)}
+    unexpected = set(manifest) - expected - vision
+    if unexpected:
+        raise ConvertError(f"{len(unexpected)} unexpected tensors (not in this config's model): {_first(unexpected)}")
+    return packed, len(vision)
+
+
+def _leaf_specs(abstract: dict, maps: list[TensorMap], packed: set[str]) -> dict[str, dict[str, LeafSpec]]:
+    """Shapes (fp32; scales uint8) and region chunks of every array the import writes, from the
+    abstract ``{"params": ..., "buffers": ...}`` of the model."""
+    leaves: dict[str, dict[str, LeafSpec]] = {"params": {}, "buffers": {}}
+    for spec in maps:
+        full = tuple(abstract[spec.top][spec.key].shape)
+        chunks = (1,) * len(spec.index) + spec.shape
+        leaves[spec.top][spec.key] = LeafSpec(full, np.dtype(np.float32), chunks)
+        if spec.hf_name in packed:
+            out, inputs = spec.hf_shape
+            lead = full[: len(spec.index)]
+            leaves.setdefault(SCALES, {})[spec.key] = LeafSpec(
+                (*lead, out, inputs // 32), np.dtype(np.uint8), (1,) * len(lead) + (out, inputs // 32))
+    return leaves
+
+
+def _copy_tokenizer(hf_dir: pathlib.Path, target: pathlib.Path) -> pathlib.Path | None:
+    """Copy K3's ``tiktoken.model`` (and ``tokenizer_config.json``) into ``target``; its path, or None."""
+    if not (hf_dir / BPE_FILE_NAME).is_file():
+        return None
+    target.mkdir()
+    for name in (BPE_FILE_NAME, TOKENIZER_CONFIG_NAME):
+        if (hf_dir / name).is_file():
+            shutil.copyfile(hf_dir / name, target / name)
+    return target
+
+
+def _resolved_config(hf: dict, out_dir: pathlib.Path, tokenizer: bool, overrides: Sequence[str]):
+    try:
+        model, carried = model_config_from_hf(hf)
+    except HFConfigError as error:
+        raise ConvertError(f"config.json: {error}") from None
+    data = {"model": to_dict(model), "run_dir": str(out_dir)}
+    if tokenizer:
+        data["data"] = {"tokenizer": str(out_dir / TOKENIZER_DIR / BPE_FILE_NAME)}
+    if any(o.split("=", 1)[0].strip() == "data.path" for o in overrides):
+        data.setdefault("data", {})["kind"] = "text"
+    try:
+        return config_from_dict(data, overrides), carried
+    except ConfigError as error:
+        raise ConvertError(f"override: {error}") from None
+
+
+def read_hf_config(path: pathlib.Path) -> tuple[dict, str]:
+    """``(config.json mapping, checkpoint flavour)``; one-line `ConvertError` when unusable."""
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConvertError(f"{path}: not readable JSON ({' '.join(str(error).split())})") from None
+    try:
+        return hf, checkpoint_flavour(hf)
+    except HFConfigError as error:
+        raise ConvertError(f"{path.name}: {error}") from None
+
+
+def write_run_config(hf_config_path, out_yaml, overrides: Sequence[str] = ()) -> None:
+    """The k3jax config an import of ``hf_config_path`` (a config.json) would use, as YAML at
+    ``out_yaml`` (for ``python -m train.plan`` or the trainer), without reading any tensor."""
+    out_yaml = pathlib.Path(out_yaml).expanduser().resolve()
+    require_new(out_yaml)
+    hf, _ = read_hf_config(pathlib.Path(hf_config_path))
+    config, _ = _resolved_config(hf, out_yaml.parent / out_yaml.stem, False, overrides)
+    out_yaml.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
+def import_checkpoint(hf_dir, out_dir, overrides: Sequence[str] = (), log: Callable[[str], None] = print) -> dict:
+    """Convert ``hf_dir`` into the run directory ``out_dir`` (which must not exist); returns a summary."""
+    hf_dir, out_dir = pathlib.Path(hf_dir), pathlib.Path(out_dir).expanduser().resolve()
+    require_new(out_dir)
+    if not hf_dir.is_dir():
+        raise ConvertError(f"{hf_dir}: no such directory")
+    hf_config_path = hf_dir / "config.json"
+    hf, flavour = read_hf_config(hf_config_path)
+    has_tokenizer = (hf_dir / BPE_FILE_NAME).is_file()
+    config, _ = _resolved_config(hf, out_dir, has_tokenizer, overrides)
+    checkpoint = SafetensorsCheckpoint(hf_dir)
+    maps = model_maps(config.model, flavour)
+    if getattr(config.model, "tie_embeddings", False):
+        maps = [spec for spec in maps if spec.key != "lm_head"]     # the head is the embedding
+    packed, vision = plan_import(maps, checkpoint.manifest)
+    if vision:
+        log(f"skipping {vision} vision tensors (k3jax imports the text model)")
+    _, params, buffers = abstract_model(config.model)
+    abstract = {"params": params, "buffers": buffers}
+    uncovered = sorted((set(params) | set(buffers)) - {spec.key for spec in maps})
+    if uncovered:
+        raise ConvertError(f"no HF tensor fills k3jax parameter {uncovered[0]} ({len(uncovered)} in all)")
+
+    with atomic_directory(out_dir) as temporary:
+        leaves = _leaf_specs(abstract, maps, packed)
+        writer = StreamedStateWriter(temporary / "checkpoints" / "0", leaves)
+        for count, spec in enumerate(maps, 1):
+            if spec.hf_name in packed:
+                packed_name, scale_name = mxfp4_names(spec.hf_name)
+                scale = checkpoint.read(scale_name)
+                value = decode_mxfp4(checkpoint.read(packed_name), scale)
+                writer.write(SCALES, spec.key, spec.index, scale)
+            else:
+                value = checkpoint.read(spec.hf_name)
+            if spec.layout == "narrow" and np.any(np.asarray(value, np.float32).reshape(-1)[spec.shape[0]:]):
+                log(f"warning: {spec.hf_name} has non-zero entries past its {spec.shape[0]} heads; they are "
+                    f"dropped (export writes zeros there)")
+            writer.write(spec.top, spec.key, spec.index, to_k3jax(value, spec))
+            del value
+            if count % 1000 == 0:
+                log(f"  {count}/{len(maps)} tensors")
+        _copy_tokenizer(hf_dir, temporary / TOKENIZER_DIR)
+        (temporary / SOURCE_DIR).mkdir()
+        shutil.copyfile(hf_config_path, temporary / SOURCE_DIR / "config.json")
+        manifest = {name: {"dtype": info.dtype, "shape": list(info.shape)} for name, info in checkpoint.manifest.items()
+                    if not is_vision(name)}
+        (temporary / SOURCE_DIR / "tensors.json").write_text(json.dumps(manifest))
+        (temporary / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+        writer.finish({"config": to_dict(config), "data_position": 0, "optimizer_step": 0,
+                       "jax_version": jax.__version__, "imported_from": str(hf_dir.resolve())})
+    summary = {"run_dir": str(out_dir), "flavour": flavour, "tensors": len(checkpoint.manifest) - vision,
+               "mxfp4_experts": len(packed), "vision_skipped": vision, "tokenizer": has_tokenizer}
+    log(f"imported {summary['tensors']} tensors ({len(packed)} MXFP4 expert weights decoded) into {out_dir}")
+    return summary

@@ -1,0 +1,145 @@
+"""Orbax checkpoints written and read one tensor region at a time (tensorstore, no full arrays).
+
+A trainer checkpoint step ``<run>/checkpoints/<step>/`` holds the pytree item ``state`` (zarr
+arrays named ``<top>.<leaf key>`` in an OCDBT key-value store, plus Orbax's ``_METADATA`` and
+``_sharding``) and the JSON item ``meta``. `StreamedStateWriter` creates every array of that
+layout up front and fills it region by region — e.g. one expert of one scanned layer at a time —
+so converting a model never holds more than one tensor; `k3jax.checkpoint.RunCheckpoints`,
+`restore_subtree` and `k3jax.training.restore_model` read the result like any trainer checkpoint.
+`StateReader` reads regions of the arrays of any such checkpoint (the trainer's included).
+"""
+from __future__ import annotations
+
+import base64
+import collections
+import json
+import pathlib
+import time
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from k3jax.convert.errors import ConvertError
+
+STATE, META = "state", "meta"
+_HANDLERS = {META: "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler",
+             STATE: "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"}
+
+
+class LeafSpec(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunks: tuple[int, ...]   # one region written at a time spans whole chunks
+
+
+def _kvstore(state_dir: pathlib.Path) -> dict:
+    return {"driver": "ocdbt", "base": f"file://{state_dir.resolve()}/"}
+
+
+def _array_name(top: str, key: str) -> str:
+    return f"{top}.{key}"
+
+
+class StreamedStateWriter:
+    """The ``state`` and ``meta`` items of one checkpoint step, written region by region.
+
+    ``leaves``: ``{top-level name: {leaf key: LeafSpec}}`` (e.g. ``{"params": {...}, "buffers": {...}}``).
+    Writes run in the background while the caller prepares the next region; at most
+    ``pending_bytes`` (at least one region) are in flight, which bounds the memory they hold.
+    """
+
+    def __init__(self, step_dir: pathlib.Path, leaves: dict[str, dict[str, LeafSpec]], pending_bytes: int = 2**26):
+        self.step_dir = step_dir
+        self.state_dir = step_dir / STATE
+        self.state_dir.mkdir(parents=True)
+        self.leaves = leaves
+        self._context = ts.Context()
+        self._pending: collections.deque = collections.deque()
+        self._pending_bytes, self._budget = 0, pending_bytes
+        opening = {}
+        for top, specs in leaves.items():
+            for key, spec in specs.items():
+                metadata = {"shape": list(spec.shape), "chunks": list(spec.chunks), "dtype": np.dtype(spec.dtype).str,
+                            "compressor": {"id": "zstd", "level": 1}}
+                opening[top, key] = ts.open(
+                    {"driver": "zarr", "kvstore": {**_kvstore(self.state_dir), "path": _array_name(top, key)},
+                     "metadata": metadata}, create=True, context=self._context)
+        self._arrays: dict[tuple[str, str], Any] = {name: future.result() for name, future in opening.items()}
+
+    def write(self, top: str, key: str, index: tuple[int, ...], value: np.ndarray) -> None:
+        """Start ``array[index] = value`` for the leaf ``top/key`` (``value`` is cast to the leaf dtype)."""
+        spec = self.leaves[top][key]
+        expected = spec.shape[len(index):]
+        if tuple(value.shape) != expected:
+            raise ConvertError(f"{top}/{key}{list(index)}: got shape {list(value.shape)}, expected {list(expected)}")
+        value = np.asarray(value, spec.dtype)
+        while self._pending and self._pending_bytes + value.nbytes > self._budget:
+            self._wait_oldest()
+        self._pending.append((self._arrays[top, key][index].write(value), value.nbytes))
+        self._pending_bytes += value.nbytes
+
+    def _wait_oldest(self) -> None:
+        future, nbytes = self._pending.popleft()
+        self._pending_bytes -= nbytes
+        future.result()
+
+    def flush(self) -> None:
+        """Wait for every write started so far."""
+        while self._pending:
+            self._wait_oldest()
+
+    def finish(self, meta: dict) -> None:
+        """Finish the writes, then write Orbax's metadata for the state item, the meta item and the
+        step's commit markers."""
+        self.flush()
+        device = jax.devices()[0]
+        sharding = json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": f"{device.platform}:{device.id}"})
+        tree, shardings = {}, {}
+        for top, specs in self.leaves.items():
+            for key, spec in specs.items():
+                tree[str((top, key))] = {
+                    "key_metadata": [{"key": top, "key_type": 2}, {"key": key, "key_type": 2}],
+                    "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False, "write_shape": list(spec.chunks)},
+                }
+                shardings[base64.b64encode(_array_name(top, key).encode()).decode()] = sharding
+        (self.state_dir / "_METADATA").write_text(json.dumps({
+            "tree_metadata": tree, "use_ocdbt": True, "use_zarr3": False,
+            "store_array_data_equal_to_fill_value": True, "custom_metadata": None}))
+        (self.state_dir / "_sharding").write_text(json.dumps(shardings))
+        (self.step_dir / META).mkdir()
+        (self.step_dir / META / "metadata").write_text(json.dumps(meta))
+        now = time.time_ns()
+        (self.step_dir / "_CHECKPOINT_METADATA").write_text(json.dumps({
+            "item_handlers": _HANDLERS, "metrics": {}, "performance_metrics": {},
+            "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}}))
+
+
+class StateReader:
+    """Regions of the arrays in a checkpoint step's ``state`` item."""
+
+    def __init__(self, step_dir: pathlib.Path):
+        self.state_dir = step_dir / STATE
+        self._context = ts.Context()
+        self._arrays: dict[tuple[str, str], Any] = {}
+
+    def array(self, top: str, key: str):
+        if (top, key) not in self._arrays:
+            try:
+                self._arrays[top, key] = ts.open(
+                    {"driver": "zarr", "kvstore": {**_kvstore(self.state_dir), "path": _array_name(top, key)}},
+                    open=True, read=True, context=self._context).result()
+            except ValueError as error:
+                raise ConvertError(f"{self.state_dir}: no array {top}/{key} ({' '.join(str(error).split())[:200]})") from None
+        return self._arrays[top, key]
+
+    def has(self, top: str, key: str) -> bool:
+        try:
+            self.array(top, key)
+        except ConvertError:
+            return False
+        return True
+
+    def read(self, top: str, key: str, index: tuple[int, ...] = ()) -> np.ndarray:
+        return np.asarray(self.array(top, key)[index].read().result())
