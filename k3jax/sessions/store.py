@@ -12,7 +12,8 @@ A session's memory is its KDA states and conv tails (a slot of the device pools)
 latent rows (pages of the paged cache, `k3jax.sessions.paged`). Forks, snapshots and prefix-cache
 entries share pages; a page is copied before a write when someone else holds it (copy-on-write:
 only a session's last, partial page is ever written). Under a device byte budget the
-least-recently-used values (prefix entries first, then sessions and snapshots) leave the device
+least-recently-used values (prefix entries holding the last reference to a page first, then
+sessions and snapshots) leave the device
 for host numpy arrays; under a host budget they go on to atomic files in ``disk_dir``. Each
 comes back on use. Prefill runs in pieces that end at every multiple of ``kda.chunk_size``;
 the KDA state and conv tails at each such boundary and at the end of each turn are kept with
@@ -492,8 +493,9 @@ class SessionStore:
         need = slots * self.slot_bytes + pages * self.page_bytes
         pinned = {id(v) for v in pinned}
         while self.device_budget is not None and self._device_used() + need > self.device_budget:
-            if self._prefix:
-                self._drop_prefix(min(self._prefix.values(), key=lambda e: e.used))
+            freeing = [e for e in self._prefix.values() if any(self._pages.refs[p] == 1 for p in e.pages)]
+            if freeing:           # prefix entries that are the last holder of a page go first
+                self._drop_prefix(min(freeing, key=lambda e: e.used))
                 continue
             candidates = [v for v in (*self._sessions.values(), *self._snapshots.values())
                           if v.slot is not None and id(v) not in pinned]

@@ -26,6 +26,7 @@ def test_paged_cache_equals_contiguous_bank(model):
     assert np.all(np.any(value.rows != 0, axis=-1))          # every row written (the check is not vacuous)
 
 
+@pytest.mark.slow     # two compiles of k3jax.generate's loop
 def test_greedy_generate_equals_generate_for_a_batch_of_different_lengths(model):
     store = SessionStore(model)
     short = store.open(PROMPT)
@@ -71,7 +72,8 @@ def test_forks_diverge_independently_and_leave_the_parent_unchanged(model):
     np.testing.assert_array_equal(store.append(parent, TURN), left_logits)   # same program, same state
 
 
-@pytest.mark.parametrize("first_turn", [15, 16, 17])
+@pytest.mark.parametrize("first_turn", [pytest.param(15, marks=pytest.mark.slow), 16,
+                                        pytest.param(17, marks=pytest.mark.slow)])
 def test_prefix_cache_hit_equals_cold_prefill(model, first_turn):
     """The cached prefix ends before, on and after the chunk boundary at 16."""
     prompt = random_tokens(3, 24)
@@ -161,6 +163,7 @@ def test_snapshots_are_released_when_their_handles_are_garbage(model):
     assert store.stats()["snapshots"] == 0 and store.stats()["slots_in_use"] == slots - 1
 
 
+@pytest.mark.slow
 def test_tiers_under_pressure_equal_unlimited_memory(model, tmp_path):
     """Device room for 2 sessions, host room for 3: random appends/forks/rollbacks on 6 sessions
     spill to host and disk and give what an unlimited store gives."""
