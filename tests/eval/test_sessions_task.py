@@ -22,6 +22,7 @@ def restored(trained_run):
     return load_run(str(trained_run.path))
 
 
+@pytest.mark.slow      # ~2 min of compiles on a loaded 2-core CPU
 def test_sessions_task_accuracy_is_a_plain_forward_over_the_row(restored):
     task = SessionsTask(sessions_per_seed=2)
     result = run_task(task, EvalContext(restored.model, restored.config, (0, 1)), tqdm(disable=True))
@@ -45,6 +46,7 @@ def test_sessions_task_accuracy_is_a_plain_forward_over_the_row(restored):
     assert result.cost.tokens > 0
 
 
+@pytest.mark.slow
 def test_chat_runs_its_commands(trained_run, tmp_path):
     lines = ["ab", "/fork", "/rollback", "cd", "/sessions", "/rollback", "/save s1", "/save s1", "/load s1",
              "/switch 7", "/bogus", "/quit", "never read"]
