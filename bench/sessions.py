@@ -113,9 +113,11 @@ def main(argv=None) -> int:
     lengths = rng.integers(page // 4, page // 2, args.sessions)
     sids = [store.open(rng.integers(0, config.vocab_size, n)) for n in lengths]
     handles = [store.snapshot(sid) for sid in sids]
+    print(f"decode: {args.sessions} sessions x {args.new_tokens} tokens, {args.trials} trials", file=sys.stderr)
     decode = decode_trials(store, sids, handles, args.new_tokens, args.trials)
     shared = rng.integers(0, config.vocab_size, args.prefix)
     suffixes = [rng.integers(0, config.vocab_size, 16) for _ in range(args.trials + 1)]
+    print(f"prefix: {args.prefix} shared + 16 tokens, {args.trials} trials", file=sys.stderr)
     prefix, difference = prefix_trials(model, shared, suffixes, args.trials)
 
     tokens = args.sessions * args.new_tokens

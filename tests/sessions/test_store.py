@@ -24,6 +24,8 @@ def test_paged_cache_equals_contiguous_bank(model):
     np.testing.assert_allclose(value.conv, np.asarray(bank.kda.conv[:, 0]), **TOL)
     np.testing.assert_allclose(value.rows, np.asarray(bank.mla.latent[:, 0, :24]), **TOL)
     assert np.all(np.any(value.rows != 0, axis=-1))          # every row written (the check is not vacuous)
+    store.generate([sid], 2)                                   # the batched decode step over the pages
+    np.testing.assert_allclose(store.logits(sid), contiguous_logits(model, store.tokens(sid))[-1], **TOL)
 
 
 @pytest.mark.slow     # two compiles of k3jax.generate's loop
