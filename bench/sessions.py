@@ -6,8 +6,8 @@
              the suffix) vs a cold prefill of the same prompt in a store without the cache
 
 Each trial starts from the same state (sessions rolled back to a snapshot; a fresh cold store),
-so the warm-up trial compiles every program the timed trials run. Trials of the two variants
-alternate; the table reports medians.
+so the two warm-up trials compile every program the timed trials run. Trials of the two variants
+alternate in order; the table reports medians.
 
     python bench/sessions.py [--config configs/tiny.yaml] [--sessions 64] [--new-tokens 8]
                              [--prefix 4096] [--trials 3] [--json bench/sessions.json]
@@ -29,6 +29,10 @@ from k3jax.config import ConfigError, load_config
 from k3jax.model import K3Model
 from k3jax.sessions import SessionStore
 
+# Uncounted trials first, one in each order: they compile every program, including those for the
+# pool capacities the rollbacks grow into, so the timed trials run compiled code only.
+WARMUP_TRIALS = 2
+
 
 def timed(run) -> float:
     started = time.perf_counter()
@@ -45,12 +49,12 @@ def decode_trials(store: SessionStore, sids, handles, new_tokens: int, trials: i
     modes = {"batched": lambda: store.generate(sids, new_tokens),
              "one_at_a_time": lambda: [store.generate([sid], new_tokens) for sid in sids]}
     seconds = {name: [] for name in modes}
-    for trial in range(trials + 1):                     # trial 0 compiles and is not counted
+    for trial in range(trials + WARMUP_TRIALS):
         order = list(modes) if trial % 2 == 0 else list(modes)[::-1]
         for name in order:
             reset()
             elapsed = timed(modes[name])
-            if trial:
+            if trial >= WARMUP_TRIALS:
                 seconds[name].append(elapsed)
     return seconds
 
@@ -71,14 +75,14 @@ def prefix_trials(model, shared: np.ndarray, suffixes: list[np.ndarray], trials:
     warm = SessionStore(model)
     warm.close(warm.open(np.concatenate([shared, suffixes[0]])))
     seconds, difference = {"cold_prefill": [], "prefix_hit": []}, 0.0
-    for trial in range(trials + 1):                     # trial 0 compiles and is not counted
+    for trial in range(trials + WARMUP_TRIALS):
         prompt = np.concatenate([shared, suffixes[trial % len(suffixes)]])
         stores = {"cold_prefill": SessionStore(model), "prefix_hit": warm}
         order = list(stores) if trial % 2 == 0 else list(stores)[::-1]
         logits = {}
         for name in order:
             elapsed, logits[name] = open_timed(stores[name], prompt)
-            if trial:
+            if trial >= WARMUP_TRIALS:
                 seconds[name].append(elapsed)
         difference = max(difference, float(np.abs(logits["prefix_hit"] - logits["cold_prefill"]).max()))
     return seconds, difference
@@ -116,7 +120,7 @@ def main(argv=None) -> int:
     print(f"decode: {args.sessions} sessions x {args.new_tokens} tokens, {args.trials} trials", file=sys.stderr)
     decode = decode_trials(store, sids, handles, args.new_tokens, args.trials)
     shared = rng.integers(0, config.vocab_size, args.prefix)
-    suffixes = [rng.integers(0, config.vocab_size, 16) for _ in range(args.trials + 1)]
+    suffixes = [rng.integers(0, config.vocab_size, 16) for _ in range(args.trials + WARMUP_TRIALS)]
     print(f"prefix: {args.prefix} shared + 16 tokens, {args.trials} trials", file=sys.stderr)
     prefix, difference = prefix_trials(model, shared, suffixes, args.trials)
 
