@@ -5,7 +5,7 @@
     python -m eval runs/tiny/checkpoints/600 --tasks perplexity --text notes.txt
 
 The model is rebuilt from the config saved in the checkpoint and restored onto this process's
-devices. Tasks (see `eval.tasks`): perplexity, mqar, passkey, decode_cost, samples. Each runs
+devices. Tasks (see `eval.tasks`): perplexity, mqar, passkey, decode_cost, samples, sessions. Each runs
 once per seed (0 … N-1) and reports mean ± 95% Student-t interval, its frozen definition's
 content hash and its cost. Writes ``report.json``, ``report.md`` and PNG plots into ``--out``
 (default ``<run>/eval``). Bad input (a missing or corrupted checkpoint, an unknown task, a bad

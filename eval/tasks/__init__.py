@@ -5,8 +5,10 @@ from eval.tasks.mqar import MQARLengthTask
 from eval.tasks.passkey import PasskeyTask
 from eval.tasks.perplexity import PerplexityTask
 from eval.tasks.samples import SamplesTask
+from eval.tasks.sessions import SessionsTask
 
-TASKS = {task.name: task for task in (PerplexityTask, MQARLengthTask, PasskeyTask, DecodeCostTask, SamplesTask)}
+TASKS = {task.name: task for task in (PerplexityTask, MQARLengthTask, PasskeyTask, DecodeCostTask, SamplesTask,
+                                          SessionsTask)}
 
 __all__ = ["TASKS", "EvalContext", "TaskOutput", "TaskResult", "TaskSkipped", "run_task", "DecodeCostTask",
-           "MQARLengthTask", "PasskeyTask", "PerplexityTask", "SamplesTask"]
+           "MQARLengthTask", "PasskeyTask", "PerplexityTask", "SamplesTask", "SessionsTask"]

@@ -1,0 +1,156 @@
+"""Session-store throughput, measured side by side in one run (`k3jax.sessions.SessionStore`):
+
+    decode   64 sessions of different lengths step together (one batched jitted step per token)
+             vs the same 64 sessions decoded one at a time: tokens/s of each and their ratio
+    prefix   opening a session whose prompt starts with a cached 4K-token prefix (prefill only
+             the suffix) vs a cold prefill of the same prompt in a store without the cache
+
+Each trial starts from the same state (sessions rolled back to a snapshot; a fresh cold store),
+so the two warm-up trials compile every program the timed trials run. Trials of the two variants
+alternate in order; the table reports medians.
+
+    python -m bench.sessions [--config configs/tiny.yaml] [--sessions 64] [--new-tokens 8]
+                                [--prefix 4096] [--trials 3] [--json bench/sessions.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+import numpy as np
+from flax import nnx
+
+from k3jax.config import ConfigError, load_config
+from k3jax.model import K3Model
+from k3jax.sessions import SessionStore
+
+# Uncounted trials first, one in each order: they compile every program, including those for the
+# pool capacities the rollbacks grow into, so the timed trials run compiled code only.
+WARMUP_TRIALS = 2
+
+
+def timed(run) -> float:
+    started = time.perf_counter()
+    run()
+    return time.perf_counter() - started
+
+
+def decode_trials(store: SessionStore, sids, handles, new_tokens: int, trials: int) -> dict:
+    """Seconds per trial for the batched and the one-at-a-time decode of ``new_tokens`` per session."""
+    def reset():
+        for sid, handle in zip(sids, handles):
+            store.rollback(sid, handle)
+
+    modes = {"batched": lambda: store.generate(sids, new_tokens),
+             "one_at_a_time": lambda: [store.generate([sid], new_tokens) for sid in sids]}
+    seconds = {name: [] for name in modes}
+    for trial in range(trials + WARMUP_TRIALS):
+        order = list(modes) if trial % 2 == 0 else list(modes)[::-1]
+        for name in order:
+            reset()
+            elapsed = timed(modes[name])
+            if trial >= WARMUP_TRIALS:
+                seconds[name].append(elapsed)
+    return seconds
+
+
+def open_timed(store: SessionStore, prompt: np.ndarray) -> tuple[float, np.ndarray]:
+    """Seconds to open a session on ``prompt`` (closed again) and its last logits."""
+    started = time.perf_counter()
+    sid = store.open(prompt)
+    logits = store.logits(sid)
+    elapsed = time.perf_counter() - started
+    store.close(sid)
+    return elapsed, logits
+
+
+def prefix_trials(model, shared: np.ndarray, suffixes: list[np.ndarray], trials: int) -> tuple[dict, float]:
+    """Seconds per open for a cold store and for a store holding ``shared`` in its prefix cache;
+    also the largest logit difference between the two."""
+    warm = SessionStore(model)
+    warm.close(warm.open(np.concatenate([shared, suffixes[0]])))
+    seconds, difference = {"cold_prefill": [], "prefix_hit": []}, 0.0
+    for trial in range(trials + WARMUP_TRIALS):
+        prompt = np.concatenate([shared, suffixes[trial % len(suffixes)]])
+        stores = {"cold_prefill": SessionStore(model), "prefix_hit": warm}
+        order = list(stores) if trial % 2 == 0 else list(stores)[::-1]
+        logits = {}
+        for name in order:
+            elapsed, logits[name] = open_timed(stores[name], prompt)
+            if trial >= WARMUP_TRIALS:
+                seconds[name].append(elapsed)
+        difference = max(difference, float(np.abs(logits["prefix_hit"] - logits["cold_prefill"]).max()))
+    return seconds, difference
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python bench/sessions.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="configs/tiny.yaml")
+    parser.add_argument("--sessions", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--prefix", type=int, default=4096)
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--json", default="bench/sessions.json")
+    args = parser.parse_args(argv)
+    if min(args.sessions, args.new_tokens, args.prefix, args.trials) < 1:
+        parser.error("--sessions, --new-tokens, --prefix and --trials must be positive")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        config = load_config(args.config).model
+    except (ConfigError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    model = K3Model(config, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    page = config.kda.chunk_size
+    store = SessionStore(model)
+    # lengths spread over one page bucket, so every trial runs the same compiled programs
+    lengths = rng.integers(page // 4, page // 2, args.sessions)
+    sids = [store.open(rng.integers(0, config.vocab_size, n)) for n in lengths]
+    handles = [store.snapshot(sid) for sid in sids]
+    print(f"decode: {args.sessions} sessions x {args.new_tokens} tokens, {args.trials} trials", file=sys.stderr)
+    decode = decode_trials(store, sids, handles, args.new_tokens, args.trials)
+    shared = rng.integers(0, config.vocab_size, args.prefix)
+    suffixes = [rng.integers(0, config.vocab_size, 16) for _ in range(args.trials + WARMUP_TRIALS)]
+    print(f"prefix: {args.prefix} shared + 16 tokens, {args.trials} trials", file=sys.stderr)
+    prefix, difference = prefix_trials(model, shared, suffixes, args.trials)
+
+    tokens = args.sessions * args.new_tokens
+    median = {name: statistics.median(values) for name, values in {**decode, **prefix}.items()}
+    result = {
+        "config": args.config, "sessions": args.sessions, "new_tokens": args.new_tokens, "prefix_tokens": args.prefix,
+        "suffix_tokens": 16, "trials": args.trials, "seconds": {**decode, **prefix},
+        "batched_tokens_per_s": tokens / median["batched"],
+        "one_at_a_time_tokens_per_s": tokens / median["one_at_a_time"],
+        "batched_speedup": median["one_at_a_time"] / median["batched"],
+        "cold_prefill_s": median["cold_prefill"], "prefix_hit_s": median["prefix_hit"],
+        "prefix_speedup": median["cold_prefill"] / median["prefix_hit"],
+        "prefix_hit_max_logit_difference": difference,
+    }
+    print(f"{'measurement':<44}{'value':>14}")
+    print(f"{'batched decode, tokens/s':<44}{result['batched_tokens_per_s']:>14.1f}")
+    print(f"{'one-at-a-time decode, tokens/s':<44}{result['one_at_a_time_tokens_per_s']:>14.1f}")
+    print(f"{'  ratio (batched / one at a time)':<44}{result['batched_speedup']:>14.2f}")
+    print(f"{f'cold prefill of {args.prefix}+16 tokens, s':<44}{result['cold_prefill_s']:>14.3f}")
+    print(f"{'prefix-cache hit (prefill 16 tokens), s':<44}{result['prefix_hit_s']:>14.3f}")
+    print(f"{'  ratio (cold / hit)':<44}{result['prefix_speedup']:>14.2f}")
+    print(f"{'hit vs cold, max |logit difference|':<44}{difference:>14.2e}")
+    path = pathlib.Path(args.json)
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(json.dumps(result, indent=2), encoding="utf-8")
+    os.replace(temporary, path)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

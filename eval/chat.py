@@ -1,0 +1,166 @@
+"""``python -m eval.chat RUN_DIR``: talk to a trained or imported model, one `SessionStore` session
+per conversation.
+
+    python -m eval.chat runs/tiny --max-new-tokens 32 --temperature 0.8 --top-p 0.9
+    > hello                     a turn: appended to the current session, then the model answers
+    > /fork                     continue in a copy of the current session (the original is kept)
+    > /rollback                 undo the last turn (back to the snapshot taken before it)
+    > /sessions                 list sessions (* marks the current one); /switch ID changes it
+    > /save NAME  /load NAME    write / read every session under --sessions-dir (default RUN_DIR/sessions)
+    > /quit                     (or end of input)
+
+Turns are text through the run's tokenizer; a model whose vocabulary is smaller than the
+tokenizer's (MQAR runs) takes turns as space-separated token ids and answers with ids. Sampling
+flags are those of `k3jax.generate.generate`. Bad input (a missing checkpoint, a bad flag, an
+unknown command or session, a name that exists) prints one ``error:`` line; startup errors exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+from k3jax.data import DataError, load_tokenizer
+from eval.cli import quiet_checkpoint_logging
+from eval.loading import EvalInputError, load_run
+from k3jax.sessions import SessionStore
+
+
+class ChatInputError(Exception):
+    """A bad line or flag: shown as one ``error:`` line."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ChatInputError(f"{message} (see python -m eval.chat --help)")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = _OneLineParser(prog="python -m eval.chat", description="Chat with a K3-family checkpoint.")
+    parser.add_argument("run", metavar="RUN_DIR", help="a run directory, its checkpoints/, or a step directory")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sessions-dir", default=None, help="where /save and /load keep stores (default RUN_DIR/sessions)")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1 or args.temperature < 0 or (args.top_k is not None and args.top_k < 1) \
+            or (args.top_p is not None and not 0 < args.top_p <= 1):
+        raise ChatInputError(f"need --max-new-tokens >= 1, --temperature >= 0, --top-k >= 1, 0 < --top-p <= 1; got "
+                             f"{args.max_new_tokens}, {args.temperature}, {args.top_k}, {args.top_p}")
+    return args
+
+
+class TokenCodec:
+    """Text <-> token ids: the run's tokenizer, or space-separated ids when the model's vocabulary
+    is smaller than the tokenizer's."""
+
+    def __init__(self, config):
+        tokenizer = load_tokenizer(config.data.tokenizer if config.data.kind == "text" else None)
+        self.tokenizer = tokenizer if tokenizer.vocab_size <= config.model.vocab_size else None
+        self.eos_id = None if self.tokenizer is None else self.tokenizer.eos_id
+
+    def encode(self, line: str) -> list[int]:
+        if self.tokenizer is not None:
+            return self.tokenizer.encode(line)
+        try:
+            return [int(word) for word in line.split()]
+        except ValueError:
+            raise ChatInputError("this model takes turns as space-separated token ids") from None
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids)) if self.tokenizer is not None else " ".join(map(str, ids))
+
+
+class Chat:
+    """The state of one chat: the store, the current session and each session's undo snapshots."""
+
+    def __init__(self, model, codec: TokenCodec, args: argparse.Namespace, sessions_dir: pathlib.Path):
+        self.model, self.codec, self.args, self.sessions_dir = model, codec, args, sessions_dir
+        self.store, self.current, self.undo = SessionStore(model), None, {}
+
+    def turn(self, line: str) -> str:
+        tokens = self.codec.encode(line)
+        if not tokens:
+            return ""
+        if self.current is None:
+            self.current = self.store.open(tokens)
+            self.undo[self.current] = []
+        else:
+            self.undo[self.current].append(self.store.snapshot(self.current))
+            self.store.append(self.current, tokens)
+        args = self.args
+        new = self.store.generate([self.current], args.max_new_tokens, temperature=args.temperature,
+                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=self.codec.eos_id)[0]
+        return self.codec.decode(new)
+
+    def command(self, line: str) -> str | None:
+        """Run a /command; returns what to print (None: quit)."""
+        name, _, argument = line[1:].partition(" ")
+        argument = argument.strip()
+        if name == "quit":
+            return None
+        if name == "sessions":
+            return "\n".join(f"{'*' if sid == self.current else ' '} {sid}: {len(self.store.tokens(sid))} tokens"
+                             for sid in self.store.sessions()) or "no sessions"
+        if name == "switch":
+            self.current = self._session_id(argument)
+            return f"session {self.current}"
+        if name in ("save", "load") and not argument:
+            raise ChatInputError(f"/{name} needs a NAME")
+        if name == "save":
+            self.store.save(self.sessions_dir / argument)
+            return f"saved {len(self.store.sessions())} sessions to {self.sessions_dir / argument}"
+        if name == "load":
+            self.store = SessionStore.load(self.model, self.sessions_dir / argument)
+            self.current, self.undo = min(self.store.sessions(), default=None), {}
+            return f"loaded {len(self.store.sessions())} sessions; current {self.current}"
+        if self.current is None:
+            raise ChatInputError(f"/{name}: no session yet (type a turn first)")
+        if name == "fork":
+            fork = self.store.fork(self.current)
+            self.undo[fork], self.current = [], fork
+            return f"forked: now in session {fork}"
+        if name == "rollback":
+            if not self.undo.get(self.current):
+                raise ChatInputError("nothing to roll back in this session")
+            self.store.rollback(self.current, self.undo[self.current].pop())
+            return f"rolled back to {len(self.store.tokens(self.current))} tokens"
+        raise ChatInputError(f"unknown command /{name}; see python -m eval.chat --help")
+
+    def _session_id(self, text: str) -> int:
+        if not text.isdigit() or int(text) not in self.store.sessions():
+            raise ChatInputError(f"no session {text!r}; /sessions lists them")
+        return int(text)
+
+
+def main(argv: list[str] | None = None, stdin=None, stdout=None) -> int:
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    quiet_checkpoint_logging()
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        run = load_run(args.run, args.step)
+        codec = TokenCodec(run.config)
+    except (ChatInputError, EvalInputError, DataError) as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+    sessions_dir = pathlib.Path(args.sessions_dir) if args.sessions_dir else run.run_dir / "sessions"
+    sessions_dir.mkdir(parents=True, exist_ok=True)
+    chat = Chat(run.model, codec, args, sessions_dir)
+    for line in stdin:
+        line = line.strip()
+        try:
+            reply = chat.command(line) if line.startswith("/") else chat.turn(line)
+        except (ChatInputError, ValueError) as error:
+            print(f"error: {error}", file=stdout, flush=True)
+            continue
+        if reply is None:
+            break
+        print(reply, file=stdout, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Device pools of session memory and the jitted programs that run the model over them.
+
+    Pools
+      state   [N_slots, N_kda, HV, K, V]   fp32   one KDA state per slot (a session or snapshot on device)
+      conv    [N_slots, N_kda, W-1, C]            its conv tails
+      latent  [N_mla, N_pages, page, kv_lora + r]  the paged MLA latent cache
+
+A sequence b on device is (slot[b], page table[b] [P], length[b]); token position t lives at
+page table[b][t // page], row t % page. A program gathers the selected sequences into the
+contiguous bank of `k3jax.memory` (capacity P * page; pages past the table are index N_pages,
+read as zeros), runs the model, and scatters back what changed: the KDA states and conv tails
+of the slots and the latent rows at positions [length, length + T). Padding rows of a batch use
+slot N_slots and page N_pages: their reads are zeros and their writes are dropped. The gathered
+bank equals the contiguous bank exactly on slots [0, length); later slots are masked by the
+causal mask, so the paged result is the contiguous one.
+
+Compiles are reused through fixed buckets: batch sizes and page counts are powers of two and
+prefill pieces are powers of two up to the KDA chunk size (`piece_lengths`).
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.generate import sample_logits
+from k3jax.memory import KDAMemory, Memory, MLAMemory
+
+
+class Pools(NamedTuple):
+    state: jax.Array
+    conv: jax.Array
+    latent: jax.Array
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def piece_lengths(start: int, stop: int, chunk: int) -> list[int]:
+    """Split tokens [start, stop) into prefill pieces that never cross a multiple of ``chunk``,
+    each a power of two (largest first): the same positions always get the same pieces."""
+    pieces, position = [], start
+    while position < stop:
+        boundary = min(stop, (position // chunk + 1) * chunk)
+        size = 1 << ((boundary - position).bit_length() - 1)
+        pieces.append(size)
+        position += size
+    return pieces
+
+
+def empty_pools(config, slots: int, pages: int, page_size: int) -> Pools:
+    """Zero pools for ``slots`` KDA slots and ``pages`` MLA pages."""
+    kda, mla = config.kda, config.mla
+    num_mla = len(config.mla_layer_indices)
+    num_kda = config.num_layers - num_mla
+    dtype = jnp.dtype(config.compute_dtype)
+    return Pools(
+        state=jnp.zeros((slots, num_kda, kda.num_value_heads, kda.head_dim, kda.head_dim), jnp.float32),
+        conv=jnp.zeros((slots, num_kda, kda.conv_size - 1, kda.conv_width), dtype),
+        latent=jnp.zeros((num_mla, pages, page_size, mla.latent_width), dtype),
+    )
+
+
+def grown(pools: Pools, slots: int, pages: int) -> Pools:
+    """``pools`` with capacity raised to ``slots`` and ``pages`` (contents kept, new entries zero)."""
+    def pad(array, axis, size):
+        widths = [(0, 0)] * array.ndim
+        widths[axis] = (0, size - array.shape[axis])
+        return jnp.pad(array, widths)
+    return Pools(pad(pools.state, 0, slots), pad(pools.conv, 0, slots), pad(pools.latent, 1, pages))
+
+
+def gather_bank(pools: Pools, slots: jax.Array, tables: jax.Array, lengths: jax.Array) -> Memory:
+    """The contiguous bank of B sequences: slots ``[B]``, page tables ``[B, P]``, lengths ``[B]``."""
+    state = pools.state.at[slots].get(mode="fill", fill_value=0)
+    conv = pools.conv.at[slots].get(mode="fill", fill_value=0)
+    latent = pools.latent.at[:, tables].get(mode="fill", fill_value=0)       # [N_mla, B, P, page, L]
+    num_mla, batch = latent.shape[:2]
+    latent = latent.reshape(num_mla, batch, -1, latent.shape[-1])
+    lengths = jnp.broadcast_to(lengths, (num_mla, batch))
+    return Memory(kda=KDAMemory(jnp.swapaxes(state, 0, 1), jnp.swapaxes(conv, 0, 1)),
+                  mla=MLAMemory(latent, lengths, jnp.zeros_like(lengths)))
+
+
+def scatter_bank(pools: Pools, slots, tables, lengths, bank: Memory, new_tokens: int) -> Pools:
+    """Write back the KDA states and conv tails of ``bank`` and its latent rows at positions
+    [length, length + new_tokens) into the pages of each table (padding rows are dropped)."""
+    page_size = pools.latent.shape[2]
+    positions = lengths[:, None] + jnp.arange(new_tokens)                      # [B, T]
+    pages = jnp.take_along_axis(tables, positions // page_size, axis=1, mode="fill", fill_value=pools.latent.shape[1])
+    rows = jnp.take_along_axis(bank.mla.latent, positions[None, :, :, None], axis=2)   # [N_mla, B, T, L]
+    return Pools(
+        state=pools.state.at[slots].set(jnp.swapaxes(bank.kda.state, 0, 1), mode="drop"),
+        conv=pools.conv.at[slots].set(jnp.swapaxes(bank.kda.conv, 0, 1), mode="drop"),
+        latent=pools.latent.at[:, pages, positions % page_size].set(rows, mode="drop"),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
+def prefill_piece(graphdef, params, pools: Pools, slot, table, length, tokens):
+    """One sequence continues by ``tokens [T]``: -> (logits [T, vocab] fp32, pools)."""
+    slots, tables, lengths = slot[None], table[None], length[None]
+    out = nnx.merge(graphdef, params)(tokens[None], memory=gather_bank(pools, slots, tables, lengths))
+    return out.logits[0], scatter_bank(pools, slots, tables, lengths, out.memory, tokens.shape[0])
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
+def decode_step(graphdef, params, pools: Pools, slots, tables, lengths, logits, seed, row_ids, sampling):
+    """Every row samples its next token from ``logits [B, vocab]`` (`k3jax.generate.sample_logits`
+    with the key fold_in(fold_in(key(seed), row_id), length)) and feeds it: -> (tokens [B], their
+    logits [B, vocab] fp32, pools). One program for every subset of sessions of a batch bucket
+    and page bucket."""
+    def sample_row(row_logits, row_id, length):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), row_id), length)
+        return sample_logits(row_logits[None], key, *sampling)[0]
+    tokens = jax.vmap(sample_row)(logits, row_ids, lengths)
+    out = nnx.merge(graphdef, params)(tokens[:, None], memory=gather_bank(pools, slots, tables, lengths))
+    return tokens, out.logits[:, 0], scatter_bank(pools, slots, tables, lengths, out.memory, 1)
+
+
+@functools.partial(jax.jit, donate_argnames=("pools",))
+def copy_slot(pools: Pools, source, target) -> Pools:
+    """Slot ``target`` := slot ``source`` (a fork or snapshot's KDA state and conv tails)."""
+    return pools._replace(state=pools.state.at[target].set(pools.state[source]),
+                          conv=pools.conv.at[target].set(pools.conv[source]))
+
+
+@functools.partial(jax.jit, donate_argnames=("pools",))
+def copy_page(pools: Pools, source, target) -> Pools:
+    """Page ``target`` := page ``source`` (copy-on-write of a shared partial page)."""
+    return pools._replace(latent=pools.latent.at[:, target].set(pools.latent[:, source]))
+
+
+@functools.partial(jax.jit, donate_argnames=("pools",))
+def write_value(pools: Pools, slot, state, conv, table, rows) -> Pools:
+    """Upload one sequence: its state, conv tails and latent rows ``[N_mla, P * page, L]`` into
+    ``slot`` and the pages of ``table [P]`` (entries N_pages are dropped)."""
+    page_size = pools.latent.shape[2]
+    rows = rows.reshape(rows.shape[0], table.shape[0], page_size, rows.shape[-1])
+    return Pools(pools.state.at[slot].set(state), pools.conv.at[slot].set(conv),
+                 pools.latent.at[:, table].set(rows, mode="drop"))
+
+
+@jax.jit
+def read_value(pools: Pools, slot, table):
+    """-> (state, conv tails, latent rows ``[N_mla, P * page, L]``) of one sequence on device."""
+    bank = gather_bank(pools, slot[None], table[None], jnp.zeros((1,), jnp.int32))
+    return bank.kda.state[:, 0], bank.kda.conv[:, 0], bank.mla.latent[:, 0]
+
+
+@jax.jit
+def read_slot(pools: Pools, slot):
+    """-> (state, conv tails) of one slot."""
+    return pools.state[slot], pools.conv[slot]
