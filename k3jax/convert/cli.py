@@ -11,6 +11,7 @@ line and exits with status 1; nothing that looks complete is left behind.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from k3jax.checkpoint import CheckpointError
@@ -42,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    logging.getLogger("absl").setLevel(logging.ERROR)   # Orbax warns through absl on every read-only open
     log = lambda line: print(line, file=sys.stderr)  # noqa: E731
     try:
         if args.command == "import":
