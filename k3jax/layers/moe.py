@@ -26,6 +26,7 @@ from k3jax.layers.ffn import DenseGLU
 from k3jax.layers.params import param, truncated_normal
 from k3jax.ops.moe import (
     EXPERT_MATMULS,
+    ROUTER_SCORES,
     MoEStats,
     expert_load,
     glu_activation,
@@ -72,7 +73,11 @@ class Router(nnx.Module):
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
-        router_scores(jnp.zeros((1, num_experts)), score)  # fail at construction on an unknown name
+        if score not in ROUTER_SCORES:
+            raise ValueError(f"unknown router score {score!r}; expected one of {ROUTER_SCORES}")
+        if num_experts % expert_groups or not 0 < topk_groups <= expert_groups:
+            raise ValueError(f"expert_groups must divide num_experts and topk_groups be in [1, expert_groups], got "
+                             f"{expert_groups}, {topk_groups} for {num_experts} experts")
         if not 0 < top_k < num_experts:
             raise ValueError(f"top_k must be in [1, num_experts - 1], got top_k={top_k}, num_experts={num_experts}")
         self.weight = param(rngs, truncated_normal(init_std), (d_model, num_experts), ("embed", "experts"), param_dtype)

@@ -227,6 +227,8 @@ def test_jit_matches_eager():
         (dict(latent_dim=None, latent_norm=True), "latent_norm=True needs a latent_dim"),
         (dict(activation="relu"), "unknown GLU activation"),
         (dict(top_k=EXPERTS), "top_k must be in"),
+        (dict(router_score="tanh"), "unknown router score"),
+        (dict(expert_groups=3), "expert_groups must divide"),
     ],
 )
 def test_bad_configurations_fail_at_construction(options, message):
