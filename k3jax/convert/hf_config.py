@@ -59,10 +59,10 @@ quantization_config, and fields made inert by others, e.g. the SiTU betas of a S
 not change the text model's computation here and comes back as ``carried``: the source mapping
 with the consumed keys removed, nesting kept, for `hf_config_from_model` to write back (a field
 stated at the reference's default stays there too: stating a default changes nothing, and export
-then writes the file's fields back exactly). What the
-HF file does not say but k3jax needs follows the released training recipes (SPEC §6): quantile
-balancing for a K3-style (block AttnRes) model, sign balancing otherwise. Run settings
-(compute_dtype, expert_matmul, remat, ...) keep k3jax's defaults; set them with overrides.
+then writes the file's fields back exactly). What the HF file does not say but k3jax needs
+follows the released training recipes (SPEC §6): quantile balancing for a K3-style (block
+AttnRes) model, sign balancing otherwise. Run settings (compute_dtype, expert_matmul, remat, ...)
+keep k3jax's defaults; set them with overrides.
 """
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ from k3jax.layers.ffn import DenseGLU
 from k3jax.layers.params import param, truncated_normal
 from k3jax.ops.moe import (
     EXPERT_MATMULS,
+    ROUTER_SCORES,
     MoEStats,
     expert_load,
     glu_activation,
@@ -61,6 +62,8 @@ class Router(nnx.Module):
     """
 
     def __init__(self, d_model: int, config: MoEConfig, *, init_std: float, rngs: nnx.Rngs):
+        if config.router_score not in ROUTER_SCORES:
+            raise ValueError(f"unknown router score {config.router_score!r}; expected one of {ROUTER_SCORES}")
         experts = config.num_experts
         self.weight = param(rngs, truncated_normal(init_std), (d_model, experts), ("embed", "experts"))
         self.e_score_correction_bias = param(

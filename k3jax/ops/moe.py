@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 ACTIVATIONS = ("situ", "swiglu")
 BALANCING = ("sign", "quantile")
+ROUTER_SCORES = ("sigmoid", "softmax")
 ROUTE_NORM_EPS = 1e-20
 
 GLUActivation = Callable[[jax.Array, jax.Array], jax.Array]
@@ -89,9 +90,6 @@ def glu_ffn(
 
 
 # --- router ----------------------------------------------------------------------------------
-
-
-ROUTER_SCORES = ("sigmoid", "softmax")
 
 
 def router_scores(logits: jax.Array, score: str = "sigmoid") -> jax.Array:

@@ -245,6 +245,8 @@ def test_moe_reads_its_config():
         (dict(latent_dim=None, latent_norm=True), ConfigError, "latent_norm: needs a latent_dim"),
         (dict(activation="relu"), ValueError, "unknown GLU activation"),
         (dict(top_k=EXPERTS), ConfigError, "top_k: must be below num_experts"),
+        (dict(router_score="tanh"), ValueError, "unknown router score"),
+        (dict(expert_groups=3), ConfigError, "expert_groups: must divide"),
     ],
 )
 def test_bad_configurations_fail_at_construction(options, error, message):
