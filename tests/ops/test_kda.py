@@ -319,9 +319,9 @@ def test_softplus_gate_overflow_gives_a_reset_with_finite_gradients():
 
     def loss(raw, a_log, dt_bias, gate, implementation):
         g = gate(raw, a_log, dt_bias)
-        o, state = kda_ops.kda(*(jnp.asarray(x[n], raw.dtype) for n in ("q", "k", "v")), g,
-                               jnp.asarray(x["beta"], raw.dtype), initial_state=jnp.asarray(x["initial_state"], raw.dtype),
-                               chunk_size=16, implementation=implementation)
+        q, k, v, beta, initial_state = (jnp.asarray(x[n], raw.dtype) for n in ("q", "k", "v", "beta", "initial_state"))
+        o, state = kda_ops.kda(q, k, v, g, beta, initial_state=initial_state, chunk_size=16,
+                               implementation=implementation)
         return jnp.sum(o * cotangent) + jnp.sum(state**2)
 
     def float64_gate(raw, a_log, dt_bias):  # -a softplus(z) written out, no floor

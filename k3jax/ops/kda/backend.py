@@ -5,22 +5,24 @@ Pallas kernels pass 2-D tiles, the XLA chunk form batches ``[B, G, HV]`` blocks 
 product goes through a `Dots`, which says at what precision it runs and how a backend prefers it:
 
     mm(a, b)    = a b          mm_nt(a, b) = a b^T          mm_tn(a, b) = a^T b
-    vector_t(x) = x^T  for a row [..., 1, d] or a column [..., d, 1]
+    vector_t(x) = x^T  for a row [..., 1, d] or a column [..., d, 1], as a sum through a
+                  diagonal mask (vector transposes do not lower in every Pallas backend; in
+                  XLA the masked form measured the same as a plain transpose: 0.974x vs 0.975x)
     sums(M, x)  = M x  for a 0/1 matrix M (gate sums), always full fp32
 
-Choices, each with the measurement that justifies it (interleaved A/B in one process,
-2 CPU cores, forward+backward of the chunk form):
+Choices, each with the measurement that justifies it (forward+backward of the chunk form at
+(B, T, HV, K, V) = (1, 4096, 4, 128, 128), chunk 64, 7 interleaved rounds in one process on the
+shared 2-core machine; median per-round ratio of process CPU time against main's chunk.py, the
+default choices giving 0.975x):
 
   * ``transposed_operands`` (XLA): a^T b is taken as a plain product of a transposed copy of a
     held behind an optimization barrier, because XLA:CPU runs a dot whose lhs is contracted
-    over its rows through a slower library path (see `XLA_DOTS` for the figures).
-  * ``masked_vector_transpose`` (Pallas): a [1, d] row becomes a [d, 1] column through a
-    diagonal mask and a sum, because vector transposes do not lower in every Pallas backend; in
-    XLA it is a plain transpose (the masked form costs a state-sized select per block).
+    over its rows through a slower library path (without it: 0.872x).
   * ``factored_diagonal`` (XLA): a diagonal 16 x 16 score block whose tokens decay by at most
     `FACTORED_DECAY_LIMIT` is one product of exp(Gamma)-scaled rows and exp(-Gamma)-scaled
     columns (branch taken per chunk by `lax.cond`); the Pallas kernels always use the exact
     pairwise form (no data-dependent branch inside a kernel, whose lowering we cannot run here).
+    In XLA the exact form everywhere measured 0.779x.
 """
 from __future__ import annotations
 
@@ -45,14 +47,6 @@ def _contract(a, b, a_axis: int, b_axis: int, precision):
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=a.dtype)
 
 
-def _masked_vector_transpose(x):
-    """``[..., 1, d]`` <-> ``[..., d, 1]`` as a sum through a diagonal mask."""
-    row = x.shape[-2] == 1
-    size = x.shape[-1] if row else x.shape[-2]
-    eye = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0) == jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)
-    return jnp.sum(jnp.where(eye, x, 0.0), axis=-1 if row else -2, keepdims=True)
-
-
 @dataclasses.dataclass(frozen=True)
 class Dots:
     """The products of the block math on one backend (see the module docstring)."""
@@ -60,7 +54,6 @@ class Dots:
     precision: Any = EXACT
     transposed_operands: bool = False
     factored_diagonal: bool = False
-    masked_vector_transpose: bool = False
 
     def mm(self, a, b):
         return _contract(a, b, -1, -2, self.precision)
@@ -73,11 +66,14 @@ class Dots:
             return self.mm(jax.lax.optimization_barrier(jnp.swapaxes(a, -1, -2)), b)
         return _contract(a, b, -2, -2, self.precision)
 
-    def vector_t(self, x):
-        """``[..., 1, d]`` <-> ``[..., d, 1]``."""
-        if self.masked_vector_transpose:
-            return _masked_vector_transpose(x)
-        return jnp.swapaxes(x, -1, -2)
+    @staticmethod
+    def vector_t(x):
+        """``[..., 1, d]`` <-> ``[..., d, 1]`` as a sum through a diagonal mask."""
+        row = x.shape[-2] == 1
+        size = x.shape[-1] if row else x.shape[-2]
+        index = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
+        eye = index == jnp.swapaxes(index, 0, 1)
+        return jnp.sum(jnp.where(eye, x, 0.0), axis=-1 if row else -2, keepdims=True)
 
     @staticmethod
     def sums(matrix, x):
@@ -90,4 +86,4 @@ XLA_DOTS = Dots(transposed_operands=True, factored_diagonal=True)
 
 def pallas_dots(precision) -> Dots:
     """The Pallas kernels' products at ``precision`` (TF32x3 on a GPU, full fp32 elsewhere)."""
-    return Dots(precision=precision, masked_vector_transpose=True)
+    return Dots(precision=precision)

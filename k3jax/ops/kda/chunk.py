@@ -18,8 +18,9 @@ slower in an interleaved A/B). Per chunk, in reverse: recompute the block terms,
 states entering each block from V~, walk the blocks backwards for dS, taking each block's
 products with its S_in and dS_out on the way (`blocks.value_block_gradients`,
 `blocks.state_gradient`: no state is stacked), then the rest of all G blocks' gradients at
-once (`blocks.gradients_from_parts`). (Autodiff of the forward with each chunk rematerialised
-measured 3x slower and used twice the temporary memory: see the report of issue 12.)
+once (`blocks.gradients_from_parts`). Autodiff of the same forward with each chunk's step
+rematerialised instead measured 0.34x main's forward+backward speed at (1, 4096, 4, 128, 128)
+and 129 MiB of temporaries at T = 8192 (this backward: 80 MiB).
 """
 from __future__ import annotations
 
