@@ -11,18 +11,32 @@ leftover temporaries are removed on the next start.
     state, meta = checkpoints.restore(step, abstract_state)   # onto abstract_state's shardings
     params = restore_subtree(other_run / "checkpoints", "params", abstract_params)
 
+Integrity: every save records in ``meta`` a checksum of each array of the state and a SHA-256 of
+the rest of the metadata; every restore recomputes them and refuses a checkpoint that differs. An
+array's checksum is position-weighted over its 32-bit words w_i (16- and 8-bit values widened):
+
+    checksum(x) = sum_i (2 i + 1) * w_i   mod 2^32
+
+Integer addition modulo 2^32 is exact in any order, so the sum is the same for any sharding of the
+array and any device count; the weights are odd, so flipping any single bit always changes it.
+`restore_newest_good` walks back from the newest checkpoint to the newest one that restores.
+
 Every failure (missing or corrupted checkpoint, full disk, unwritable directory) surfaces as a
 `CheckpointError` with a one-line message.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import pathlib
-from typing import Any
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 STATE, META = "state", "meta"
+CHECKSUMS, META_DIGEST = "checksums", "meta_sha256"
 
 
 class CheckpointError(RuntimeError):
@@ -39,6 +53,75 @@ def checkpoint_directory(path: str | pathlib.Path) -> pathlib.Path:
     already is one."""
     path = pathlib.Path(path).expanduser().resolve()
     return path / "checkpoints" if (path / "checkpoints").is_dir() else path
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The bits of every element of ``x`` as uint32 (16/8-bit values zero-extended, 64-bit folded)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    words = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+    if x.dtype.itemsize == 8:      # [..., 2] halves: the high half weighted by an odd constant
+        words = words[..., 0] + words[..., 1] * jnp.uint32(0x9E3779B1)
+    return words
+
+
+def _array_checksum(x: jax.Array) -> jax.Array:
+    """``sum_i (2 i + 1) * w_i mod 2^32`` over the row-major index i of the words w of ``x``."""
+    words = _words(x)
+    index = jnp.zeros(words.shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(words.ndim)):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= words.shape[axis]
+    return jnp.sum(words * (2 * index + 1), dtype=jnp.uint32)
+
+
+_tree_checksums = jax.jit(lambda tree: jax.tree.map(_array_checksum, tree))
+
+
+def tree_checksums(tree: Any) -> dict[str, int]:
+    """``{path: checksum}`` of every array in ``tree`` (a dict of pytrees; paths as `jax.tree_util.keystr`)."""
+    sums = jax.device_get(_tree_checksums(tree))
+    return {jax.tree_util.keystr(path): int(value) for path, value in jax.tree_util.tree_leaves_with_path(sums)}
+
+
+def _named(state: Any) -> dict:
+    """The state as a dict of its fields, so that its paths match a restored subtree's ``{field: ...}``."""
+    return state._asdict() if hasattr(state, "_asdict") else dict(state)
+
+
+def _meta_digest(meta: dict) -> str:
+    body = {key: value for key, value in meta.items() if key != META_DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def sealed_meta(meta: dict, state: Any) -> dict:
+    """``meta`` with the checksums of ``state``'s arrays and the digest of the whole."""
+    sealed = {**meta, CHECKSUMS: tree_checksums(_named(state))}
+    return {**sealed, META_DIGEST: _meta_digest(sealed)}
+
+
+def verify_meta(meta: dict, where: str) -> dict:
+    """``meta`` if its digest matches (or it predates digests), else a `CheckpointError`."""
+    if META_DIGEST in meta and meta[META_DIGEST] != _meta_digest(meta):
+        raise CheckpointError(f"{where}: metadata is corrupted (its SHA-256 does not match)")
+    return meta
+
+
+def verify_arrays(tree: dict, meta: dict, where: str) -> None:
+    """Raise `CheckpointError` naming the first array of ``tree`` (``{field: subtree}``) whose
+    checksum differs from the one saved in ``meta`` (checkpoints without checksums pass)."""
+    saved = meta.get(CHECKSUMS)
+    if saved is None:
+        return
+    for name, value in tree_checksums(tree).items():
+        if saved.get(name) != value:
+            raise CheckpointError(f"{where}: array {name} is corrupted (checksum {value:#010x}, "
+                                  f"saved {saved.get(name, 0):#010x})" if name in saved else
+                                  f"{where}: array {name} has no saved checksum")
 
 
 class RunCheckpoints:
@@ -69,10 +152,15 @@ class RunCheckpoints:
     def save(self, step: int, state: Any, meta: dict, *, force: bool = False) -> bool:
         """Start saving ``state`` and ``meta`` at ``step`` (when due, or ``force``); True if started.
 
-        A failure of an earlier asynchronous save is raised here or by `wait`."""
+        The metadata saved is sealed: it carries the checksum of every array of ``state`` and the
+        digest of itself (`sealed_meta`). A failure of an earlier asynchronous save is raised here or
+        by `wait`."""
         try:
+            if not (force or self._manager.should_save(step)):
+                return False
             return self._manager.save(
-                step, args=ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)}),
+                step, args=ocp.args.Composite(**{STATE: ocp.args.StandardSave(state),
+                                                  META: ocp.args.JsonSave(sealed_meta(meta, state))}),
                 force=force,
             )
         except Exception as error:  # noqa: BLE001
@@ -92,11 +180,11 @@ class RunCheckpoints:
             restored = self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
         except Exception as error:  # noqa: BLE001
             raise CheckpointError(f"checkpoint {step} in {self.directory} is unreadable: {_one_line(error)}") from error
-        return dict(restored[META])
+        return verify_meta(dict(restored[META]), f"checkpoint {step} in {self.directory}")
 
     def restore(self, step: int | None, abstract_state: Any) -> tuple[Any, dict]:
         """The state and metadata of ``step`` (default: the latest), placed like ``abstract_state``
-        (a pytree of `jax.ShapeDtypeStruct`, with shardings)."""
+        (a pytree of `jax.ShapeDtypeStruct`, with shardings), verified against the saved checksums."""
         step = self.require_step(step)
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(
@@ -104,10 +192,14 @@ class RunCheckpoints:
         except Exception as error:  # noqa: BLE001
             raise CheckpointError(f"checkpoint {step} in {self.directory} does not match this model or is "
                                   f"corrupted: {_one_line(error)}") from error
-        return restored[STATE], dict(restored[META])
+        where = f"checkpoint {step} in {self.directory}"
+        meta = verify_meta(dict(restored[META]), where)
+        verify_arrays(_named(restored[STATE]), meta, where)
+        return restored[STATE], meta
 
     def read_state(self, step: int | None = None) -> Any:
-        """The state of ``step`` (default: the latest) as saved, without a target structure (host arrays)."""
+        """The state of ``step`` (default: the latest) as saved, without a target structure (host
+        arrays; not verified: the structure differs from the one the checksums were taken of)."""
         step = self.require_step(step)
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore()}))
@@ -117,6 +209,10 @@ class RunCheckpoints:
 
     def close(self) -> None:
         self._manager.close()
+
+    def reload(self) -> None:
+        """Re-read the list of steps from disk (after step directories were moved)."""
+        self._manager.reload()
 
     def require_step(self, step: int | None) -> int:
         if step is None:
@@ -128,12 +224,24 @@ class RunCheckpoints:
         return step
 
 
+def _restore_sharding(abstract: Any) -> jax.sharding.Sharding:
+    """Where an array is restored: its own sharding, or this process's first device."""
+    sharding = getattr(abstract, "sharding", None)
+    return sharding if sharding is not None else jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
 def restore_subtree(directory: str | pathlib.Path, key: str, abstract: Any, step: int | None = None) -> tuple[Any, dict]:
     """Restore only ``state[key]`` (e.g. the parameters, for fine-tuning) of a run's checkpoint,
-    placed like ``abstract``; returns ``(subtree, meta)``."""
+    placed like ``abstract`` (arrays without a sharding go to this process's first device, whatever
+    devices wrote the checkpoint), verified against the saved checksums; returns ``(subtree, meta)``."""
     checkpoints = RunCheckpoints(checkpoint_directory(directory), read_only=True)
-    step = checkpoints.require_step(step)
-    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=getattr(a, "sharding", None)), abstract)
+    try:
+        step = checkpoints.require_step(step)
+    except CheckpointError:
+        checkpoints.close()
+        raise
+    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=_restore_sharding(a)), abstract)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_restore_sharding(a)), abstract)
     try:
         restored = checkpoints._manager.restore(step, args=ocp.args.Composite(**{
             STATE: ocp.args.PyTreeRestore(item={key: abstract}, restore_args={key: restore_args}, partial_restore=True),
@@ -144,4 +252,26 @@ def restore_subtree(directory: str | pathlib.Path, key: str, abstract: Any, step
                               f"{_one_line(error)}") from error
     finally:
         checkpoints.close()
-    return restored[STATE][key], dict(restored[META])
+    where = f"checkpoint {step} in {checkpoints.directory}"
+    meta = verify_meta(dict(restored[META]), where)
+    verify_arrays({key: restored[STATE][key]}, meta, where)
+    return restored[STATE][key], meta
+
+
+def restore_newest_good(steps: list[int], restore_step: Callable[[int], Any],
+                        report: Callable[[str], None]) -> tuple[int, Any]:
+    """``(step, restore_step(step))`` for the newest of ``steps`` that restores; every step that
+    raises `CheckpointError` on the way is reported in one line (``report``) and skipped. Raises
+    `CheckpointError` when none restores."""
+    failures = []
+    for step in sorted(steps, reverse=True):
+        try:
+            result = restore_step(step)
+        except CheckpointError as error:
+            failures.append(step)
+            report(f"warning: {error}")
+            continue
+        if failures:
+            report(f"falling back to checkpoint {step} (unusable: {', '.join(map(str, failures))})")
+        return step, result
+    raise CheckpointError(f"no usable checkpoint among steps {sorted(steps)}" if steps else "no checkpoint")

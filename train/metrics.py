@@ -2,7 +2,8 @@
 
 ``<run_dir>/metrics.jsonl`` holds one JSON object per logged step. On resume the lines of steps
 after the restored checkpoint are dropped first (they are about to be recomputed), so the file
-always reads as one uninterrupted run.
+always reads as one uninterrupted run. A line that does not parse (a crash can leave the last one
+torn) is dropped there, and skipped by `read_metrics`.
 """
 from __future__ import annotations
 
@@ -38,10 +39,9 @@ class MetricsLog:
     def _drop_after(self, step: int) -> None:
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text(encoding="utf-8").splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        kept = [record for record in _parsed_lines(self.path) if record.get("step", 0) <= step]
         temporary = self.path.with_suffix(".jsonl.tmp")
-        temporary.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        temporary.write_text("".join(json.dumps(record) + "\n" for record in kept), encoding="utf-8")
         os.replace(temporary, self.path)
 
     def write(self, record: dict) -> None:
@@ -52,12 +52,23 @@ class MetricsLog:
         self._file.close()
 
 
+def _parsed_lines(path: pathlib.Path) -> list[dict]:
+    """The JSON objects of the lines of ``path`` that parse as one (torn or foreign lines skipped)."""
+    records = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     """The records of a run's metrics file (empty when there is none)."""
     path = pathlib.Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return _parsed_lines(path) if path.exists() else []
 
 
 class TensorBoard:

@@ -17,10 +17,14 @@ rows of every batch and writes its shards of each checkpoint; only process 0 wri
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pathlib
+import shutil
 import signal
+import socket
+import sys
 import tempfile
 import time
 from typing import Any, NamedTuple
@@ -30,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 
-from k3jax.checkpoint import RunCheckpoints, restore_subtree
+from k3jax.checkpoint import CheckpointError, RunCheckpoints, restore_newest_good, restore_subtree
 from k3jax.config import Config, ConfigError, to_dict
 from k3jax.data import MQARDataset, make_dataset, mqar_recall
 from k3jax.optim import build_optimizer, learning_rate_schedule
@@ -45,16 +49,70 @@ class RunError(RuntimeError):
     """A run that cannot start or continue (the message is one line)."""
 
 
+def say(message: str) -> None:
+    """One line on stderr, at once."""
+    print(message, file=sys.stderr, flush=True)
+
+
 def prepare_run_dir(path: str) -> pathlib.Path:
-    """Create the run directory and make sure it is writable."""
+    """Create the run directory and make sure it (and its checkpoints/, if present) is writable."""
     run_dir = pathlib.Path(path).expanduser().resolve()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-test-"):
-            pass
+        for directory in (run_dir, run_dir / "checkpoints"):
+            if directory.is_dir():
+                with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
+                    pass
     except OSError as error:
         raise RunError(f"cannot write run directory {run_dir}: {error.strerror or error}") from None
     return run_dir
+
+
+def remove_if_empty(run_dir: pathlib.Path) -> None:
+    """Remove ``run_dir`` when it holds nothing but empty directories and the lock file."""
+    files = [path for path in run_dir.rglob("*") if not path.is_dir() and path.name != ".lock"]
+    if not files:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+class RunLock:
+    """An advisory, exclusive `fcntl` lock on ``<run_dir>/.lock``, which records who holds it. The
+    kernel releases it when the process ends, however it ends."""
+
+    def __init__(self, run_dir: pathlib.Path):
+        self._file = open(run_dir / ".lock", "a+", encoding="utf-8")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "another process"
+            self._file.close()
+            raise RunError(f"run directory {run_dir} is in use by another trainer ({holder}); "
+                           f"wait for it to end or choose another run_dir") from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"host {socket.gethostname()}, pid {os.getpid()}\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        if not self._file.closed:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+
+
+def set_aside(run_dir: pathlib.Path, steps: list[int], reason: str) -> None:
+    """Move the step directories ``steps`` of ``run_dir/checkpoints`` to ``run_dir/checkpoints-set-aside``."""
+    if not steps:
+        return
+    target = run_dir / "checkpoints-set-aside"
+    target.mkdir(exist_ok=True)
+    for step in steps:
+        destination = target / str(step)
+        suffix = 1
+        while destination.exists():
+            destination, suffix = target / f"{step}.{suffix}", suffix + 1
+        os.replace(run_dir / "checkpoints" / str(step), destination)
+    say(f"moved checkpoints {', '.join(map(str, steps))} ({reason}) to {target}")
 
 
 def write_atomically(path: pathlib.Path, text: str) -> None:
@@ -164,8 +222,26 @@ class Trainer:
 
     def __init__(self, config: Config):
         self.config = config
-        enable_compilation_cache(config.train.compilation_cache)
+        self.primary = jax.process_index() == 0   # holds the lock; writes config.yaml, summary.json, metrics.jsonl
+        created = not pathlib.Path(config.run_dir).expanduser().exists()
         self.run_dir = prepare_run_dir(config.run_dir)
+        self._lock = RunLock(self.run_dir) if self.primary else None
+        try:
+            self._set_up()
+        except BaseException:
+            self.close()
+            if created and self.primary:
+                remove_if_empty(self.run_dir)
+            raise
+
+    def close(self) -> None:
+        """Release the run directory (the trainer cannot be used afterwards)."""
+        if self._lock:
+            self._lock.release()
+
+    def _set_up(self) -> None:
+        config = self.config
+        enable_compilation_cache(config.train.compilation_cache)
         self.data = make_dataset(config.data)
         if self.data.vocab_size > config.model.vocab_size:
             raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the data's "
@@ -177,7 +253,6 @@ class Trainer:
         self.schedule, self.optimizer = layout.schedule, layout.optimizer
         self.abstract_state, self.shardings = layout.state, layout.shardings
         self.batch_rows = process_rows(self.shardings.batch, config.train.batch_size)
-        self.primary = jax.process_index() == 0   # writes config.yaml, summary.json, metrics.jsonl
         self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", keep=config.checkpoint.keep,
                                           every=config.checkpoint.every, async_save=config.checkpoint.async_save)
         self.position = 0  # batches consumed
@@ -190,14 +265,37 @@ class Trainer:
 
     # -- state ---------------------------------------------------------------------------------
 
+    def _restore_checkpoint(self, step: int) -> tuple[TrainState, dict]:
+        check_same_model(self.checkpoints.meta(step), self.config, f"checkpoint {step} in {self.run_dir}")
+        return self.checkpoints.restore(step, self.abstract_state)
+
+    def _resume(self, steps: list[int]) -> None:
+        """Restore ``train.resume_step`` or else the newest checkpoint that restores; set aside the
+        newer ones (unusable, or superseded by the choice) so that the run can save those steps again."""
+        wanted = self.config.train.resume_step
+        candidates = [self.checkpoints.require_step(wanted)] if wanted is not None else steps
+        try:
+            step, (self.state, meta) = restore_newest_good(candidates, self._restore_checkpoint, say)
+        except CheckpointError as error:
+            raise CheckpointError(f"{error} in {self.checkpoints.directory}; pick one with train.resume_step=N "
+                                  f"or start afresh in another run_dir") from None
+        if self.primary:
+            set_aside(self.run_dir, [s for s in steps if s > step],
+                      "newer than train.resume_step" if wanted is not None else "unusable")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("checkpoints set aside")
+        self.checkpoints.reload()
+        self.position = int(meta["data_position"])
+        self.resumed_from = step
+
     def _resume_or_initialise(self) -> None:
-        latest = self.checkpoints.latest_step()
-        if latest is not None:
-            check_same_model(self.checkpoints.meta(latest), self.config, f"checkpoint {latest} in {self.run_dir}")
-            self.state, meta = self.checkpoints.restore(latest, self.abstract_state)
-            self.position = int(meta["data_position"])
-            self.resumed_from = latest
+        steps = self.checkpoints.steps()
+        if steps:
+            self._resume(steps)
             return
+        if self.config.train.resume_step is not None:
+            raise RunError(f"train.resume_step={self.config.train.resume_step}, but {self.run_dir} has no checkpoint")
         self.resumed_from = None
         if self.config.init_from:
             source = pathlib.Path(self.config.init_from).expanduser()
@@ -229,6 +327,13 @@ class Trainer:
         return global_batch(rows, self.shardings.batch, size)
 
     def run(self) -> dict:
+        """Train to ``train.steps`` (or until SIGTERM/SIGINT), save, evaluate; releases the run directory."""
+        try:
+            return self._run()
+        finally:
+            self.close()
+
+    def _run(self) -> dict:
         cfg = self.config.train
         log_name = "metrics.jsonl" if self.primary else f"metrics.process{jax.process_index()}.jsonl"
         log = MetricsLog(self.run_dir / log_name, self.position)
