@@ -155,6 +155,7 @@ class RunCheckpoints:
         The metadata saved is sealed: it carries the checksum of every array of ``state`` and the
         digest of itself (`sealed_meta`). A failure of an earlier asynchronous save is raised here or
         by `wait`."""
+        self.check()
         try:
             if not (force or self._manager.should_save(step)):
                 return False
@@ -165,6 +166,13 @@ class RunCheckpoints:
             )
         except Exception as error:  # noqa: BLE001
             raise CheckpointError(f"saving checkpoint {step} in {self.directory} failed: {_one_line(error)}") from error
+
+    def check(self) -> None:
+        """Raise `CheckpointError` if an asynchronous save that has ended failed (cheap: no waiting)."""
+        try:
+            self._manager.check_for_errors()
+        except Exception as error:  # noqa: BLE001
+            raise CheckpointError(f"saving a checkpoint in {self.directory} failed: {_one_line(error)}") from error
 
     def wait(self) -> None:
         """Block until pending saves are on disk."""

@@ -8,7 +8,8 @@ checkpoint the run resumes from the latest one exactly: the state is restored bi
 the data continues at the saved position (batches are a pure function of the data seed and the
 step). ``init_from`` starts a fresh run from another run's parameters (fine-tuning).
 
-SIGTERM and SIGINT finish the current step, save a checkpoint and end the run cleanly.
+SIGTERM and SIGINT finish the current step, save a checkpoint and end the run cleanly; during the
+start (see `StopSignals`) they end it before anything is written.
 
 The state lives on the device mesh of ``config.mesh`` (`k3jax.sharding`), and a checkpoint
 restores onto whatever mesh the resuming run has. With several processes each one feeds its own
@@ -43,6 +44,7 @@ from k3jax.sharding import (StepShardings, abstract, check_run_fits, global_batc
 from k3jax.training import (TrainState, abstract_model, abstract_train_state, make_eval_step, make_train_step,
                             sharded_state_from_params, sharded_train_state, training_flops_per_token)
 from train.metrics import MetricsLog, Progress, TensorBoard
+from train.signals import StopSignals
 
 
 class RunError(RuntimeError):
@@ -156,26 +158,6 @@ def measured_matmul_flops(dtype: str) -> float:
     return 2 * 2048**3 / best
 
 
-class _StopSignals:
-    """Records SIGTERM / SIGINT instead of dying, so the loop can save and exit cleanly."""
-
-    def __init__(self):
-        self.received: str | None = None
-        self._previous = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.received = signal.Signals(signum).name
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 def enable_compilation_cache(directory: str | None) -> None:
     """Keep compiled programs on disk so a resumed or repeated run starts in seconds."""
     if directory:
@@ -220,8 +202,11 @@ def lay_out_run(config: Config) -> RunLayout:
 class Trainer:
     """Builds everything a run needs from its `Config`."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, signals: StopSignals | None = None):
+        """``signals``: the caller's `StopSignals`, checked between the phases of the start (a signal
+        there raises `StopRequested` and writes nothing) and between steps (else `run` installs its own)."""
         self.config = config
+        self.signals = signals
         self.primary = jax.process_index() == 0   # holds the lock; writes config.yaml, summary.json, metrics.jsonl
         created = not pathlib.Path(config.run_dir).expanduser().exists()
         self.run_dir = prepare_run_dir(config.run_dir)
@@ -239,10 +224,15 @@ class Trainer:
         if self._lock:
             self._lock.release()
 
+    def _stop_point(self) -> None:
+        if self.signals is not None:
+            self.signals.check()
+
     def _set_up(self) -> None:
         config = self.config
         enable_compilation_cache(config.train.compilation_cache)
         self.data = make_dataset(config.data)
+        self._stop_point()
         if self.data.vocab_size > config.model.vocab_size:
             raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the data's "
                                                   f"vocabulary ({self.data.vocab_size} tokens)")
@@ -256,7 +246,9 @@ class Trainer:
         self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", keep=config.checkpoint.keep,
                                           every=config.checkpoint.every, async_save=config.checkpoint.async_save)
         self.position = 0  # batches consumed
+        self._stop_point()
         self._resume_or_initialise()
+        self._stop_point()
         if self.primary:
             write_atomically(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
         self.train_step = make_train_step(self.parts, self.optimizer, accumulation=config.train.grad_accum,
@@ -313,7 +305,9 @@ class Trainer:
                 "jax_version": jax.__version__}
 
     def save(self, force: bool = False) -> None:
-        """Save at the current position when due (or ``force``), unless it is saved already."""
+        """Save at the current position when due (or ``force``), unless it is saved already; raises
+        `CheckpointError` as soon as an earlier asynchronous save is known to have failed."""
+        self.checkpoints.check()
         if self.checkpoints.latest_step() != self.position:
             self.checkpoints.save(self.position, self.state, self._meta(), force=force)
 
@@ -329,11 +323,14 @@ class Trainer:
     def run(self) -> dict:
         """Train to ``train.steps`` (or until SIGTERM/SIGINT), save, evaluate; releases the run directory."""
         try:
-            return self._run()
+            if self.signals is None:
+                with StopSignals() as signals:
+                    return self._run(signals)
+            return self._run(self.signals)
         finally:
             self.close()
 
-    def _run(self) -> dict:
+    def _run(self, signals: StopSignals) -> dict:
         cfg = self.config.train
         log_name = "metrics.jsonl" if self.primary else f"metrics.process{jax.process_index()}.jsonl"
         log = MetricsLog(self.run_dir / log_name, self.position)
@@ -345,45 +342,48 @@ class Trainer:
         tokens_per_step = cfg.batch_size * self.config.data.seq_len
         if self.resumed_from is not None:
             progress.write(f"resumed from checkpoint {self.resumed_from} in {self.run_dir}")
-        stopped_by = None
         started = time.perf_counter()
-        with _StopSignals() as signals:
-            last = time.perf_counter()
-            while self.position < cfg.steps and signals.received is None:
-                self.state, metrics = self.train_step(self.state, self._device_batch(self.position))
-                metrics = jax.device_get(metrics)
-                self.position += 1
-                now = time.perf_counter()
-                tokens_per_second = tokens_per_step / max(now - last, 1e-9)
-                last = now
-                record = self._record(metrics, tokens_per_second, flops_per_token, peak)
-                if not metrics["finite"]:
-                    progress.write(f"step {self.position}: non-finite loss ({metrics['loss']}) or gradient norm "
-                                   f"({metrics['grad_norm']}); update skipped")
-                    if int(self.state.skipped) >= cfg.max_nonfinite_steps:
-                        log.write(record)
-                        raise RunError(f"{int(self.state.skipped)} non-finite steps in a row at step {self.position}; "
-                                       f"stopping (lower optimizer.learning_rate or check the data); "
-                                       f"last checkpoint: {self.checkpoints.latest_step()}")
-                if self.position % cfg.log_every == 0 or self.position == cfg.steps or not metrics["finite"]:
+        first = self.position
+        last = time.perf_counter()
+        while self.position < cfg.steps and signals.received is None:
+            self.state, metrics = self.train_step(self.state, self._device_batch(self.position))
+            metrics = jax.device_get(metrics)
+            self.position += 1
+            now = time.perf_counter()
+            tokens_per_second = tokens_per_step / max(now - last, 1e-9)
+            last = now
+            record = self._record(metrics, tokens_per_second, flops_per_token, peak)
+            if not metrics["finite"]:
+                progress.write(f"step {self.position}: non-finite loss ({metrics['loss']}) or gradient norm "
+                               f"({metrics['grad_norm']}); update skipped")
+                if int(self.state.skipped) >= cfg.max_nonfinite_steps:
                     log.write(record)
-                    if board:
-                        board.write(record)
-                progress.update(1, float(metrics["loss"]), tokens_per_second)
-                self.save()
-            stopped_by = signals.received
-        self.save(force=True)
+                    raise RunError(f"{int(self.state.skipped)} non-finite steps in a row at step {self.position}; "
+                                   f"stopping (lower optimizer.learning_rate or check the data); "
+                                   f"last checkpoint: {self.checkpoints.latest_step()}")
+            if self.position % cfg.log_every == 0 or self.position == cfg.steps or not metrics["finite"]:
+                log.write(record)
+                if board:
+                    board.write(record)
+            progress.update(1, float(metrics["loss"]), tokens_per_second)
+            self.save()
+        if self.position != first:
+            self.save(force=True)
         self.checkpoints.wait()
         progress.close()
         log.close()
         if board:
             board.close()
         elapsed = time.perf_counter() - started
+        summary = {"step": self.position, "train_seconds": elapsed}
+        if signals.received is None:
+            summary.update(self.evaluate(signals))
+        stopped_by = signals.received
         if stopped_by:
-            print(f"{stopped_by} received: saved checkpoint {self.position} in {self.run_dir / 'checkpoints'}; "
-                  f"run again to resume", flush=True)
+            saved = (f"saved checkpoint {self.position} in {self.run_dir / 'checkpoints'}" if self.position != first
+                     else "stopped before the first step, nothing to save")
+            print(f"{stopped_by} received: {saved}; run again to resume", flush=True)
             return {"stopped_by": stopped_by, "step": self.position}
-        summary = {"step": self.position, "train_seconds": elapsed, **self.evaluate()}
         if self.primary:
             write_atomically(self.run_dir / "summary.json", json.dumps(summary, indent=2))
         return summary
@@ -401,14 +401,16 @@ class Trainer:
 
     # -- evaluation ----------------------------------------------------------------------------
 
-    def evaluate(self) -> dict:
-        """Held-out loss (and MQAR recall) over ``train.eval_batches`` batches."""
+    def evaluate(self, signals: StopSignals | None = None) -> dict:
+        """Held-out loss (and MQAR recall) over ``train.eval_batches`` batches (cut short by a signal)."""
         batches = self.config.train.eval_batches
         if not batches:
             return {}
         loss_sum = count = 0.0
         correct = answers = 0.0
         for index in range(batches):
+            if signals is not None and signals.received:
+                break
             batch = self._device_batch(index, split="heldout")
             batch_loss, batch_count, predictions = self.eval_step(self.state.params, self.state.buffers, batch)
             loss_sum, count = loss_sum + float(batch_loss), count + float(batch_count)
