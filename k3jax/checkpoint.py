@@ -26,8 +26,10 @@ Every failure (missing or corrupted checkpoint, full disk, unwritable directory)
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import pathlib
 from typing import Any, Callable
 
@@ -124,13 +126,25 @@ def verify_arrays(tree: dict, meta: dict, where: str) -> None:
                                   f"{where}: array {name} has no saved checksum")
 
 
+@contextlib.contextmanager
+def _quiet_orbax_notices():
+    """Orbax logs notices (through absl) on every read-only open; errors still come through."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(max(level, logging.ERROR))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 class RunCheckpoints:
     """The checkpoints of one run: saves every ``every`` steps (or when forced), keeps the last ``keep``."""
 
     def __init__(self, directory: str | pathlib.Path, *, keep: int = 3, every: int = 1,
                  async_save: bool = True, read_only: bool = False):
         self.directory = pathlib.Path(directory).expanduser().resolve()
-        writing = {} if read_only else {"max_to_keep": keep, "save_interval_steps": every}
+        writing = {"save_interval_steps": 0} if read_only else {"max_to_keep": keep, "save_interval_steps": every}
         options = ocp.CheckpointManagerOptions(
             **writing,
             enable_async_checkpointing=async_save,
@@ -139,7 +153,8 @@ class RunCheckpoints:
             create=not read_only,
         )
         try:
-            self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, META))
+            with _quiet_orbax_notices():
+                self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, META))
         except Exception as error:  # noqa: BLE001 - any failure to open is reported the same way
             raise CheckpointError(f"cannot open checkpoints at {self.directory}: {_one_line(error)}") from error
 
@@ -268,18 +283,23 @@ def restore_subtree(directory: str | pathlib.Path, key: str, abstract: Any, step
 
 def restore_newest_good(steps: list[int], restore_step: Callable[[int], Any],
                         report: Callable[[str], None]) -> tuple[int, Any]:
-    """``(step, restore_step(step))`` for the newest of ``steps`` that restores; every step that
-    raises `CheckpointError` on the way is reported in one line (``report``) and skipped. Raises
-    `CheckpointError` when none restores."""
+    """``(step, restore_step(step))`` for the newest of ``steps`` that restores. The steps that raise
+    `CheckpointError` on the way are skipped; once an older one restores, each is reported in one
+    line (``report``), then the fallback. When none restores: one `CheckpointError` with the reason
+    of the newest."""
     failures = []
     for step in sorted(steps, reverse=True):
         try:
             result = restore_step(step)
         except CheckpointError as error:
-            failures.append(step)
-            report(f"warning: {error}")
+            failures.append((step, error))
             continue
+        for _, error in failures:
+            report(f"warning: {error}")
         if failures:
-            report(f"falling back to checkpoint {step} (unusable: {', '.join(map(str, failures))})")
+            report(f"falling back to checkpoint {step} (unusable: {', '.join(str(s) for s, _ in failures)})")
         return step, result
-    raise CheckpointError(f"no usable checkpoint among steps {sorted(steps)}" if steps else "no checkpoint")
+    if not failures:
+        raise CheckpointError("no checkpoint")
+    older = f" (and {len(failures) - 1} older checkpoints)" if len(failures) > 1 else ""
+    raise CheckpointError(f"{failures[0][1]}{older}")

@@ -269,7 +269,7 @@ class Trainer:
         try:
             step, (self.state, meta) = restore_newest_good(candidates, self._restore_checkpoint, say)
         except CheckpointError as error:
-            raise CheckpointError(f"{error} in {self.checkpoints.directory}; pick one with train.resume_step=N "
+            raise CheckpointError(f"no usable checkpoint: {error}; pick one with train.resume_step=N "
                                   f"or start afresh in another run_dir") from None
         if self.primary:
             set_aside(self.run_dir, [s for s in steps if s > step],
