@@ -231,6 +231,11 @@ class Trainer:
     def _set_up(self) -> None:
         config = self.config
         enable_compilation_cache(config.train.compilation_cache)
+        if config.logging.tensorboard and self.primary:
+            try:
+                import tensorboardX  # noqa: F401
+            except ImportError:
+                raise ConfigError("logging.tensorboard", "needs tensorboardX: pip install 'k3jax[tensorboard]'") from None
         self.data = make_dataset(config.data)
         self._stop_point()
         if self.data.vocab_size > config.model.vocab_size:
@@ -291,9 +296,12 @@ class Trainer:
         self.resumed_from = None
         if self.config.init_from:
             source = pathlib.Path(self.config.init_from).expanduser()
-            params, meta = restore_subtree(source, "params", self.abstract_state.params)
-            check_same_model(meta, self.config, f"init_from {source}")
-            buffers, _ = restore_subtree(source, "buffers", self.abstract_state.buffers)
+            try:
+                params, meta = restore_subtree(source, "params", self.abstract_state.params)
+                check_same_model(meta, self.config, f"init_from {source}")
+                buffers, _ = restore_subtree(source, "buffers", self.abstract_state.buffers)
+            except CheckpointError as error:
+                raise CheckpointError(f"init_from={source}: {error}") from None
             self.state = sharded_state_from_params(params, buffers, self.optimizer, self.shardings.state)
             return
         self.state = sharded_train_state(self.config.model, self.config.train.seed, self.optimizer,
