@@ -33,11 +33,11 @@ from eval.tasks.perplexity import open_text_dataset
 TASK_NAMES = tuple(TASKS)   # in the order they run
 
 
-class _OneLineParser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """Argument errors become an `EvalInputError` (one line, exit status 2) instead of usage + exit."""
 
     def error(self, message):
-        raise EvalInputError(f"{message} (see python -m eval --help)")
+        raise EvalInputError(f"{message} (see {self.prog} --help)")
 
 
 def _int_at_least(minimum: int):
@@ -54,7 +54,7 @@ def _int_at_least(minimum: int):
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = _OneLineParser(prog="python -m eval", description="Evaluate a K3-family checkpoint.")
+    parser = OneLineParser(prog="python -m eval", description="Evaluate a K3-family checkpoint.")
     parser.add_argument("run", metavar="RUN_OR_CHECKPOINT_DIR", help="a run directory, its checkpoints/, or a step directory")
     parser.add_argument("--step", type=_int_at_least(0), default=None, help="checkpoint step (default: the latest)")
     parser.add_argument("--tasks", default=",".join(TASK_NAMES), help=f"comma-separated, from {', '.join(TASK_NAMES)}")

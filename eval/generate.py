@@ -20,16 +20,12 @@ import sys
 import numpy as np
 
 from k3jax.data import DataError, load_tokenizer
+from eval.cli import OneLineParser, quiet_checkpoint_logging
 from eval.loading import EvalInputError, load_run
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        raise EvalInputError(f"{message} (see python -m eval.generate --help)")
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = _OneLineParser(prog="python -m eval.generate", description="Continue prompts with a checkpoint.")
+    parser = OneLineParser(prog="python -m eval.generate", description="Continue prompts with a checkpoint.")
     parser.add_argument("run", metavar="RUN_OR_CHECKPOINT_DIR")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
@@ -80,7 +76,6 @@ class Codec:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eval.cli import quiet_checkpoint_logging
     from k3jax.generate import generate
 
     quiet_checkpoint_logging()

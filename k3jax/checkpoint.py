@@ -13,12 +13,15 @@ leftover temporaries are removed on the next start.
 
 Integrity: every save records in ``meta`` a checksum of each array of the state and a SHA-256 of
 the rest of the metadata; every restore recomputes them and refuses a checkpoint that differs. An
-array's checksum is position-weighted over its 32-bit words w_i (16- and 8-bit values widened):
+array's checksum mixes each 32-bit word w_i (16- and 8-bit values widened) with its row-major
+index i and adds the results:
 
-    checksum(x) = sum_i (2 i + 1) * w_i   mod 2^32
+    checksum(x) = sum_i fmix32(w_i xor (i * 0x9E3779B9))   mod 2^32
 
-Integer addition modulo 2^32 is exact in any order, so the sum is the same for any sharding of the
-array and any device count; the weights are odd, so flipping any single bit always changes it.
+fmix32 is MurmurHash3's finaliser, a bijection of 32-bit words. Integer addition modulo 2^32 is
+exact in any order, so the sum is the same for any sharding of the array and any device count;
+changing any one word (any bit flip) changes exactly one term and so always changes the sum, and
+changes to several words collide with probability about 2^-32.
 `restore_newest_good` walks back from the newest checkpoint to the newest one that restores.
 
 Every failure (missing or corrupted checkpoint, full disk, unwritable directory) surfaces as a
@@ -70,15 +73,22 @@ def _words(x: jax.Array) -> jax.Array:
     return words
 
 
+def _fmix32(h: jax.Array) -> jax.Array:
+    """MurmurHash3's finaliser: a bijection of uint32 words that spreads every bit over all of them."""
+    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
 def _array_checksum(x: jax.Array) -> jax.Array:
-    """``sum_i (2 i + 1) * w_i mod 2^32`` over the row-major index i of the words w of ``x``."""
+    """``sum_i fmix32(w_i xor (i * 0x9E3779B9)) mod 2^32`` over the words w of ``x`` (row-major index i)."""
     words = _words(x)
     index = jnp.zeros(words.shape, jnp.uint32)
     stride = 1
     for axis in reversed(range(words.ndim)):
         index = index + jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis) * jnp.uint32(stride % 2**32)
         stride *= words.shape[axis]
-    return jnp.sum(words * (2 * index + 1), dtype=jnp.uint32)
+    return jnp.sum(_fmix32(words ^ (index * jnp.uint32(0x9E3779B9))), dtype=jnp.uint32)
 
 
 _tree_checksums = jax.jit(lambda tree: jax.tree.map(_array_checksum, tree))

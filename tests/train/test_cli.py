@@ -16,6 +16,7 @@ from k3jax.checkpoint import RunCheckpoints
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MICRO = str(pathlib.Path(__file__).with_name("micro.yaml"))
+pytestmark = pytest.mark.slow   # subprocesses
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,9 @@ def error_lines(stderr: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("xla-cache")
+    """One compilation cache for the module (K3JAX_TEST_XLA_CACHE: one kept across sessions)."""
+    kept = os.environ.get("K3JAX_TEST_XLA_CACHE")
+    return pathlib.Path(kept) if kept else tmp_path_factory.mktemp("xla-cache")
 
 
 @pytest.fixture(scope="module")
