@@ -74,6 +74,7 @@ def test_a_corrupted_latest_checkpoint_falls_back_to_the_previous_one_saying_so(
     steps = sorted(int(path.name) for path in (copy / "checkpoints").iterdir() if path.name.isdigit())
     assert len(steps) >= 2
     garble(copy / "checkpoints" / str(steps[-1]))
+    capsys.readouterr()                                    # drop what the fixture's training printed
     assert load_run(str(copy)).step == steps[-2]
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith(f"warning: cannot restore 'params' from checkpoint {steps[-1]}")
@@ -86,6 +87,7 @@ def test_corrupted_metadata_is_one_line_and_status_2(trained_run, tmp_path, caps
     copy = shutil.copytree(trained_run.path, tmp_path / "bad-meta")
     for path in (copy / "checkpoints").glob("*/meta/*"):
         path.write_text("{not json")
+    capsys.readouterr()                                    # drop what the fixture's training printed
     assert_one_line_error(main([str(copy), "--no-progress"]), capsys.readouterr().err)
 
 
