@@ -86,8 +86,9 @@ def _as_prompt_list(prompt_tokens) -> tuple[list[np.ndarray], bool]:
         isinstance(p, (list, tuple, np.ndarray, jax.Array)) for p in prompt_tokens)
     if ragged:
         prompts = [np.asarray(p) for p in prompt_tokens]
-        if any(p.ndim != 1 for p in prompts):
-            raise ValueError("a list of prompts must hold 1-D token lists")
+        if any(p.ndim != 1 or p.size == 0 for p in prompts):
+            raise ValueError(f"a list of prompts must hold 1-D token lists of at least 1 token each, got lengths "
+                             f"{[p.size for p in prompts]}")
         return prompts, False
     array = np.asarray(prompt_tokens)
     if array.ndim not in (1, 2) or array.shape[-1] < 1:

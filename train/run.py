@@ -343,7 +343,7 @@ class Trainer:
         log_name = "metrics.jsonl" if self.primary else f"metrics.process{jax.process_index()}.jsonl"
         log = MetricsLog(self.run_dir / log_name, self.position)
         board = TensorBoard(self.run_dir / "tensorboard") if self.config.logging.tensorboard and self.primary else None
-        progress = Progress(self.config.logging.progress, self.position, cfg.steps)
+        progress = Progress(self.config.logging.progress, self.position, cfg.steps, cfg.log_every)
         flops_per_token = training_flops_per_token(self.config.model, self.config.data.seq_len)
         peak = (self.config.logging.peak_tflops * 1e12 if self.config.logging.peak_tflops
                 else measured_matmul_flops(self.config.model.compute_dtype))

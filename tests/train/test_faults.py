@@ -7,6 +7,7 @@ lines file (the figures of the report)."""
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -42,7 +43,8 @@ def timed_run(run_dir, cache, *overrides, env=None, timeout=600):
 
 
 def error_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.strip()]
+    """The lines of ``stderr`` but the progress log's ``step N/M ...`` lines."""
+    return [line for line in stderr.splitlines() if line.strip() and not re.match(r"step \d+/\d+ ", line)]
 
 
 @pytest.fixture(scope="module")
