@@ -26,18 +26,18 @@ from k3jax.host import keep_freed_memory
 from k3jax.model import param_counts
 from train.metrics import read_metrics
 from eval.loading import EvalInputError, LoadedRun, load_run
-from eval.report import build_report, write_report
+from eval.report import build_report, markdown_table, write_report
 from eval.tasks import TASKS, EvalContext, run_task
 from eval.tasks.perplexity import open_text_dataset
 
 TASK_NAMES = tuple(TASKS)   # in the order they run
 
 
-class _OneLineParser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """Argument errors become an `EvalInputError` (one line, exit status 2) instead of usage + exit."""
 
     def error(self, message):
-        raise EvalInputError(f"{message} (see python -m eval --help)")
+        raise EvalInputError(f"{message} (see {self.prog} --help)")
 
 
 def _int_at_least(minimum: int):
@@ -54,7 +54,7 @@ def _int_at_least(minimum: int):
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = _OneLineParser(prog="python -m eval", description="Evaluate a K3-family checkpoint.")
+    parser = OneLineParser(prog="python -m eval", description="Evaluate a K3-family checkpoint.")
     parser.add_argument("run", metavar="RUN_OR_CHECKPOINT_DIR", help="a run directory, its checkpoints/, or a step directory")
     parser.add_argument("--step", type=_int_at_least(0), default=None, help="checkpoint step (default: the latest)")
     parser.add_argument("--tasks", default=",".join(TASK_NAMES), help=f"comma-separated, from {', '.join(TASK_NAMES)}")
@@ -121,6 +121,20 @@ def evaluate(run: LoadedRun, tasks: list, seeds: int, out_dir: pathlib.Path, *, 
     return report
 
 
+def results_text(report: dict, config) -> str:
+    """Each task's results table (mean ± 95% interval per column), as printed at the end."""
+    lines = []
+    for name, task in report["tasks"].items():
+        if task["skipped"]:
+            lines.append(f"{name}: skipped ({task['skipped']})")
+            continue
+        lines.append(f"{name} ({task['cost']['wall_seconds']:.1f} s):")
+        lines += markdown_table(task["results"])
+        if name == "passkey" and config.data.kind == "mqar":
+            lines.append("(this model was trained on MQAR token ids, not text: passkey accuracy near 0 is expected)")
+    return "\n".join(lines)
+
+
 def quiet_checkpoint_logging() -> None:
     """Orbax logs warnings through absl on every read-only open; keep stderr for the progress bars
     and our own one-line errors."""
@@ -141,8 +155,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tasks = [TASKS[name]() for name in task_names]
     report = evaluate(run, tasks, args.seeds, out_dir, text=text, show_progress=not args.no_progress)
-    for name, task in report["tasks"].items():
-        status = f"skipped ({task['skipped']})" if task["skipped"] else f"{task['cost']['wall_seconds']:.1f} s"
-        print(f"{name}: {status}")
+    print(results_text(report, run.config))
     print(f"wrote {out_dir / 'report.json'}, {out_dir / 'report.md'} and {len(report['plots'])} plots")
     return 0

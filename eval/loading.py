@@ -7,6 +7,7 @@ checkpoint (`k3jax.training.restore_model`), on the devices of this process.
 from __future__ import annotations
 
 import pathlib
+import sys
 import warnings
 from typing import NamedTuple
 
@@ -42,13 +43,18 @@ def locate_checkpoint(path: str, step: int | None) -> tuple[pathlib.Path, int | 
     return checkpoint_directory(given), step
 
 
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def load_run(path: str, step: int | None = None) -> LoadedRun:
-    """Restore the model of the checkpoint at ``path`` (latest, or ``step``)."""
+    """Restore the model of the checkpoint at ``path``: ``step``, or else the newest one that
+    restores (each newer, corrupted one reported on stderr)."""
     checkpoints, step = locate_checkpoint(path, step)
     try:
         with warnings.catch_warnings():   # the trainer's checkpoints hold single-device arrays
             warnings.filterwarnings("ignore", message="Sharding info not provided when restoring")
-            restored = restore_model(checkpoints, step)
+            restored = restore_model(checkpoints, step, report=_warn)
     except (CheckpointError, ConfigError) as error:
         raise EvalInputError(f"cannot load the checkpoint in {checkpoints}: {error}") from None
     except (KeyError, TypeError, ValueError) as error:   # metadata without a usable config

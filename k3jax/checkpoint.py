@@ -11,18 +11,37 @@ leftover temporaries are removed on the next start.
     state, meta = checkpoints.restore(step, abstract_state)   # onto abstract_state's shardings
     params = restore_subtree(other_run / "checkpoints", "params", abstract_params)
 
+Integrity: every save records in ``meta`` a checksum of each array of the state and a SHA-256 of
+the rest of the metadata; every restore recomputes them and refuses a checkpoint that differs. An
+array's checksum mixes each 32-bit word w_i (16- and 8-bit values widened) with its row-major
+index i and adds the results:
+
+    checksum(x) = sum_i fmix32(w_i xor (i * 0x9E3779B9))   mod 2^32
+
+fmix32 is MurmurHash3's finaliser, a bijection of 32-bit words. Integer addition modulo 2^32 is
+exact in any order, so the sum is the same for any sharding of the array and any device count;
+changing any one word (any bit flip) changes exactly one term and so always changes the sum, and
+changes to several words collide with probability about 2^-32.
+`restore_newest_good` walks back from the newest checkpoint to the newest one that restores.
+
 Every failure (missing or corrupted checkpoint, full disk, unwritable directory) surfaces as a
 `CheckpointError` with a one-line message.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import logging
 import pathlib
-from typing import Any
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 STATE, META = "state", "meta"
+CHECKSUMS, META_DIGEST = "checksums", "meta_sha256"
 
 
 class CheckpointError(RuntimeError):
@@ -41,13 +60,101 @@ def checkpoint_directory(path: str | pathlib.Path) -> pathlib.Path:
     return path / "checkpoints" if (path / "checkpoints").is_dir() else path
 
 
+def _words(x: jax.Array) -> jax.Array:
+    """The bits of every element of ``x`` as uint32 (16/8-bit values zero-extended, 64-bit folded)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    words = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+    if x.dtype.itemsize == 8:      # [..., 2] halves: the high half weighted by an odd constant
+        words = words[..., 0] + words[..., 1] * jnp.uint32(0x9E3779B1)
+    return words
+
+
+def _fmix32(h: jax.Array) -> jax.Array:
+    """MurmurHash3's finaliser: a bijection of uint32 words that spreads every bit over all of them."""
+    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _array_checksum(x: jax.Array) -> jax.Array:
+    """``sum_i fmix32(w_i xor (i * 0x9E3779B9)) mod 2^32`` over the words w of ``x`` (row-major index i)."""
+    words = _words(x)
+    index = jnp.zeros(words.shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(words.ndim)):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= words.shape[axis]
+    return jnp.sum(_fmix32(words ^ (index * jnp.uint32(0x9E3779B9))), dtype=jnp.uint32)
+
+
+_tree_checksums = jax.jit(lambda tree: jax.tree.map(_array_checksum, tree))
+
+
+def tree_checksums(tree: Any) -> dict[str, int]:
+    """``{path: checksum}`` of every array in ``tree`` (a dict of pytrees; paths as `jax.tree_util.keystr`)."""
+    sums = jax.device_get(_tree_checksums(tree))
+    return {jax.tree_util.keystr(path): int(value) for path, value in jax.tree_util.tree_leaves_with_path(sums)}
+
+
+def _named(state: Any) -> dict:
+    """The state as a dict of its fields, so that its paths match a restored subtree's ``{field: ...}``."""
+    return state._asdict() if hasattr(state, "_asdict") else dict(state)
+
+
+def _meta_digest(meta: dict) -> str:
+    body = {key: value for key, value in meta.items() if key != META_DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def sealed_meta(meta: dict, state: Any) -> dict:
+    """``meta`` with the checksums of ``state``'s arrays and the digest of the whole."""
+    sealed = {**meta, CHECKSUMS: tree_checksums(_named(state))}
+    return {**sealed, META_DIGEST: _meta_digest(sealed)}
+
+
+def verify_meta(meta: dict, where: str) -> dict:
+    """``meta`` if its digest matches (or it predates digests), else a `CheckpointError`."""
+    if META_DIGEST in meta and meta[META_DIGEST] != _meta_digest(meta):
+        raise CheckpointError(f"{where}: metadata is corrupted (its SHA-256 does not match)")
+    return meta
+
+
+def verify_arrays(tree: dict, meta: dict, where: str) -> None:
+    """Raise `CheckpointError` naming the first array of ``tree`` (``{field: subtree}``) whose
+    checksum differs from the one saved in ``meta`` (checkpoints without checksums pass)."""
+    saved = meta.get(CHECKSUMS)
+    if saved is None:
+        return
+    for name, value in tree_checksums(tree).items():
+        if saved.get(name) != value:
+            raise CheckpointError(f"{where}: array {name} is corrupted (checksum {value:#010x}, "
+                                  f"saved {saved.get(name, 0):#010x})" if name in saved else
+                                  f"{where}: array {name} has no saved checksum")
+
+
+@contextlib.contextmanager
+def _quiet_orbax_notices():
+    """Orbax logs notices (through absl) on every read-only open; errors still come through."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(max(level, logging.ERROR))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 class RunCheckpoints:
     """The checkpoints of one run: saves every ``every`` steps (or when forced), keeps the last ``keep``."""
 
     def __init__(self, directory: str | pathlib.Path, *, keep: int = 3, every: int = 1,
                  async_save: bool = True, read_only: bool = False):
         self.directory = pathlib.Path(directory).expanduser().resolve()
-        writing = {} if read_only else {"max_to_keep": keep, "save_interval_steps": every}
+        writing = {"save_interval_steps": 0} if read_only else {"max_to_keep": keep, "save_interval_steps": every}
         options = ocp.CheckpointManagerOptions(
             **writing,
             enable_async_checkpointing=async_save,
@@ -56,7 +163,8 @@ class RunCheckpoints:
             create=not read_only,
         )
         try:
-            self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, META))
+            with _quiet_orbax_notices():
+                self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE, META))
         except Exception as error:  # noqa: BLE001 - any failure to open is reported the same way
             raise CheckpointError(f"cannot open checkpoints at {self.directory}: {_one_line(error)}") from error
 
@@ -69,14 +177,27 @@ class RunCheckpoints:
     def save(self, step: int, state: Any, meta: dict, *, force: bool = False) -> bool:
         """Start saving ``state`` and ``meta`` at ``step`` (when due, or ``force``); True if started.
 
-        A failure of an earlier asynchronous save is raised here or by `wait`."""
+        The metadata saved is sealed: it carries the checksum of every array of ``state`` and the
+        digest of itself (`sealed_meta`). A failure of an earlier asynchronous save is raised here or
+        by `wait`."""
+        self.check()
         try:
+            if not (force or self._manager.should_save(step)):
+                return False
             return self._manager.save(
-                step, args=ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)}),
+                step, args=ocp.args.Composite(**{STATE: ocp.args.StandardSave(state),
+                                                  META: ocp.args.JsonSave(sealed_meta(meta, state))}),
                 force=force,
             )
         except Exception as error:  # noqa: BLE001
             raise CheckpointError(f"saving checkpoint {step} in {self.directory} failed: {_one_line(error)}") from error
+
+    def check(self) -> None:
+        """Raise `CheckpointError` if an asynchronous save that has ended failed (cheap: no waiting)."""
+        try:
+            self._manager.check_for_errors()
+        except Exception as error:  # noqa: BLE001
+            raise CheckpointError(f"saving a checkpoint in {self.directory} failed: {_one_line(error)}") from error
 
     def wait(self) -> None:
         """Block until pending saves are on disk."""
@@ -92,11 +213,11 @@ class RunCheckpoints:
             restored = self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
         except Exception as error:  # noqa: BLE001
             raise CheckpointError(f"checkpoint {step} in {self.directory} is unreadable: {_one_line(error)}") from error
-        return dict(restored[META])
+        return verify_meta(dict(restored[META]), f"checkpoint {step} in {self.directory}")
 
     def restore(self, step: int | None, abstract_state: Any) -> tuple[Any, dict]:
         """The state and metadata of ``step`` (default: the latest), placed like ``abstract_state``
-        (a pytree of `jax.ShapeDtypeStruct`, with shardings)."""
+        (a pytree of `jax.ShapeDtypeStruct`, with shardings), verified against the saved checksums."""
         step = self.require_step(step)
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(
@@ -104,10 +225,14 @@ class RunCheckpoints:
         except Exception as error:  # noqa: BLE001
             raise CheckpointError(f"checkpoint {step} in {self.directory} does not match this model or is "
                                   f"corrupted: {_one_line(error)}") from error
-        return restored[STATE], dict(restored[META])
+        where = f"checkpoint {step} in {self.directory}"
+        meta = verify_meta(dict(restored[META]), where)
+        verify_arrays(_named(restored[STATE]), meta, where)
+        return restored[STATE], meta
 
     def read_state(self, step: int | None = None) -> Any:
-        """The state of ``step`` (default: the latest) as saved, without a target structure (host arrays)."""
+        """The state of ``step`` (default: the latest) as saved, without a target structure (host
+        arrays; not verified: the structure differs from the one the checksums were taken of)."""
         step = self.require_step(step)
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore()}))
@@ -117,6 +242,10 @@ class RunCheckpoints:
 
     def close(self) -> None:
         self._manager.close()
+
+    def reload(self) -> None:
+        """Re-read the list of steps from disk (after step directories were moved)."""
+        self._manager.reload()
 
     def require_step(self, step: int | None) -> int:
         if step is None:
@@ -138,12 +267,24 @@ def latest_meta(directory: str | pathlib.Path, step: int | None = None) -> tuple
         checkpoints.close()
 
 
+def _restore_sharding(abstract: Any) -> jax.sharding.Sharding:
+    """Where an array is restored: its own sharding, or this process's first device."""
+    sharding = getattr(abstract, "sharding", None)
+    return sharding if sharding is not None else jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
 def restore_subtree(directory: str | pathlib.Path, key: str, abstract: Any, step: int | None = None) -> tuple[Any, dict]:
     """Restore only ``state[key]`` (e.g. the parameters, for fine-tuning) of a run's checkpoint,
-    placed like ``abstract``; returns ``(subtree, meta)``."""
+    placed like ``abstract`` (arrays without a sharding go to this process's first device, whatever
+    devices wrote the checkpoint), verified against the saved checksums; returns ``(subtree, meta)``."""
     checkpoints = RunCheckpoints(checkpoint_directory(directory), read_only=True)
-    step = checkpoints.require_step(step)
-    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=getattr(a, "sharding", None)), abstract)
+    try:
+        step = checkpoints.require_step(step)
+    except CheckpointError:
+        checkpoints.close()
+        raise
+    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=_restore_sharding(a)), abstract)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_restore_sharding(a)), abstract)
     try:
         restored = checkpoints._manager.restore(step, args=ocp.args.Composite(**{
             STATE: ocp.args.PyTreeRestore(item={key: abstract}, restore_args={key: restore_args}, partial_restore=True),
@@ -154,4 +295,31 @@ def restore_subtree(directory: str | pathlib.Path, key: str, abstract: Any, step
                               f"{_one_line(error)}") from error
     finally:
         checkpoints.close()
-    return restored[STATE][key], dict(restored[META])
+    where = f"checkpoint {step} in {checkpoints.directory}"
+    meta = verify_meta(dict(restored[META]), where)
+    verify_arrays({key: restored[STATE][key]}, meta, where)
+    return restored[STATE][key], meta
+
+
+def restore_newest_good(steps: list[int], restore_step: Callable[[int], Any],
+                        report: Callable[[str], None]) -> tuple[int, Any]:
+    """``(step, restore_step(step))`` for the newest of ``steps`` that restores. The steps that raise
+    `CheckpointError` on the way are skipped; once an older one restores, each is reported in one
+    line (``report``), then the fallback. When none restores: one `CheckpointError` with the reason
+    of the newest."""
+    failures = []
+    for step in sorted(steps, reverse=True):
+        try:
+            result = restore_step(step)
+        except CheckpointError as error:
+            failures.append((step, error))
+            continue
+        for _, error in failures:
+            report(f"warning: {error}")
+        if failures:
+            report(f"falling back to checkpoint {step} (unusable: {', '.join(str(s) for s, _ in failures)})")
+        return step, result
+    if not failures:
+        raise CheckpointError("no checkpoint")
+    older = f" (and {len(failures) - 1} older checkpoints)" if len(failures) > 1 else ""
+    raise CheckpointError(f"{failures[0][1]}{older}")

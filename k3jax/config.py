@@ -327,9 +327,12 @@ class TrainConfig:
     eval_batches: int = 8                 # held-out batches evaluated at the end
     max_nonfinite_steps: int = 5          # consecutive skipped steps before the run stops
     compilation_cache: str | None = "~/.cache/k3jax/xla"   # persistent XLA cache; None: off
+    resume_step: int | None = None        # resume from this checkpoint; None: the newest one that restores
 
     def __post_init__(self):
         _positive(self, "steps", "batch_size", "grad_accum", "log_every", "max_nonfinite_steps")
+        _require(self.resume_step is None or self.resume_step >= 0, "resume_step",
+                 f"must be non-negative, got {self.resume_step}")
         _require(self.eval_batches >= 0, "eval_batches", f"must be non-negative, got {self.eval_batches}")
         _require(self.batch_size % self.grad_accum == 0, "grad_accum",
                  f"must divide batch_size = {self.batch_size}, got {self.grad_accum}")

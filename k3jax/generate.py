@@ -3,6 +3,12 @@
     model = K3Model(load_config("configs/tiny.yaml").model, rngs=nnx.Rngs(0))
     out = generate(model, prompt, max_new_tokens=64, temperature=0.8, top_p=0.9, seed=0, eos_id=2)
     out.tokens[b, :out.lengths[b]]                      # the new tokens of sequence b
+    out = generate(model, [[5, 6, 7], [8, 9]], max_new_tokens=16)   # prompts of different lengths
+
+Prompts are left-padded to a shared bucket length (the next power of two, at least 8), so that
+prompts of any length reuse a few compiled programs. The padding is its own packed document
+(segment id 0) and the prompt another (1): at the boundary the KDA state and convolution window
+restart and MLA hides the padded slots, so each sequence continues exactly as if it were alone.
 
 The whole loop is one jitted program (`lax.while_loop` over decode steps) that stops when every
 sequence has produced ``eos_id`` or after ``max_new_tokens``. Sampling per step, on fp32 logits:
@@ -15,14 +21,17 @@ sequence has produced ``eos_id`` or after ``max_new_tokens``. Sampling per step,
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from k3jax.memory import init_memory
-from k3jax.model import K3Model
+from k3jax.model import K3Model, check_token_range
+
+MIN_PROMPT_BUCKET = 8
 
 
 class Generation(NamedTuple):
@@ -51,12 +60,49 @@ def sample_logits(logits: jax.Array, key: jax.Array, temperature, top_k, top_p) 
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
+def prompt_bucket(length: int) -> int:
+    """The padded length of a prompt of ``length`` tokens: the next power of two, at least 8."""
+    return max(MIN_PROMPT_BUCKET, 1 << (length - 1).bit_length())
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """``(tokens, segment_ids)`` ``[B, bucket]`` int32: each prompt right-aligned after padding
+    (token 0, segment 0); the prompt's own tokens have segment id 1."""
+    lengths = [len(prompt) for prompt in prompts]
+    if not prompts or min(lengths) < 1:
+        raise ValueError(f"need at least one prompt and every prompt at least 1 token long, got lengths {lengths}")
+    width = prompt_bucket(max(lengths))
+    tokens = np.zeros((len(prompts), width), np.int32)
+    segments = np.zeros((len(prompts), width), np.int32)
+    for row, prompt in enumerate(prompts):
+        tokens[row, width - len(prompt):] = np.asarray(prompt, np.int64)
+        segments[row, width - len(prompt):] = 1
+    return tokens, segments
+
+
+def _as_prompt_list(prompt_tokens) -> tuple[list[np.ndarray], bool]:
+    """``(prompts, single)``: a ``[T]`` array (single), a ``[B, T]`` array or a list of token lists."""
+    ragged = isinstance(prompt_tokens, (list, tuple)) and prompt_tokens and all(
+        isinstance(p, (list, tuple, np.ndarray, jax.Array)) for p in prompt_tokens)
+    if ragged:
+        prompts = [np.asarray(p) for p in prompt_tokens]
+        if any(p.ndim != 1 or p.size == 0 for p in prompts):
+            raise ValueError(f"a list of prompts must hold 1-D token lists of at least 1 token each, got lengths "
+                             f"{[p.size for p in prompts]}")
+        return prompts, False
+    array = np.asarray(prompt_tokens)
+    if array.ndim not in (1, 2) or array.shape[-1] < 1:
+        raise ValueError(f"prompt_tokens must have shape [T] or [B, T] with T >= 1 (or be a list of token lists), "
+                         f"got {array.shape}")
+    return (list(array) if array.ndim == 2 else [array]), array.ndim == 1
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"))
-def _generate(graphdef, state, prompt, key, sampling, eos_id, *, max_new_tokens):
+def _generate(graphdef, state, prompt, segments, key, sampling, eos_id, *, max_new_tokens):
     model = nnx.merge(graphdef, state)
     batch, prompt_length = prompt.shape
     memory = init_memory(model.config, batch, prompt_length + max_new_tokens - 1)
-    out = model(prompt, memory=memory)
+    out = model(prompt, memory=memory, segment_ids=segments)
     fill = jnp.maximum(eos_id, 0)
 
     def emit(index, tokens, logits, done, key):
@@ -96,23 +142,28 @@ def generate(
     seed: int = 0,
     eos_id: int | None = None,
 ) -> Generation:
-    """Continue ``prompt_tokens`` (``[T]`` or ``[B, T]``, every prompt of equal length T >= 1).
+    """Continue ``prompt_tokens``: ``[T]``, ``[B, T]``, or a list of B token lists of any lengths
+    >= 1 (ids in ``[0, vocab_size)``). Each sequence continues as if it were generated alone.
 
-    The memory bank holds T + max_new_tokens - 1 tokens. Same arguments give the same tokens.
-    Compiles once per model structure, prompt shape and ``max_new_tokens``; the sampling
-    settings, seed and EOS are runtime values.
+    The memory bank holds bucket + max_new_tokens - 1 tokens (`prompt_bucket`). Same arguments give
+    the same tokens. Compiles once per model structure, batch size, prompt bucket and
+    ``max_new_tokens``; the sampling settings, seed and EOS are runtime values. Bad arguments
+    raise ValueError before anything runs.
     """
-    prompt = jnp.asarray(prompt_tokens, jnp.int32)
-    squeeze = prompt.ndim == 1
-    prompt = prompt[None] if squeeze else prompt
-    if prompt.ndim != 2 or prompt.shape[1] < 1:
-        raise ValueError(f"prompt_tokens must have shape [T] or [B, T] with T >= 1, got {prompt.shape}")
+    prompts, squeeze = _as_prompt_list(prompt_tokens)
+    if not all(np.issubdtype(p.dtype, np.integer) for p in prompts):
+        raise ValueError("prompt tokens must be integer ids")
+    for prompt in prompts:
+        check_token_range(prompt, model.config.vocab_size)
+    if eos_id is not None and not 0 <= eos_id < model.config.vocab_size:
+        raise ValueError(f"eos_id must be in [0, {model.config.vocab_size}), got {eos_id}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
         raise ValueError(f"need temperature >= 0, top_k >= 1, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
     sampling = (jnp.float32(temperature), jnp.int32(top_k or 0), jnp.float32(1.0 if top_p is None else top_p))
+    prompt, segments = pad_prompts(prompts)
     graphdef, state = nnx.split(model)
-    result = _generate(graphdef, state, prompt, jax.random.key(seed), sampling,
+    result = _generate(graphdef, state, prompt, segments, jax.random.key(seed), sampling,
                        jnp.int32(-1 if eos_id is None else eos_id), max_new_tokens=max_new_tokens)
     return Generation(result.tokens[0], result.lengths[0]) if squeeze else result

@@ -64,6 +64,26 @@ def init_memory(config: ModelConfig, batch_size: int, max_length: int) -> Memory
     )
 
 
+def check_memory(config: ModelConfig, memory: Memory, batch_size: int, new_tokens: int) -> None:
+    """Raise ValueError unless ``memory`` is a bank of ``config`` (every array's shape and dtype as
+    `init_memory` makes them) for ``batch_size`` sequences with room for ``new_tokens`` more tokens
+    each (checked when its lengths are concrete, i.e. outside jit)."""
+    if not isinstance(memory, Memory):
+        raise ValueError(f"memory must be a k3jax.memory.Memory (from init_memory), got {type(memory).__name__}")
+    capacity = memory.mla.latent.shape[2] if memory.mla.latent.ndim == 4 else 0
+    expected = jax.eval_shape(lambda: init_memory(config, batch_size, capacity))
+    for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree.leaves(memory)):
+        if (tuple(got.shape), jnp.dtype(got.dtype)) != (want.shape, want.dtype):
+            raise ValueError(f"memory{jax.tree_util.keystr(path)} is {got.dtype}{list(got.shape)}, but this model "
+                             f"({batch_size} sequences) needs {want.dtype}{list(want.shape)}: a bank from another "
+                             f"config or batch")
+    if memory.mla.length.size and not isinstance(memory.mla.length, jax.core.Tracer):
+        used = int(jnp.max(memory.mla.length))
+        if used + new_tokens > capacity:
+            raise ValueError(f"the memory bank holds {capacity} tokens per sequence; {used} are used and "
+                             f"{new_tokens} more do not fit (init_memory's max_length)")
+
+
 def _nbytes(tree) -> int:
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 

@@ -35,7 +35,7 @@ from k3jax.layers.linear import project
 from k3jax.layers.mla import MLALayer
 from k3jax.layers.moe import MoE
 from k3jax.layers.params import logical_axes, param, truncated_normal
-from k3jax.memory import Memory
+from k3jax.memory import Memory, check_memory
 from k3jax.ops.moe import MoEStats, updated_router_bias
 from k3jax.ops.norms import rms_norm
 
@@ -105,6 +105,17 @@ class DecoderLayer(nnx.Module):
         partial = with_logical_constraint(stream.partial + f.astype(jnp.float32), ACTIVATION_AXES,
                                           self.activation_layout)
         return stream._replace(partial=partial), memory, stats
+
+
+def check_token_range(tokens, vocab_size: int) -> None:
+    """Raise ValueError unless ``tokens`` are integers in ``[0, vocab_size)`` (the range is checked
+    when they are concrete, i.e. outside jit)."""
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be integer ids, got dtype {tokens.dtype}")
+    if tokens.size and not isinstance(tokens, jax.core.Tracer):
+        low, high = int(jnp.min(tokens)), int(jnp.max(tokens))
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"token ids must be in [0, {vocab_size}) (model.vocab_size), got ids from {low} to {high}")
 
 
 def _stack_trees(trees, empty):
@@ -228,14 +239,13 @@ class K3Model(nnx.Module):
         if tokens.ndim != 2 or (segment_ids is not None and segment_ids.shape != tokens.shape):
             raise ValueError(f"tokens must be [B, T] and segment_ids None or the same shape; got "
                              f"{tokens.shape} and {None if segment_ids is None else segment_ids.shape}")
-        if memory is not None and {memory.kda.state.shape[1], memory.mla.length.shape[1]} != {tokens.shape[0]}:
-            raise ValueError(f"memory holds {memory.mla.length.shape[1]} sequences, tokens {tokens.shape[0]}")
-        if memory is not None and tokens.shape[1] > memory.mla.latent.shape[2]:
-            raise ValueError(f"{tokens.shape[1]} tokens do not fit the memory's MLA cache of "
-                             f"{memory.mla.latent.shape[2]} (init_memory's max_length)")
+        if memory is not None:
+            check_memory(cfg, memory, tokens.shape[0], tokens.shape[1])
+        check_token_range(tokens, cfg.vocab_size)
         num_sources = -(-cfg.num_layers // cfg.attn_res.block_size) if cfg.attn_res.kind == "block" else None
-        embedded = with_logical_constraint(jnp.take(self.embedding[...], tokens, axis=0), ACTIVATION_AXES,
-                                           self.activation_layout)
+        # Ids outside [0, vocab) (only possible under jit, where they cannot be checked) embed as NaN.
+        embedded = jnp.take(self.embedding[...], tokens, axis=0, mode="fill", fill_value=jnp.nan)
+        embedded = with_logical_constraint(embedded, ACTIVATION_AXES, self.activation_layout)
         stream = ResidualStream.start(embedded, num_sources)
 
         kda_split, mla_split, moe_split = (self._split(kind) for kind in ("kda", "mla", "moe"))

@@ -282,7 +282,7 @@ def test_init_memory_layout(model):
 
 
 def test_a_prefill_longer_than_the_cache_is_refused(model, tokens):
-    with pytest.raises(ValueError, match=f"{LENGTH} tokens do not fit the memory's MLA cache of {LENGTH - 1}"):
+    with pytest.raises(ValueError, match=f"holds {LENGTH - 1} tokens per sequence; 0 are used and {LENGTH} more do not fit"):
         model(tokens, memory=init_memory(model.config, BATCH, LENGTH - 1))
 
 

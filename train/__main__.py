@@ -1,5 +1,3 @@
-import sys
+from train.cli import entry
 
-from train.cli import main
-
-sys.exit(main())
+entry()

@@ -11,19 +11,20 @@ variables JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); the mesh 
 their devices.
 
 If ``run_dir`` already holds a checkpoint the run resumes from it. Bad input (config, data,
-checkpoints, run directory) ends with one line on stderr and exit status 2; SIGTERM/SIGINT save a
-checkpoint and exit 0.
+checkpoints, run directory, a run directory another trainer holds) and failures (a save that
+fails, out of memory) end with one line on stderr and exit status 2, at once: the process does
+not wait for Orbax's background threads. SIGTERM/SIGINT at any moment exit 0 with one line on
+stdout: during training after saving a checkpoint, during the start before writing anything.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 
-from k3jax.checkpoint import CheckpointError
-from k3jax.config import ConfigError, load_config
-from k3jax.host import keep_freed_memory
-from k3jax.data import DataError
+from train.signals import StopRequested, StopSignals   # light: the handlers go in before JAX loads
 
 
 def parse_args(argv):
@@ -38,22 +39,61 @@ def parse_args(argv):
     return parser.parse_intermixed_args(argv)
 
 
+def one_line_failure(error: BaseException) -> str | None:
+    """The one-line message of a failure the CLI reports without a traceback (None: not one)."""
+    from k3jax.checkpoint import CheckpointError
+    from k3jax.config import ConfigError
+    from k3jax.data import DataError
+    from train.run import RunError
+
+    if isinstance(error, (ConfigError, DataError, CheckpointError, RunError)):
+        return str(error)
+    if "RESOURCE_EXHAUSTED" in str(error) or isinstance(error, MemoryError):
+        detail = " ".join(str(error).split())[:200]
+        return (f"out of memory ({detail}); lower train.batch_size, raise train.grad_accum, "
+                f"set model.remat=full or use more devices (python -m train.plan estimates the memory)")
+    return None
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    keep_freed_memory()  # before JAX starts its threads
-    from k3jax.sharding import initialize_distributed
-    from train.run import RunError, Trainer  # after argument parsing: --help stays instant
+    with StopSignals() as signals:
+        try:
+            from k3jax.host import keep_freed_memory
+            keep_freed_memory()  # before JAX starts its threads
+            logging.getLogger("absl").setLevel(logging.CRITICAL)   # Orbax's notices; failures come as our one line
+            from k3jax.config import load_config
+            from k3jax.sharding import initialize_distributed
+            from train.run import Trainer  # after argument parsing: --help stays instant
 
-    try:
-        config = load_config(args.config, args.overrides)
-        initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
-        summary = Trainer(config).run()
-    except (ConfigError, DataError, CheckpointError, RunError) as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        return 2
+            signals.check()
+            config = load_config(args.config, args.overrides)
+            initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
+            summary = Trainer(config, signals).run()
+        except StopRequested as stop:
+            print(f"{stop} received while starting: stopped before training, nothing written; run again to start",
+                  flush=True)
+            return 0
+        except Exception as error:  # noqa: BLE001 - the known failures become one line, the rest a traceback
+            message = one_line_failure(error)
+            if message is None:
+                raise
+            print(f"error: {message}", file=sys.stderr, flush=True)
+            return 2
     if "stopped_by" not in summary:
         print(json.dumps(summary), flush=True)
         if "heldout_mqar_recall" in summary:
             print(f"held-out MQAR recall {summary['heldout_mqar_recall']:.3f} after {summary['step']} steps "
                   f"({summary['train_seconds']:.0f} s of training)", flush=True)
     return 0
+
+
+def entry() -> None:
+    """The console script and ``python -m train``: `main`, then exit at once (a failed run does not
+    wait for background checkpoint threads, which could hang or print tracebacks at shutdown)."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        os._exit(code)
+    sys.exit(code)

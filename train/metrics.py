@@ -1,8 +1,9 @@
-"""Where a run's numbers go: a JSONL file, optional TensorBoard events, a progress bar.
+"""Where a run's numbers go: a JSONL file, optional TensorBoard events, a progress bar or log lines.
 
 ``<run_dir>/metrics.jsonl`` holds one JSON object per logged step. On resume the lines of steps
 after the restored checkpoint are dropped first (they are about to be recomputed), so the file
-always reads as one uninterrupted run.
+always reads as one uninterrupted run. A line that does not parse (a crash can leave the last one
+torn) is dropped there, and skipped by `read_metrics`.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import math
 import os
 import pathlib
 import sys
+import time
 from typing import Any
 
 from tqdm import tqdm
@@ -38,10 +40,9 @@ class MetricsLog:
     def _drop_after(self, step: int) -> None:
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text(encoding="utf-8").splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        kept = [record for record in _parsed_lines(self.path) if record.get("step", 0) <= step]
         temporary = self.path.with_suffix(".jsonl.tmp")
-        temporary.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        temporary.write_text("".join(json.dumps(record) + "\n" for record in kept), encoding="utf-8")
         os.replace(temporary, self.path)
 
     def write(self, record: dict) -> None:
@@ -52,12 +53,23 @@ class MetricsLog:
         self._file.close()
 
 
+def _parsed_lines(path: pathlib.Path) -> list[dict]:
+    """The JSON objects of the lines of ``path`` that parse as one (torn or foreign lines skipped)."""
+    records = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     """The records of a run's metrics file (empty when there is none)."""
     path = pathlib.Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return _parsed_lines(path) if path.exists() else []
 
 
 class TensorBoard:
@@ -84,18 +96,48 @@ class TensorBoard:
 
 
 class Progress:
-    """A progress bar (step, loss, tokens/s, ETA) on stderr, or nothing."""
+    """Where the run shows its progress, on stderr: a bar (step, loss, tokens/s, ETA) when
+    ``enabled`` and stderr is a terminal, else a plain line every ``every`` steps. The first step
+    of a run (which compiles) is left out of the rate, so the ETA starts after it."""
 
-    def __init__(self, enabled: bool, start: int, total: int):
-        self._bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr,
-                         disable=not enabled, smoothing=0.1)
+    def __init__(self, enabled: bool, start: int, total: int, every: int):
+        self._use_bar = enabled and sys.stderr.isatty()
+        self._step, self._total, self._every = start, total, every
+        self._bar = None
+        self._timed_from: tuple[float, int] | None = None   # (time, step) after the first step
 
     def update(self, steps: int, loss: float, tokens_per_second: float) -> None:
-        self._bar.set_postfix_str(f"loss {loss:.4f}, {tokens_per_second:,.0f} tok/s", refresh=False)
-        self._bar.update(steps)
+        self._step += steps
+        now = time.perf_counter()
+        if self._timed_from is None:
+            self._timed_from = (now, self._step)
+            if self._use_bar:
+                self._bar = tqdm(total=self._total, initial=self._step, unit="step", dynamic_ncols=True,
+                                 file=sys.stderr, smoothing=0.1)
+        elif self._bar is not None:
+            self._bar.set_postfix_str(f"loss {loss:.4f}, {tokens_per_second:,.0f} tok/s", refresh=False)
+            self._bar.update(steps)
+            return
+        if self._bar is None and (self._step % self._every == 0 or self._step == self._total):
+            self.write(f"step {self._step}/{self._total}  loss {loss:.4f}  {tokens_per_second:,.0f} tok/s  "
+                       f"ETA {self.eta(now)}")
+
+    def eta(self, now: float) -> str:
+        """The time left at the rate since the first step ("?" until a second step has run)."""
+        started, first = self._timed_from
+        if self._step <= first:
+            return "?"
+        seconds = (self._total - self._step) * (now - started) / (self._step - first)
+        minutes, seconds = divmod(int(seconds), 60)
+        hours, minutes = divmod(minutes, 60)
+        return f"{hours}:{minutes:02d}:{seconds:02d}"
 
     def write(self, message: str) -> None:
-        self._bar.write(message, file=sys.stderr)
+        if self._bar is not None:
+            self._bar.write(message, file=sys.stderr)
+        else:
+            print(message, file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        self._bar.close()
+        if self._bar is not None:
+            self._bar.close()

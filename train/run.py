@@ -8,7 +8,8 @@ checkpoint the run resumes from the latest one exactly: the state is restored bi
 the data continues at the saved position (batches are a pure function of the data seed and the
 step). ``init_from`` starts a fresh run from another run's parameters (fine-tuning).
 
-SIGTERM and SIGINT finish the current step, save a checkpoint and end the run cleanly.
+SIGTERM and SIGINT finish the current step, save a checkpoint and end the run cleanly; during the
+start (see `StopSignals`) they end it before anything is written.
 
 The state lives on the device mesh of ``config.mesh`` (`k3jax.sharding`), and a checkpoint
 restores onto whatever mesh the resuming run has. With several processes each one feeds its own
@@ -17,10 +18,14 @@ rows of every batch and writes its shards of each checkpoint; only process 0 wri
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pathlib
+import shutil
 import signal
+import socket
+import sys
 import tempfile
 import time
 from typing import Any, NamedTuple
@@ -30,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 
-from k3jax.checkpoint import RunCheckpoints, restore_subtree
+from k3jax.checkpoint import CheckpointError, RunCheckpoints, restore_newest_good, restore_subtree
 from k3jax.config import Config, ConfigError, to_dict
 from k3jax.data import MQARDataset, make_dataset, mqar_recall
 from k3jax.optim import build_optimizer, learning_rate_schedule
@@ -39,22 +44,77 @@ from k3jax.sharding import (StepShardings, abstract, check_run_fits, global_batc
 from k3jax.training import (TrainState, abstract_model, abstract_train_state, make_eval_step, make_train_step,
                             sharded_state_from_params, sharded_train_state, training_flops_per_token)
 from train.metrics import MetricsLog, Progress, TensorBoard
+from train.signals import StopSignals
 
 
 class RunError(RuntimeError):
     """A run that cannot start or continue (the message is one line)."""
 
 
+def say(message: str) -> None:
+    """One line on stderr, at once."""
+    print(message, file=sys.stderr, flush=True)
+
+
 def prepare_run_dir(path: str) -> pathlib.Path:
-    """Create the run directory and make sure it is writable."""
+    """Create the run directory and make sure it (and its checkpoints/, if present) is writable."""
     run_dir = pathlib.Path(path).expanduser().resolve()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-test-"):
-            pass
+        for directory in (run_dir, run_dir / "checkpoints"):
+            if directory.is_dir():
+                with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
+                    pass
     except OSError as error:
         raise RunError(f"cannot write run directory {run_dir}: {error.strerror or error}") from None
     return run_dir
+
+
+def remove_if_empty(run_dir: pathlib.Path) -> None:
+    """Remove ``run_dir`` when it holds nothing but empty directories and the lock file."""
+    files = [path for path in run_dir.rglob("*") if not path.is_dir() and path.name != ".lock"]
+    if not files:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+class RunLock:
+    """An advisory, exclusive `fcntl` lock on ``<run_dir>/.lock``, which records who holds it. The
+    kernel releases it when the process ends, however it ends."""
+
+    def __init__(self, run_dir: pathlib.Path):
+        self._file = open(run_dir / ".lock", "a+", encoding="utf-8")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "another process"
+            self._file.close()
+            raise RunError(f"run directory {run_dir} is in use by another trainer ({holder}); "
+                           f"wait for it to end or choose another run_dir") from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"host {socket.gethostname()}, pid {os.getpid()}\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        if not self._file.closed:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+
+
+def set_aside(run_dir: pathlib.Path, steps: list[int], reason: str) -> None:
+    """Move the step directories ``steps`` of ``run_dir/checkpoints`` to ``run_dir/checkpoints-set-aside``."""
+    if not steps:
+        return
+    target = run_dir / "checkpoints-set-aside"
+    target.mkdir(exist_ok=True)
+    for step in steps:
+        destination = target / str(step)
+        suffix = 1
+        while destination.exists():
+            destination, suffix = target / f"{step}.{suffix}", suffix + 1
+        os.replace(run_dir / "checkpoints" / str(step), destination)
+    say(f"moved checkpoints {', '.join(map(str, steps))} ({reason}) to {target}")
 
 
 def write_atomically(path: pathlib.Path, text: str) -> None:
@@ -96,26 +156,6 @@ def measured_matmul_flops(dtype: str) -> float:
         jax.block_until_ready(matmul(a))
         best = min(best, time.perf_counter() - start)
     return 2 * 2048**3 / best
-
-
-class _StopSignals:
-    """Records SIGTERM / SIGINT instead of dying, so the loop can save and exit cleanly."""
-
-    def __init__(self):
-        self.received: str | None = None
-        self._previous = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.received = signal.Signals(signum).name
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def enable_compilation_cache(directory: str | None) -> None:
@@ -162,11 +202,42 @@ def lay_out_run(config: Config) -> RunLayout:
 class Trainer:
     """Builds everything a run needs from its `Config`."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, signals: StopSignals | None = None):
+        """``signals``: the caller's `StopSignals`, checked between the phases of the start (a signal
+        there raises `StopRequested` and writes nothing) and between steps (else `run` installs its own)."""
         self.config = config
-        enable_compilation_cache(config.train.compilation_cache)
+        self.signals = signals
+        self.primary = jax.process_index() == 0   # holds the lock; writes config.yaml, summary.json, metrics.jsonl
+        created = not pathlib.Path(config.run_dir).expanduser().exists()
         self.run_dir = prepare_run_dir(config.run_dir)
+        self._lock = RunLock(self.run_dir) if self.primary else None
+        try:
+            self._set_up()
+        except BaseException:
+            self.close()
+            if created and self.primary:
+                remove_if_empty(self.run_dir)
+            raise
+
+    def close(self) -> None:
+        """Release the run directory (the trainer cannot be used afterwards)."""
+        if self._lock:
+            self._lock.release()
+
+    def _stop_point(self) -> None:
+        if self.signals is not None:
+            self.signals.check()
+
+    def _set_up(self) -> None:
+        config = self.config
+        enable_compilation_cache(config.train.compilation_cache)
+        if config.logging.tensorboard and self.primary:
+            try:
+                import tensorboardX  # noqa: F401
+            except ImportError:
+                raise ConfigError("logging.tensorboard", "needs tensorboardX: pip install 'k3jax[tensorboard]'") from None
         self.data = make_dataset(config.data)
+        self._stop_point()
         if self.data.vocab_size > config.model.vocab_size:
             raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the data's "
                                                   f"vocabulary ({self.data.vocab_size} tokens)")
@@ -177,11 +248,12 @@ class Trainer:
         self.schedule, self.optimizer = layout.schedule, layout.optimizer
         self.abstract_state, self.shardings = layout.state, layout.shardings
         self.batch_rows = process_rows(self.shardings.batch, config.train.batch_size)
-        self.primary = jax.process_index() == 0   # writes config.yaml, summary.json, metrics.jsonl
         self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", keep=config.checkpoint.keep,
                                           every=config.checkpoint.every, async_save=config.checkpoint.async_save)
         self.position = 0  # batches consumed
+        self._stop_point()
         self._resume_or_initialise()
+        self._stop_point()
         if self.primary:
             write_atomically(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
         self.train_step = make_train_step(self.parts, self.optimizer, accumulation=config.train.grad_accum,
@@ -190,20 +262,46 @@ class Trainer:
 
     # -- state ---------------------------------------------------------------------------------
 
+    def _restore_checkpoint(self, step: int) -> tuple[TrainState, dict]:
+        check_same_model(self.checkpoints.meta(step), self.config, f"checkpoint {step} in {self.run_dir}")
+        return self.checkpoints.restore(step, self.abstract_state)
+
+    def _resume(self, steps: list[int]) -> None:
+        """Restore ``train.resume_step`` or else the newest checkpoint that restores; set aside the
+        newer ones (unusable, or superseded by the choice) so that the run can save those steps again."""
+        wanted = self.config.train.resume_step
+        candidates = [self.checkpoints.require_step(wanted)] if wanted is not None else steps
+        try:
+            step, (self.state, meta) = restore_newest_good(candidates, self._restore_checkpoint, say)
+        except CheckpointError as error:
+            raise CheckpointError(f"no usable checkpoint: {error}; pick one with train.resume_step=N "
+                                  f"or start afresh in another run_dir") from None
+        if self.primary:
+            set_aside(self.run_dir, [s for s in steps if s > step],
+                      "newer than train.resume_step" if wanted is not None else "unusable")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("checkpoints set aside")
+        self.checkpoints.reload()
+        self.position = int(meta["data_position"])
+        self.resumed_from = step
+
     def _resume_or_initialise(self) -> None:
-        latest = self.checkpoints.latest_step()
-        if latest is not None:
-            check_same_model(self.checkpoints.meta(latest), self.config, f"checkpoint {latest} in {self.run_dir}")
-            self.state, meta = self.checkpoints.restore(latest, self.abstract_state)
-            self.position = int(meta["data_position"])
-            self.resumed_from = latest
+        steps = self.checkpoints.steps()
+        if steps:
+            self._resume(steps)
             return
+        if self.config.train.resume_step is not None:
+            raise RunError(f"train.resume_step={self.config.train.resume_step}, but {self.run_dir} has no checkpoint")
         self.resumed_from = None
         if self.config.init_from:
             source = pathlib.Path(self.config.init_from).expanduser()
-            params, meta = restore_subtree(source, "params", self.abstract_state.params)
-            check_same_model(meta, self.config, f"init_from {source}")
-            buffers, _ = restore_subtree(source, "buffers", self.abstract_state.buffers)
+            try:
+                params, meta = restore_subtree(source, "params", self.abstract_state.params)
+                check_same_model(meta, self.config, f"init_from {source}")
+                buffers, _ = restore_subtree(source, "buffers", self.abstract_state.buffers)
+            except CheckpointError as error:
+                raise CheckpointError(f"init_from={source}: {error}") from None
             self.state = sharded_state_from_params(params, buffers, self.optimizer, self.shardings.state)
             return
         self.state = sharded_train_state(self.config.model, self.config.train.seed, self.optimizer,
@@ -215,7 +313,9 @@ class Trainer:
                 "jax_version": jax.__version__}
 
     def save(self, force: bool = False) -> None:
-        """Save at the current position when due (or ``force``), unless it is saved already."""
+        """Save at the current position when due (or ``force``), unless it is saved already; raises
+        `CheckpointError` as soon as an earlier asynchronous save is known to have failed."""
+        self.checkpoints.check()
         if self.checkpoints.latest_step() != self.position:
             self.checkpoints.save(self.position, self.state, self._meta(), force=force)
 
@@ -229,56 +329,69 @@ class Trainer:
         return global_batch(rows, self.shardings.batch, size)
 
     def run(self) -> dict:
+        """Train to ``train.steps`` (or until SIGTERM/SIGINT), save, evaluate; releases the run directory."""
+        try:
+            if self.signals is None:
+                with StopSignals() as signals:
+                    return self._run(signals)
+            return self._run(self.signals)
+        finally:
+            self.close()
+
+    def _run(self, signals: StopSignals) -> dict:
         cfg = self.config.train
         log_name = "metrics.jsonl" if self.primary else f"metrics.process{jax.process_index()}.jsonl"
         log = MetricsLog(self.run_dir / log_name, self.position)
         board = TensorBoard(self.run_dir / "tensorboard") if self.config.logging.tensorboard and self.primary else None
-        progress = Progress(self.config.logging.progress, self.position, cfg.steps)
+        progress = Progress(self.config.logging.progress, self.position, cfg.steps, cfg.log_every)
         flops_per_token = training_flops_per_token(self.config.model, self.config.data.seq_len)
         peak = (self.config.logging.peak_tflops * 1e12 if self.config.logging.peak_tflops
                 else measured_matmul_flops(self.config.model.compute_dtype))
         tokens_per_step = cfg.batch_size * self.config.data.seq_len
         if self.resumed_from is not None:
             progress.write(f"resumed from checkpoint {self.resumed_from} in {self.run_dir}")
-        stopped_by = None
         started = time.perf_counter()
-        with _StopSignals() as signals:
-            last = time.perf_counter()
-            while self.position < cfg.steps and signals.received is None:
-                self.state, metrics = self.train_step(self.state, self._device_batch(self.position))
-                metrics = jax.device_get(metrics)
-                self.position += 1
-                now = time.perf_counter()
-                tokens_per_second = tokens_per_step / max(now - last, 1e-9)
-                last = now
-                record = self._record(metrics, tokens_per_second, flops_per_token, peak)
-                if not metrics["finite"]:
-                    progress.write(f"step {self.position}: non-finite loss ({metrics['loss']}) or gradient norm "
-                                   f"({metrics['grad_norm']}); update skipped")
-                    if int(self.state.skipped) >= cfg.max_nonfinite_steps:
-                        log.write(record)
-                        raise RunError(f"{int(self.state.skipped)} non-finite steps in a row at step {self.position}; "
-                                       f"stopping (lower optimizer.learning_rate or check the data); "
-                                       f"last checkpoint: {self.checkpoints.latest_step()}")
-                if self.position % cfg.log_every == 0 or self.position == cfg.steps or not metrics["finite"]:
+        first = self.position
+        last = time.perf_counter()
+        while self.position < cfg.steps and signals.received is None:
+            self.state, metrics = self.train_step(self.state, self._device_batch(self.position))
+            metrics = jax.device_get(metrics)
+            self.position += 1
+            now = time.perf_counter()
+            tokens_per_second = tokens_per_step / max(now - last, 1e-9)
+            last = now
+            record = self._record(metrics, tokens_per_second, flops_per_token, peak)
+            if not metrics["finite"]:
+                progress.write(f"step {self.position}: non-finite loss ({metrics['loss']}) or gradient norm "
+                               f"({metrics['grad_norm']}); update skipped")
+                if int(self.state.skipped) >= cfg.max_nonfinite_steps:
                     log.write(record)
-                    if board:
-                        board.write(record)
-                progress.update(1, float(metrics["loss"]), tokens_per_second)
-                self.save()
-            stopped_by = signals.received
-        self.save(force=True)
+                    raise RunError(f"{int(self.state.skipped)} non-finite steps in a row at step {self.position}; "
+                                   f"stopping (lower optimizer.learning_rate or check the data); "
+                                   f"last checkpoint: {self.checkpoints.latest_step()}")
+            if self.position % cfg.log_every == 0 or self.position == cfg.steps or not metrics["finite"]:
+                log.write(record)
+                if board:
+                    board.write(record)
+            progress.update(1, float(metrics["loss"]), tokens_per_second)
+            self.save()
+        if self.position != first:
+            self.save(force=True)
         self.checkpoints.wait()
         progress.close()
         log.close()
         if board:
             board.close()
         elapsed = time.perf_counter() - started
+        summary = {"step": self.position, "train_seconds": elapsed}
+        if signals.received is None:
+            summary.update(self.evaluate(signals))
+        stopped_by = signals.received
         if stopped_by:
-            print(f"{stopped_by} received: saved checkpoint {self.position} in {self.run_dir / 'checkpoints'}; "
-                  f"run again to resume", flush=True)
+            saved = (f"saved checkpoint {self.position} in {self.run_dir / 'checkpoints'}" if self.position != first
+                     else "stopped before the first step, nothing to save")
+            print(f"{stopped_by} received: {saved}; run again to resume", flush=True)
             return {"stopped_by": stopped_by, "step": self.position}
-        summary = {"step": self.position, "train_seconds": elapsed, **self.evaluate()}
         if self.primary:
             write_atomically(self.run_dir / "summary.json", json.dumps(summary, indent=2))
         return summary
@@ -296,14 +409,16 @@ class Trainer:
 
     # -- evaluation ----------------------------------------------------------------------------
 
-    def evaluate(self) -> dict:
-        """Held-out loss (and MQAR recall) over ``train.eval_batches`` batches."""
+    def evaluate(self, signals: StopSignals | None = None) -> dict:
+        """Held-out loss (and MQAR recall) over ``train.eval_batches`` batches (cut short by a signal)."""
         batches = self.config.train.eval_batches
         if not batches:
             return {}
         loss_sum = count = 0.0
         correct = answers = 0.0
         for index in range(batches):
+            if signals is not None and signals.received:
+                break
             batch = self._device_batch(index, split="heldout")
             batch_loss, batch_count, predictions = self.eval_step(self.state.params, self.state.buffers, batch)
             loss_sum, count = loss_sum + float(batch_loss), count + float(batch_count)

@@ -102,7 +102,9 @@ class MLALayer(nnx.Module):
         return attention(q, jnp.concatenate([k_nope, k_rope], axis=-1), v, mask, scale=cfg.qk_head_dim**-0.5)
 
     def _attend_cached(self, q, latent, memory: MLAMemory, segments):
-        """Write the call's [c~ | k_r] into the cache, attend over it in the absorbed form."""
+        """Write the call's [c~ | k_r] into the cache, attend over it in the absorbed form. A sequence
+        whose tokens do not fit the cache (length + T > S) gets NaN outputs, from then on (its
+        length keeps counting): an overflowing bank never gives silently wrong results."""
         cfg = self.config
         length = segments.shape[1]
         cache = _write_rows(memory.latent, latent.astype(memory.latent.dtype), memory.length)
@@ -119,6 +121,8 @@ class MLALayer(nnx.Module):
         keys = cache.astype(self.dtype)[:, :, None, :]                                 # one shared head
         mixed = attention(queries, keys, keys[..., : cfg.kv_lora_rank], mask, scale=cfg.qk_head_dim**-0.5)
         o = jnp.einsum("bthc,chv->bthv", mixed, value_proj)
+        overflow = memory.length + length > cache.shape[1]
+        o = jnp.where(overflow[:, None, None, None], jnp.nan, o)
 
         starts = jnp.concatenate([jnp.zeros_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
         last_start = jnp.max(jnp.where(starts, jnp.arange(length), 0), axis=1)

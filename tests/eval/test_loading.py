@@ -55,21 +55,41 @@ def test_missing_checkpoint_is_one_line_and_status_2(tmp_path):
     assert "no such directory" in result.stderr
 
 
-@pytest.mark.slow   # a subprocess
-def test_corrupted_checkpoint_is_one_line_and_status_2(trained_run, tmp_path):
-    copy = shutil.copytree(trained_run.path, tmp_path / "corrupted")
-    for path in (copy / "checkpoints" / str(trained_run.step) / "state").rglob("*"):
+def garble(step_dir):
+    for path in (step_dir / "state").rglob("*"):
         if path.is_file():
             path.write_bytes(b"\x00garbage" * 7)
+
+
+@pytest.mark.slow   # a subprocess
+def test_corrupted_checkpoints_are_one_line_and_status_2(trained_run, tmp_path):
+    copy = shutil.copytree(trained_run.path, tmp_path / "corrupted")
+    for step_dir in (copy / "checkpoints").iterdir():
+        garble(step_dir)
     result = run_cli(copy, "--tasks", "mqar", "--no-progress")
     assert_one_line_error(result.returncode, result.stderr)
     assert "cannot load the checkpoint" in result.stderr
 
 
+def test_a_corrupted_latest_checkpoint_falls_back_to_the_previous_one_saying_so(trained_run, tmp_path, capsys):
+    copy = shutil.copytree(trained_run.path, tmp_path / "latest-corrupted")
+    steps = sorted(int(path.name) for path in (copy / "checkpoints").iterdir() if path.name.isdigit())
+    assert len(steps) >= 2
+    garble(copy / "checkpoints" / str(steps[-1]))
+    capsys.readouterr()                                    # drop what the fixture's training printed
+    assert load_run(str(copy)).step == steps[-2]
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith(f"warning: cannot restore 'params' from checkpoint {steps[-1]}")
+    assert lines[1] == f"falling back to checkpoint {steps[-2]} (unusable: {steps[-1]})"
+    with pytest.raises(EvalInputError, match=f"checkpoint {steps[-1]}"):
+        load_run(str(copy), step=steps[-1])
+
+
 def test_corrupted_metadata_is_one_line_and_status_2(trained_run, tmp_path, capsys):
     copy = shutil.copytree(trained_run.path, tmp_path / "bad-meta")
-    for path in (copy / "checkpoints" / str(trained_run.step) / "meta").iterdir():
+    for path in (copy / "checkpoints").glob("*/meta/*"):
         path.write_text("{not json")
+    capsys.readouterr()                                    # drop what the fixture's training printed
     assert_one_line_error(main([str(copy), "--no-progress"]), capsys.readouterr().err)
 
 

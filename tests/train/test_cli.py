@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow   # subprocesses
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MICRO = str(pathlib.Path(__file__).with_name("micro.yaml"))
+pytestmark = pytest.mark.slow   # subprocesses
 
 
 @pytest.fixture(scope="module")

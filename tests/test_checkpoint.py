@@ -1,0 +1,97 @@
+"""Checkpoint integrity: the per-array checksum against a NumPy reference written from its formula,
+its sensitivity, and save -> corrupt -> restore refusing the altered array or metadata."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.checkpoint import CheckpointError, RunCheckpoints, restore_newest_good, tree_checksums
+
+MASK = (1 << 32) - 1
+
+
+def reference_checksum(array: np.ndarray) -> int:
+    """sum_i fmix32(w_i xor (i * 0x9E3779B9)) mod 2^32, in Python integers."""
+    if array.dtype == np.bool_:
+        words = array.astype(np.uint32)
+    else:
+        words = array.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[array.dtype.itemsize]).astype(np.uint32)
+    total = 0
+    for index, word in enumerate(words.reshape(-1).tolist()):
+        h = word ^ ((index * 0x9E3779B9) & MASK)
+        h = ((h ^ (h >> 16)) * 0x85EBCA6B) & MASK
+        h = ((h ^ (h >> 13)) * 0xC2B2AE35) & MASK
+        total += h ^ (h >> 16)
+    return total & MASK
+
+
+def _arrays():
+    rng = np.random.default_rng(0)
+    return {"f32": rng.normal(size=(3, 5)).astype(np.float32), "ones": np.ones((32,), np.float32),
+            "bf16": np.asarray(jnp.asarray(rng.normal(size=(4, 3)), jnp.bfloat16)),
+            "i32": rng.integers(-9, 9, size=(2, 3, 2)).astype(np.int32), "flags": rng.random(7) > 0.5,
+            "scalar": np.float32(2.5)}
+
+
+def test_checksums_equal_the_reference_formula():
+    arrays = _arrays()
+    sums = tree_checksums({name: jnp.asarray(a) for name, a in arrays.items()})
+    for name, array in arrays.items():
+        assert sums[f"['{name}']"] == reference_checksum(np.asarray(array)), name
+
+
+def test_every_single_bit_flip_and_a_pair_of_sign_flips_change_the_checksum():
+    x = np.random.default_rng(1).normal(size=(6, 4)).astype(np.float32)
+    base = tree_checksums({"x": jnp.asarray(x)})["['x']"]
+    flipped = []
+    for bit in range(32):
+        for index in (0, 7, 23):
+            y = x.copy()
+            y.reshape(-1).view(np.uint32)[index] ^= np.uint32(1 << bit)
+            flipped.append(jnp.asarray(y))
+    pair = x.copy()
+    pair.reshape(-1)[[2, 9]] *= -1                          # sign bits of two words (a plain sum misses it)
+    sums = tree_checksums({"flipped": flipped, "pair": jnp.asarray(pair)})
+    assert base not in sums.values()
+
+
+def _state():
+    return {"params": {"w": jnp.arange(12, dtype=jnp.float32).reshape(3, 4)}, "step": jnp.int32(5)}
+
+
+def test_a_silently_altered_array_or_metadata_is_refused(tmp_path):
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _state())
+    good = RunCheckpoints(tmp_path / "good", async_save=False)
+    good.save(1, _state(), {"note": "x"}, force=True)
+    good.wait()
+    assert np.array_equal(good.restore(1, abstract)[0]["params"]["w"], _state()["params"]["w"])
+    altered = _state()
+    altered["params"]["w"] = altered["params"]["w"].at[1, 2].set(6.0000005)
+    bad = RunCheckpoints(tmp_path / "bad", async_save=False)
+    bad.save(1, altered, {"note": "x"}, force=True)
+    bad.wait()
+    meta_file = tmp_path / "bad" / "1" / "meta" / "metadata"
+    meta_file.write_text((tmp_path / "good" / "1" / "meta" / "metadata").read_text())   # the original seal
+    bad = RunCheckpoints(tmp_path / "bad", read_only=True)
+    with pytest.raises(CheckpointError, match=r"array \['params'\]\['w'\] is corrupted"):
+        bad.restore(1, abstract)
+    meta = json.loads(meta_file.read_text())
+    meta["note"] = "y"
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="metadata is corrupted"):
+        bad.meta(1)
+
+
+def test_restore_newest_good_falls_back_and_reports_each_skipped_step():
+    def restore(step):
+        if step > 2:
+            raise CheckpointError(f"checkpoint {step} is broken")
+        return step * 10
+    said = []
+    assert restore_newest_good([1, 2, 3, 4], restore, said.append) == (2, 20)
+    assert said == ["warning: checkpoint 4 is broken", "warning: checkpoint 3 is broken",
+                    "falling back to checkpoint 2 (unusable: 4, 3)"]
+    with pytest.raises(CheckpointError, match=r"checkpoint 4 is broken \(and 1 older checkpoints\)"):
+        restore_newest_good([3, 4], restore, said.append)
