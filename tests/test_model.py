@@ -282,3 +282,22 @@ def test_init_memory_layout(model):
 def test_a_prefill_longer_than_the_cache_is_refused(model, tokens):
     with pytest.raises(ValueError, match=f"{LENGTH} tokens do not fit the memory's MLA cache of {LENGTH - 1}"):
         model(tokens, memory=init_memory(model.config, BATCH, LENGTH - 1))
+
+
+def test_blockwise_attention_keeps_logits_and_gradients_of_dense_attention(tokens):
+    """MLA with the xla blockwise attention (blocks of 5 over 12 tokens, documents crossing
+    blocks) against the dense score matrix: the same logits and parameter gradients."""
+    segments = jnp.array([[1] * 7 + [2] * 5, [3] * 12], jnp.int32)
+
+    def loss_and_grads(implementation):
+        model = K3Model(micro_config(f"model.mla.attention_implementation={implementation}",
+                                     "model.mla.attention_block_size=5"), rngs=nnx.Rngs(0))
+        loss = lambda m: jnp.mean(m(tokens, segment_ids=segments).logits ** 2)
+        return nnx.jit(nnx.value_and_grad(loss))(model), forward(model, tokens, segments).logits
+
+    (loss_xla, grads_xla), logits_xla = loss_and_grads("xla")
+    (loss_dense, grads_dense), logits_dense = loss_and_grads("dense")
+    assert rel_err(logits_xla, logits_dense) < 1e-5
+    assert abs(float(loss_xla) - float(loss_dense)) <= 1e-5 * abs(float(loss_dense))
+    for got, want in zip(jax.tree.leaves(grads_xla), jax.tree.leaves(grads_dense)):
+        assert np.abs(np.asarray(got)).max() == 0 if np.abs(np.asarray(want)).max() == 0 else rel_err(got, want) < 1e-4

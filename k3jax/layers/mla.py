@@ -23,7 +23,7 @@ from k3jax.config import MLAConfig
 from k3jax.layers.linear import project
 from k3jax.layers.params import param, truncated_normal
 from k3jax.memory import MLAMemory
-from k3jax.ops.attention import attention, causal_mask
+from k3jax.ops.attention import attention
 from k3jax.ops.norms import rms_norm
 
 
@@ -79,10 +79,10 @@ class MLALayer(nnx.Module):
         latent = project(x, self.kv_a_proj[...], self.dtype)
         c = rms_norm(latent[..., : cfg.kv_lora_rank], self.kv_a_norm[...], cfg.norm_eps)
         latent = jnp.concatenate([c, latent[..., cfg.kv_lora_rank :]], axis=-1)     # [B, T, kv_lora + r]
-        segments = jnp.zeros(x.shape[:2], jnp.int32) if segment_ids is None else segment_ids
         if memory is None:
-            o, new_memory = self._attend_expanded(q, latent, segments), None
+            o, new_memory = self._attend_expanded(q, latent, segment_ids), None
         else:
+            segments = jnp.zeros(x.shape[:2], jnp.int32) if segment_ids is None else segment_ids
             o, new_memory = self._attend_cached(q, latent, memory, segments)
         if cfg.output_gate:
             gate = project(x, self.g_proj[...], self.dtype)
@@ -90,34 +90,39 @@ class MLALayer(nnx.Module):
         return project(o, self.o_proj[...], self.dtype, contract=2), new_memory
 
     def _attend_expanded(self, q, latent, segments):
-        """Causal attention among the call's tokens with per-head keys and values expanded from c~."""
+        """Causal attention among the call's tokens with per-head keys and values expanded from c~
+        (segments ``[B, T]`` or None: one document)."""
         cfg = self.config
-        batch, length = segments.shape
-        positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
         c, k_rope = latent[..., : cfg.kv_lora_rank], latent[..., cfg.kv_lora_rank :]
         kv = project(c, self.kv_b_proj[...], self.dtype)                           # [B, T, H, n + V]
         k_nope, v = kv[..., : cfg.nope_head_dim], kv[..., cfg.nope_head_dim :]
         k_rope = jnp.broadcast_to(k_rope[:, :, None].astype(self.dtype), (*k_nope.shape[:-1], cfg.rope_head_dim))
-        mask = causal_mask(positions, positions, segments, segments)
-        return attention(q, jnp.concatenate([k_nope, k_rope], axis=-1), v, mask, scale=cfg.qk_head_dim**-0.5)
+        return attention(q, jnp.concatenate([k_nope, k_rope], axis=-1), v, scale=cfg.qk_head_dim**-0.5,
+                         query_segments=segments, key_segments=segments,
+                         implementation=cfg.attention_implementation, block_size=cfg.attention_block_size)
 
     def _attend_cached(self, q, latent, memory: MLAMemory, segments):
-        """Write the call's [c~ | k_r] into the cache, attend over it in the absorbed form."""
+        """Write the call's [c~ | k_r] into the cache, attend over it in the absorbed form (blockwise
+        over the cache slots unless ``dense`` is configured). Slots before the document start get a
+        segment id no query has (int32 min), so they are never seen."""
         cfg = self.config
         length = segments.shape[1]
         cache = _write_rows(memory.latent, latent.astype(memory.latent.dtype), memory.length)
         slots = jnp.arange(cache.shape[1])[None]
         key_segments = _write_rows(jnp.broadcast_to(segments[:, :1], cache.shape[:2]), segments, memory.length)
+        key_segments = jnp.where(slots >= memory.document_start[:, None], key_segments, jnp.iinfo(jnp.int32).min)
         positions = memory.length[:, None] + jnp.arange(length)
-        mask = causal_mask(positions, slots, segments, key_segments)
-        mask = mask & (slots >= memory.document_start[:, None])[:, None, :]
 
         kv_b = self.kv_b_proj[...].astype(self.dtype)
         key_proj, value_proj = kv_b[..., : cfg.nope_head_dim], kv_b[..., cfg.nope_head_dim :]
         q_latent = jnp.einsum("bthn,chn->bthc", q[..., : cfg.nope_head_dim], key_proj)
         queries = jnp.concatenate([q_latent, q[..., cfg.nope_head_dim :]], axis=-1)   # [B, T, H, kv_lora + r]
         keys = cache.astype(self.dtype)[:, :, None, :]                                 # one shared head
-        mixed = attention(queries, keys, keys[..., : cfg.kv_lora_rank], mask, scale=cfg.qk_head_dim**-0.5)
+        implementation = "dense" if cfg.attention_implementation == "dense" else "xla"
+        mixed = attention(queries, keys, keys[..., : cfg.kv_lora_rank], scale=cfg.qk_head_dim**-0.5,
+                          query_positions=positions, key_positions=jnp.broadcast_to(slots, key_segments.shape),
+                          query_segments=segments, key_segments=key_segments,
+                          implementation=implementation, block_size=cfg.attention_block_size)
         o = jnp.einsum("bthc,chv->bthv", mixed, value_proj)
 
         starts = jnp.concatenate([jnp.zeros_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
