@@ -15,6 +15,8 @@ score against the shared cached [c~ | k_r]; the mixed latent is expanded by W_kv
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -25,6 +27,16 @@ from k3jax.layers.params import param, truncated_normal
 from k3jax.memory import MLAMemory
 from k3jax.ops.attention import attention
 from k3jax.ops.norms import rms_norm
+
+
+def _expand_keys_values(latent: jax.Array, kv_b_proj: jax.Array, *, config: MLAConfig, dtype) -> tuple:
+    """``[c~ | k_r]`` ``[B, T, kv_lora + r]`` -> keys ``[k_nope | k_r] [B, T, H, n + r]`` (k_r shared
+    by every head) and values ``[B, T, H, V]``."""
+    c, k_rope = latent[..., : config.kv_lora_rank], latent[..., config.kv_lora_rank :]
+    kv = project(c, kv_b_proj, dtype)                                                # [B, T, H, n + V]
+    k_nope, v = kv[..., : config.nope_head_dim], kv[..., config.nope_head_dim :]
+    k_rope = jnp.broadcast_to(k_rope[:, :, None].astype(dtype), (*k_nope.shape[:-1], config.rope_head_dim))
+    return jnp.concatenate([k_nope, k_rope], axis=-1), v
 
 
 def _write_rows(buffer: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
@@ -63,6 +75,7 @@ class MLALayer(nnx.Module):
         self.o_proj = param(rngs, linear, (heads, config.value_head_dim, d_model), ("heads", "head_dim", "embed"))
         self.config = config
         self.dtype = dtype
+        self.context_parallel = None     # a `k3jax.sharding.context.ContextParallel`, set by parallelize
 
     def __call__(
         self, x: jax.Array, memory: MLAMemory | None = None, segment_ids: jax.Array | None = None
@@ -91,15 +104,17 @@ class MLALayer(nnx.Module):
 
     def _attend_expanded(self, q, latent, segments):
         """Causal attention among the call's tokens with per-head keys and values expanded from c~
-        (segments ``[B, T]`` or None: one document)."""
+        (segments ``[B, T]`` or None: one document); with ``context_parallel`` the sequence is split
+        over its mesh axis and only the compact latent crosses devices."""
         cfg = self.config
-        c, k_rope = latent[..., : cfg.kv_lora_rank], latent[..., cfg.kv_lora_rank :]
-        kv = project(c, self.kv_b_proj[...], self.dtype)                           # [B, T, H, n + V]
-        k_nope, v = kv[..., : cfg.nope_head_dim], kv[..., cfg.nope_head_dim :]
-        k_rope = jnp.broadcast_to(k_rope[:, :, None].astype(self.dtype), (*k_nope.shape[:-1], cfg.rope_head_dim))
-        return attention(q, jnp.concatenate([k_nope, k_rope], axis=-1), v, scale=cfg.qk_head_dim**-0.5,
-                         query_segments=segments, key_segments=segments,
-                         implementation=cfg.attention_implementation, block_size=cfg.attention_block_size)
+        expand = functools.partial(_expand_keys_values, config=cfg, dtype=self.dtype)
+        options = dict(scale=cfg.qk_head_dim**-0.5, implementation=cfg.attention_implementation,
+                       block_size=cfg.attention_block_size)
+        if self.context_parallel is not None:
+            segments = jnp.zeros(q.shape[:2], jnp.int32) if segments is None else segments
+            return self.context_parallel.attention(q, latent, segments, self.kv_b_proj[...], expand=expand, **options)
+        keys, values = expand(latent, self.kv_b_proj[...])
+        return attention(q, keys, values, query_segments=segments, key_segments=segments, **options)
 
     def _attend_cached(self, q, latent, memory: MLAMemory, segments):
         """Write the call's [c~ | k_r] into the cache, attend over it in the absorbed form (blockwise

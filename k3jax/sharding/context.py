@@ -15,13 +15,24 @@ ring hops. Each shard then adds S_in^T q~_t to its outputs.
 The short convolution reads a W-1-token halo, the previous shard's last inputs of its last
 token's document, zeroed when this shard starts a new document.
 
-The functions run inside ``shard_map`` over ``axis_name`` on per-shard ``[B, T/P, ...]`` arrays.
+MLA: each shard all-gathers the compact latent [c~ | k_r] (kv_lora + r values per token, 576 in
+K3) rather than the expanded keys and values (H (n + r + V) per token), expands it locally and
+runs the blockwise attention from its queries' global positions; causal block skipping limits
+shard i to the key blocks before its end (no zig-zag load balance).
+
+The ``*_across_shards`` functions run inside ``shard_map`` over ``axis_name`` on per-shard
+``[B, T/P, ...]`` arrays; `ContextParallel` wraps them for global arrays.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 
+from k3jax.ops.attention import attention
 from k3jax.ops.conv import causal_depthwise_conv
 from k3jax.ops.kda import kda
 
@@ -87,3 +98,57 @@ def kda_across_shards(q, k, v, g, beta, segment_ids, *, axis_name: str, scale: f
     entering = jnp.where(keep[:, None, None, None], entering, 0.0)
     o = o_zero + jnp.einsum("bthk,bhkv->bthv", carried_queries, entering)
     return o.astype(v.dtype), last
+
+
+def attention_across_shards(q, latent, segment_ids, expand_weight, *, expand, axis_name: str, scale: float,
+                            implementation: str | None = None, block_size: int = 512) -> jax.Array:
+    """Causal MLA attention with the sequence split over ``axis_name``: each shard all-gathers the
+    compact latent ``[B, T/P, kv_lora + r]`` (not the expanded per-head keys and values), expands it
+    with ``expand(latent, expand_weight) -> (k [B, T, H, D], v [B, T, H, Dv])`` and attends from its
+    queries ``q [B, T/P, H, D]`` at their global positions. Returns ``[B, T/P, H, Dv]``."""
+    local = q.shape[1]
+    full_latent = jax.lax.all_gather(latent, axis_name, axis=1, tiled=True)
+    key_segments = jax.lax.all_gather(segment_ids, axis_name, axis=1, tiled=True)
+    keys, values = expand(full_latent, expand_weight)
+    batch, length = key_segments.shape
+    query_positions = jax.lax.axis_index(axis_name) * local + jnp.arange(local, dtype=jnp.int32)
+    implementation = "dense" if implementation == "dense" else "xla"
+    return attention(q, keys, values, scale=scale, query_positions=jnp.broadcast_to(query_positions, (batch, local)),
+                     key_positions=jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length)),
+                     query_segments=segment_ids, key_segments=key_segments, implementation=implementation,
+                     block_size=block_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+    """The sequence (dim 1 of ``[B, T, ...]`` activations) split over ``mesh`` axis ``axis``; set on
+    KDA and MLA layers by `k3jax.sharding.parallelize` (a static attribute). Each method takes and
+    returns global arrays and runs the per-shard function above in a ``shard_map`` that is manual
+    over ``axis`` only (the other mesh axes stay automatic)."""
+
+    mesh: Mesh
+    axis: str = "context"
+
+    def _run(self, fn, args, out_specs):
+        sequence = PartitionSpec(None, self.axis)
+        specs = tuple(PartitionSpec() if spec is None else sequence for spec in (a[1] for a in args))
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=specs, out_specs=out_specs, axis_names={self.axis},
+                             check_vma=False)(*(a[0] for a in args))
+
+    def conv(self, x, weight, segment_ids):
+        """`conv_across_shards` of x ``[B, T, C]``."""
+        fn = functools.partial(conv_across_shards, axis_name=self.axis)
+        return self._run(lambda x, w, s: fn(x, w, s), [(x, 1), (weight, None), (segment_ids, 1)],
+                         PartitionSpec(None, self.axis))
+
+    def kda(self, q, k, v, g, beta, segment_ids, **kwargs):
+        """`kda_across_shards`: ``(o [B, T, HV, V], final state)``."""
+        fn = functools.partial(kda_across_shards, axis_name=self.axis, **kwargs)
+        return self._run(fn, [(x, 1) for x in (q, k, v, g, beta, segment_ids)],
+                         (PartitionSpec(None, self.axis), PartitionSpec()))
+
+    def attention(self, q, latent, segment_ids, expand_weight, **kwargs):
+        """`attention_across_shards`: ``[B, T, H, Dv]``."""
+        fn = functools.partial(attention_across_shards, axis_name=self.axis, **kwargs)
+        return self._run(fn, [(q, 1), (latent, 1), (segment_ids, 1), (expand_weight, None)],
+                         PartitionSpec(None, self.axis))
