@@ -110,9 +110,12 @@ class MLAConfig:
     value_head_dim: int = 128             # V
     output_gate: bool = False             # o <- o * sigmoid(W_g x)
     norm_eps: float = 1e-6                # of the q_a / kv_a RMSNorms
+    attention_implementation: Literal["dense", "xla", "cudnn", "splash"] | None = None   # None: by platform
+    attention_block_size: int = 512       # query / key block of the xla (blockwise) attention
 
     def __post_init__(self):
-        _positive(self, "num_heads", "kv_lora_rank", "q_lora_rank", "nope_head_dim", "value_head_dim", "norm_eps")
+        _positive(self, "num_heads", "kv_lora_rank", "q_lora_rank", "nope_head_dim", "value_head_dim", "norm_eps",
+                  "attention_block_size")
         _require(self.rope_head_dim >= 0, "rope_head_dim", f"must be non-negative, got {self.rope_head_dim}")
 
     @property

@@ -81,6 +81,7 @@ class KDALayer(nnx.Module):
         self.o_proj = param(rngs, linear, (value_heads, dim, d_model), ("value_heads", "head_dim", "embed"))
         self.config = config
         self.dtype = dtype
+        self.context_parallel = None     # a `k3jax.sharding.context.ContextParallel`, set by parallelize
 
     def __call__(
         self, x: jax.Array, memory: KDAMemory | None = None, segment_ids: jax.Array | None = None
@@ -99,7 +100,12 @@ class KDALayer(nnx.Module):
         )
         conv_weight = jnp.concatenate([w[...].reshape(-1, cfg.conv_size) for w in (self.q_conv, self.k_conv, self.v_conv)])
         conv_state = None if memory is None else memory.conv
-        mixed, conv_tail = causal_depthwise_conv(projected, conv_weight, conv_state, segment_ids)
+        split = self.context_parallel is not None and memory is None
+        segments = jnp.zeros((batch, length), jnp.int32) if split and segment_ids is None else segment_ids
+        if split:
+            mixed, conv_tail = self.context_parallel.conv(projected, conv_weight, segments), None
+        else:
+            mixed, conv_tail = causal_depthwise_conv(projected, conv_weight, conv_state, segment_ids)
         mixed = jax.nn.silu(mixed)
         q, k, v = jnp.split(mixed, [cfg.key_width, 2 * cfg.key_width], axis=-1)
         q = l2_normalize(q.reshape(batch, length, heads, dim).astype(jnp.float32))
@@ -115,6 +121,9 @@ class KDALayer(nnx.Module):
         if length == 1 and state is not None:
             o, state = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
             o = o[:, None]
+        elif split:
+            o, state = self.context_parallel.kda(q, k, v, g, beta, segments, chunk_size=cfg.chunk_size,
+                                                 implementation=cfg.implementation)
         else:
             o, state = kda(q, k, v, g, beta, initial_state=state, segment_ids=segment_ids,
                            chunk_size=cfg.chunk_size, implementation=cfg.implementation)

@@ -15,6 +15,8 @@ score against the shared cached [c~ | k_r]; the mixed latent is expanded by W_kv
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -23,8 +25,18 @@ from k3jax.config import MLAConfig
 from k3jax.layers.linear import project
 from k3jax.layers.params import param, truncated_normal
 from k3jax.memory import MLAMemory
-from k3jax.ops.attention import attention, causal_mask
+from k3jax.ops.attention import attention
 from k3jax.ops.norms import rms_norm
+
+
+def _expand_keys_values(latent: jax.Array, kv_b_proj: jax.Array, *, config: MLAConfig, dtype) -> tuple:
+    """``[c~ | k_r]`` ``[B, T, kv_lora + r]`` -> keys ``[k_nope | k_r] [B, T, H, n + r]`` (k_r shared
+    by every head) and values ``[B, T, H, V]``."""
+    c, k_rope = latent[..., : config.kv_lora_rank], latent[..., config.kv_lora_rank :]
+    kv = project(c, kv_b_proj, dtype)                                                # [B, T, H, n + V]
+    k_nope, v = kv[..., : config.nope_head_dim], kv[..., config.nope_head_dim :]
+    k_rope = jnp.broadcast_to(k_rope[:, :, None].astype(dtype), (*k_nope.shape[:-1], config.rope_head_dim))
+    return jnp.concatenate([k_nope, k_rope], axis=-1), v
 
 
 def _write_rows(buffer: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
@@ -63,6 +75,7 @@ class MLALayer(nnx.Module):
         self.o_proj = param(rngs, linear, (heads, config.value_head_dim, d_model), ("heads", "head_dim", "embed"))
         self.config = config
         self.dtype = dtype
+        self.context_parallel = None     # a `k3jax.sharding.context.ContextParallel`, set by parallelize
 
     def __call__(
         self, x: jax.Array, memory: MLAMemory | None = None, segment_ids: jax.Array | None = None
@@ -79,10 +92,10 @@ class MLALayer(nnx.Module):
         latent = project(x, self.kv_a_proj[...], self.dtype)
         c = rms_norm(latent[..., : cfg.kv_lora_rank], self.kv_a_norm[...], cfg.norm_eps)
         latent = jnp.concatenate([c, latent[..., cfg.kv_lora_rank :]], axis=-1)     # [B, T, kv_lora + r]
-        segments = jnp.zeros(x.shape[:2], jnp.int32) if segment_ids is None else segment_ids
         if memory is None:
-            o, new_memory = self._attend_expanded(q, latent, segments), None
+            o, new_memory = self._attend_expanded(q, latent, segment_ids), None
         else:
+            segments = jnp.zeros(x.shape[:2], jnp.int32) if segment_ids is None else segment_ids
             o, new_memory = self._attend_cached(q, latent, memory, segments)
         if cfg.output_gate:
             gate = project(x, self.g_proj[...], self.dtype)
@@ -90,36 +103,43 @@ class MLALayer(nnx.Module):
         return project(o, self.o_proj[...], self.dtype, contract=2), new_memory
 
     def _attend_expanded(self, q, latent, segments):
-        """Causal attention among the call's tokens with per-head keys and values expanded from c~."""
+        """Causal attention among the call's tokens with per-head keys and values expanded from c~
+        (segments ``[B, T]`` or None: one document); with ``context_parallel`` the sequence is split
+        over its mesh axis and only the compact latent crosses devices."""
         cfg = self.config
-        batch, length = segments.shape
-        positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
-        c, k_rope = latent[..., : cfg.kv_lora_rank], latent[..., cfg.kv_lora_rank :]
-        kv = project(c, self.kv_b_proj[...], self.dtype)                           # [B, T, H, n + V]
-        k_nope, v = kv[..., : cfg.nope_head_dim], kv[..., cfg.nope_head_dim :]
-        k_rope = jnp.broadcast_to(k_rope[:, :, None].astype(self.dtype), (*k_nope.shape[:-1], cfg.rope_head_dim))
-        mask = causal_mask(positions, positions, segments, segments)
-        return attention(q, jnp.concatenate([k_nope, k_rope], axis=-1), v, mask, scale=cfg.qk_head_dim**-0.5)
+        expand = functools.partial(_expand_keys_values, config=cfg, dtype=self.dtype)
+        options = dict(scale=cfg.qk_head_dim**-0.5, implementation=cfg.attention_implementation,
+                       block_size=cfg.attention_block_size)
+        if self.context_parallel is not None:
+            segments = jnp.zeros(q.shape[:2], jnp.int32) if segments is None else segments
+            return self.context_parallel.attention(q, latent, segments, self.kv_b_proj[...], expand=expand, **options)
+        keys, values = expand(latent, self.kv_b_proj[...])
+        return attention(q, keys, values, query_segments=segments, key_segments=segments, **options)
 
     def _attend_cached(self, q, latent, memory: MLAMemory, segments):
-        """Write the call's [c~ | k_r] into the cache, attend over it in the absorbed form. A sequence
-        whose tokens do not fit the cache (length + T > S) gets NaN outputs, from then on (its
-        length keeps counting): an overflowing bank never gives silently wrong results."""
+        """Write the call's [c~ | k_r] into the cache, attend over it in the absorbed form (blockwise
+        over the cache slots unless ``dense`` is configured). Slots before the document start get a
+        segment id no query has (int32 min), so they are never seen. A sequence whose tokens do not
+        fit the cache (length + T > S) gets NaN outputs, from then on (its length keeps counting):
+        an overflowing bank never gives silently wrong results."""
         cfg = self.config
         length = segments.shape[1]
         cache = _write_rows(memory.latent, latent.astype(memory.latent.dtype), memory.length)
         slots = jnp.arange(cache.shape[1])[None]
         key_segments = _write_rows(jnp.broadcast_to(segments[:, :1], cache.shape[:2]), segments, memory.length)
+        key_segments = jnp.where(slots >= memory.document_start[:, None], key_segments, jnp.iinfo(jnp.int32).min)
         positions = memory.length[:, None] + jnp.arange(length)
-        mask = causal_mask(positions, slots, segments, key_segments)
-        mask = mask & (slots >= memory.document_start[:, None])[:, None, :]
 
         kv_b = self.kv_b_proj[...].astype(self.dtype)
         key_proj, value_proj = kv_b[..., : cfg.nope_head_dim], kv_b[..., cfg.nope_head_dim :]
         q_latent = jnp.einsum("bthn,chn->bthc", q[..., : cfg.nope_head_dim], key_proj)
         queries = jnp.concatenate([q_latent, q[..., cfg.nope_head_dim :]], axis=-1)   # [B, T, H, kv_lora + r]
         keys = cache.astype(self.dtype)[:, :, None, :]                                 # one shared head
-        mixed = attention(queries, keys, keys[..., : cfg.kv_lora_rank], mask, scale=cfg.qk_head_dim**-0.5)
+        implementation = "dense" if cfg.attention_implementation == "dense" else "xla"
+        mixed = attention(queries, keys, keys[..., : cfg.kv_lora_rank], scale=cfg.qk_head_dim**-0.5,
+                          query_positions=positions, key_positions=jnp.broadcast_to(slots, key_segments.shape),
+                          query_segments=segments, key_segments=key_segments,
+                          implementation=implementation, block_size=cfg.attention_block_size)
         o = jnp.einsum("bthc,chv->bthv", mixed, value_proj)
         overflow = memory.length + length > cache.shape[1]
         o = jnp.where(overflow[:, None, None, None], jnp.nan, o)

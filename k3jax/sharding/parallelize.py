@@ -10,6 +10,8 @@ reuses a program traced for another mesh or dispatch):
                         with ``mesh_config.rules``
     expert_dispatch     on each MoE layer: the `ExpertDispatch` of ``mesh_config.moe_dispatch``
                         (None for "local": experts computed where the tokens are)
+    context_parallel    on each KDA and MLA layer, when ``mesh`` has a ``context`` axis of size > 1:
+                        a `ContextParallel` splitting the sequence over it (None otherwise)
 
 Parameters are not moved: their placement comes from the same rules (`step_shardings`).
 """
@@ -23,8 +25,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from k3jax.config import AxisRules, MeshConfig
+from k3jax.layers.kda import KDALayer
+from k3jax.layers.mla import MLALayer
 from k3jax.layers.moe import MoE
 from k3jax.model import DecoderLayer, K3Model
+from k3jax.sharding.context import ContextParallel
 from k3jax.sharding.expert_parallel import expert_dispatch
 from k3jax.sharding.mesh import partition_spec
 
@@ -49,9 +54,12 @@ def parallelize(model: nnx.Module, mesh: Mesh, mesh_config: MeshConfig) -> nnx.M
         raise ValueError(f"parallelize needs a concrete jax.sharding.Mesh, got {type(mesh).__name__}")
     layout = MeshLayout(mesh, mesh_config.rules)
     dispatch = expert_dispatch(mesh, mesh_config)
+    context = ContextParallel(mesh) if mesh.shape.get("context", 1) > 1 else None
     for _, module in nnx.iter_modules(model):
         if isinstance(module, (K3Model, DecoderLayer)):
             module.activation_layout = layout
         if isinstance(module, MoE):
             module.expert_dispatch = dispatch
+        if isinstance(module, (KDALayer, MLALayer)):
+            module.context_parallel = context
     return model
