@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from k3jax.config import ModelConfig
@@ -109,11 +110,13 @@ class DecoderLayer(nnx.Module):
 
 def check_token_range(tokens, vocab_size: int) -> None:
     """Raise ValueError unless ``tokens`` are integers in ``[0, vocab_size)`` (the range is checked
-    when they are concrete, i.e. outside jit)."""
+    when they are concrete: outside jit, or constants closed over by a jitted function; read on the
+    host so that no traced op is recorded)."""
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be integer ids, got dtype {tokens.dtype}")
-    if tokens.size and not isinstance(tokens, jax.core.Tracer):
-        low, high = int(jnp.min(tokens)), int(jnp.max(tokens))
+    if tokens.size and not isinstance(tokens, jax.core.Tracer) and getattr(tokens, "is_fully_addressable", True):
+        ids = np.asarray(tokens)
+        low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= vocab_size:
             raise ValueError(f"token ids must be in [0, {vocab_size}) (model.vocab_size), got ids from {low} to {high}")
 
