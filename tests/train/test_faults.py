@@ -189,7 +189,12 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path, cache, clean_ru
 
 
 def _read_only_mount(path: pathlib.Path) -> str | None:
-    """Make ``path`` read-only in place (a read-only bind mount; needs root); the reason if impossible."""
+    """Make ``path`` read-only in place and return None, or return why that is impossible here.
+
+    The tests run as root (as CI does), and permission bits do not stop root, so the only way to
+    make a directory unwritable is a read-only bind mount: it needs root, mount(8) and the right to
+    mount (a container without CAP_SYS_ADMIN lacks it). Where any of these is missing the caller
+    skips with this reason; on this project's machines (root, mount allowed) both tests run."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
         return "needs root and mount(8) to make a directory read-only"
     bind = subprocess.run(["mount", "--bind", str(path), str(path)], capture_output=True, text=True)
