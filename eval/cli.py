@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import pathlib
 import sys
 
@@ -136,9 +135,9 @@ def results_text(report: dict, config) -> str:
 
 
 def quiet_checkpoint_logging() -> None:
-    """Orbax logs warnings through absl on every read-only open; keep stderr for the progress bars
-    and our own one-line errors."""
-    logging.getLogger("absl").setLevel(logging.ERROR)
+    """Keep stderr for the progress bars and our own one-line errors (`quiet_checkpoint_io`)."""
+    from k3jax.checkpoint import quiet_checkpoint_io
+    quiet_checkpoint_io()
 
 
 def main(argv: list[str] | None = None) -> int:

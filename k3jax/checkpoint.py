@@ -34,6 +34,7 @@ import hashlib
 import json
 import logging
 import pathlib
+import sys
 from typing import Any, Callable
 
 import jax
@@ -134,6 +135,34 @@ def verify_arrays(tree: dict, meta: dict, where: str) -> None:
             raise CheckpointError(f"{where}: array {name} is corrupted (checksum {value:#010x}, "
                                   f"saved {saved.get(name, 0):#010x})" if name in saved else
                                   f"{where}: array {name} has no saved checksum")
+
+
+def _is_late_io_callback(report) -> bool:
+    return (report.object is None and isinstance(report.exc_value, RuntimeError)
+            and str(report.exc_value) == "Event loop is closed")
+
+
+def quiet_checkpoint_io(absl_level: int = logging.ERROR) -> None:
+    """For the command lines: Orbax's absl notices down to ``absl_level``, and no tracebacks from
+    I/O that outlives a failed save or restore.
+
+    TensorStore finishes each read and write on its own threads and posts the result to the asyncio
+    loop that awaited it. When one array of an Orbax save or restore fails, Orbax closes that loop
+    while the other arrays' I/O is still in flight; each of them then reports ``RuntimeError: Event
+    loop is closed`` through `sys.unraisablehook` (no object), one traceback per array, after the
+    failure itself has been reported. Those reports are dropped; every other one reaches the hook
+    that was installed before."""
+    logging.getLogger("absl").setLevel(absl_level)
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_late_io_callbacks", False):
+        return
+
+    def hook(report) -> None:
+        if not _is_late_io_callback(report):
+            previous(report)
+
+    hook.drops_late_io_callbacks = True
+    sys.unraisablehook = hook
 
 
 @contextlib.contextmanager

@@ -1,12 +1,16 @@
 """Checkpoint integrity: the per-array checksum against a NumPy reference written from its formula,
 its sensitivity, and save -> corrupt -> restore refusing the altered array or metadata."""
 import json
+import subprocess
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from k3jax import checkpoint
 from k3jax.checkpoint import CheckpointError, RunCheckpoints, restore_newest_good, tree_checksums
 
 MASK = (1 << 32) - 1
@@ -95,3 +99,49 @@ def test_restore_newest_good_falls_back_and_reports_each_skipped_step():
                     "falling back to checkpoint 2 (unusable: 4, 3)"]
     with pytest.raises(CheckpointError, match=r"checkpoint 4 is broken \(and 1 older checkpoints\)"):
         restore_newest_good([3, 4], restore, said.append)
+
+
+def test_quiet_checkpoint_io_drops_only_late_io_callbacks(monkeypatch):
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    checkpoint.quiet_checkpoint_io()
+    checkpoint.quiet_checkpoint_io()                    # idempotent: one filter, not two
+    late = types.SimpleNamespace(object=None, exc_value=RuntimeError("Event loop is closed"))
+    other_message = types.SimpleNamespace(object=None, exc_value=RuntimeError("disk on fire"))
+    with_object = types.SimpleNamespace(object=print, exc_value=RuntimeError("Event loop is closed"))
+    other_type = types.SimpleNamespace(object=None, exc_value=ValueError("Event loop is closed"))
+    for report in (late, other_message, with_object, other_type):
+        sys.unraisablehook(report)
+    assert seen == [other_message, with_object, other_type]
+
+
+LATE_READ = """
+import asyncio, sys, time
+import numpy as np, tensorstore as ts
+from k3jax.checkpoint import quiet_checkpoint_io
+if sys.argv[1] == "quiet":
+    quiet_checkpoint_io()
+spec = {"driver": "zarr", "kvstore": "memory://", "metadata": {"shape": [4096, 4096], "chunks": [256, 256],
+        "dtype": "<f4", "compressor": {"id": "zstd", "level": 1}}}
+array = ts.open(spec, create=True).result()
+array.write(np.random.default_rng(0).random((4096, 4096), np.float32)).result()
+pending = []                            # reads still in flight when their loop closes (as after a failed restore)
+for _ in range(5):
+    loop = asyncio.new_event_loop()
+    async def read():
+        await array.read()
+    pending.append(loop.create_task(read()))
+    loop.run_until_complete(asyncio.sleep(0))
+    loop.close()
+time.sleep(5)
+"""
+
+
+@pytest.mark.slow
+def test_a_read_outliving_its_event_loop_prints_nothing_once_quieted():
+    def stderr(mode):
+        result = subprocess.run([sys.executable, "-c", LATE_READ, mode], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        return result.stderr
+    assert "RuntimeError: Event loop is closed" in stderr("plain")    # the race this guards against happens
+    assert "Event loop is closed" not in stderr("quiet")

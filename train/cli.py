@@ -61,7 +61,8 @@ def main(argv=None) -> int:
         try:
             from k3jax.host import keep_freed_memory
             keep_freed_memory()  # before JAX starts its threads
-            logging.getLogger("absl").setLevel(logging.CRITICAL)   # Orbax's notices; failures come as our one line
+            from k3jax.checkpoint import quiet_checkpoint_io
+            quiet_checkpoint_io(logging.CRITICAL)   # failures come as our one line
             from k3jax.config import load_config
             from k3jax.sharding import initialize_distributed
             from train.run import Trainer  # after argument parsing: --help stays instant

@@ -11,10 +11,9 @@ line and exits with status 1; nothing that looks complete is left behind.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
-from k3jax.checkpoint import CheckpointError
+from k3jax.checkpoint import CheckpointError, quiet_checkpoint_io
 from k3jax.convert.errors import ConvertError
 from k3jax.data.errors import DataError
 
@@ -43,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.getLogger("absl").setLevel(logging.ERROR)   # Orbax warns through absl on every read-only open
+    quiet_checkpoint_io()   # Orbax warns through absl on every read-only open
     log = lambda line: print(line, file=sys.stderr)  # noqa: E731
     try:
         if args.command == "import":
