@@ -42,9 +42,15 @@ def timed_run(run_dir, cache, *overrides, env=None, timeout=600):
     return result, time.perf_counter() - started
 
 
+PROGRESS = re.compile(r"step \d+/\d+ ")
+# XLA's alarm when a compilation takes minutes (a loaded machine): a framed block of log lines
+SLOW_COMPILE_ALARM = re.compile(r"[EW]\d{4} .*slow_operation_alarm\.cc|\*+$|\[Compiling module .*Very slow compile\?")
+
+
 def error_lines(stderr: str) -> list[str]:
-    """The lines of ``stderr`` but the progress log's ``step N/M ...`` lines."""
-    return [line for line in stderr.splitlines() if line.strip() and not re.match(r"step \d+/\d+ ", line)]
+    """The lines of ``stderr`` but the progress log's ``step N/M ...`` lines and XLA's slow-compile alarm."""
+    return [line for line in stderr.splitlines()
+            if line.strip() and not PROGRESS.match(line) and not SLOW_COMPILE_ALARM.match(line)]
 
 
 @pytest.fixture(scope="module")
