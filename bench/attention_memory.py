@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
-import time
 
 import k3jax  # noqa: F401  (XLA:CPU workaround before JAX starts)
 import jax
@@ -23,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from bench.common import table, write_json
+from bench.common import table, timed, write_json
 from k3jax.config import ConfigError, load_config
 from k3jax.model import K3Model
 from k3jax.training import abstract_model, abstract_train_state, init_train_state, make_train_step, split_model
@@ -53,11 +52,11 @@ def compiled_memory(config, length: int) -> dict:
     parts, params, buffers = abstract_model(config)
     optimizer = optax.adamw(1e-3)
     state = abstract_train_state(params, buffers, optimizer)
-    start = time.perf_counter()
-    compiled = make_train_step(parts, optimizer).lower(state, batch_of(length, config.vocab_size)).compile()
+    step = make_train_step(parts, optimizer)
+    compiled, compile_s = timed(lambda: step.lower(state, batch_of(length, config.vocab_size)).compile())
     analysis = compiled.memory_analysis()
     return {"temp_bytes": int(analysis.temp_size_in_bytes), "argument_bytes": int(analysis.argument_size_in_bytes),
-            "output_bytes": int(analysis.output_size_in_bytes), "compile_s": time.perf_counter() - start}
+            "output_bytes": int(analysis.output_size_in_bytes), "compile_s": compile_s}
 
 
 def train(config, length: int, steps: int) -> list[dict]:
@@ -69,10 +68,9 @@ def train(config, length: int, steps: int) -> list[dict]:
     rows = []
     for step in range(steps):
         batch = batch_of(length, config.vocab_size, jax.random.key(step))
-        start = time.perf_counter()
-        state, metrics = step_fn(state, batch)
+        (state, metrics), step_s = timed(step_fn, state, batch)
         loss = float(metrics["loss"])
-        rows.append({"step": step, "loss": loss, "finite": bool(metrics["finite"]), "seconds": time.perf_counter() - start})
+        rows.append({"step": step, "loss": loss, "finite": bool(metrics["finite"]), "seconds": step_s})
         print(f"T={length} step {step}: loss {loss:.4f}  {rows[-1]['seconds']:.1f} s", flush=True)
     return rows
 

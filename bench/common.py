@@ -16,28 +16,29 @@ import jax
 import numpy as np
 
 
+def timed(fn: Callable, *args) -> tuple[Any, float]:
+    """``(fn(*args), seconds)``: the result and the wall time of one call, waiting for any JAX
+    arrays in the result (``jax.block_until_ready``; other values pass through)."""
+    start = time.perf_counter()
+    result = jax.block_until_ready(fn(*args))
+    return result, time.perf_counter() - start
+
+
+def seconds(fn: Callable, *args) -> float:
+    """Wall time of one call ``fn(*args)`` (see ``timed``)."""
+    return timed(fn, *args)[1]
+
+
 def best_time(fn: Callable, args: Sequence, repeats: int) -> float:
     """Minimum wall time over ``repeats`` runs after one compile-and-warm-up run."""
     jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(seconds(fn, *args) for _ in range(repeats))
 
 
 def median_seconds(fn: Callable, *args, iters: int) -> tuple[float, float]:
     """(first call incl. compile, median of ``iters`` timed calls) in seconds."""
-    began = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - began
-    times = []
-    for _ in range(iters):
-        began = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - began)
-    return first, statistics.median(times)
+    first = seconds(fn, *args)
+    return first, statistics.median(seconds(fn, *args) for _ in range(iters))
 
 
 def interleaved_times(fns: Sequence[Callable], args: Sequence, rounds: int) -> np.ndarray:
@@ -52,9 +53,7 @@ def interleaved_times(fns: Sequence[Callable], args: Sequence, rounds: int) -> n
     for r in range(rounds):
         for step in range(len(fns)):
             i = (r + step) % len(fns)
-            start = time.perf_counter()
-            jax.block_until_ready(fns[i](*args))
-            times[r, i] = time.perf_counter() - start
+            times[r, i] = seconds(fns[i], *args)
     return times
 
 

@@ -1,13 +1,14 @@
 """Peak host RSS and wall time of ``k3jax.convert`` import and export vs checkpoint size.
 
-    PYTHONPATH=$PWD python bench/convert_rss.py [--layers 2 4 8] [--work /tmp/k3jax_convert_bench]
+    python -m bench.convert_rss [--layers 2 4 8] [--work /tmp/k3jax_convert_bench]
+                                [--json bench_results/convert_rss.json]
 
 A synthetic Kimi-Linear-shaped checkpoint (d 2304, KDA 32 x 128, MLA without q-LoRA, SwiGLU
 experts of width 1024, 3 KDA : 1 MLA) with fewer layers, 32 routed experts instead of 256 and a
 32768-token vocabulary, so that a few layers span 1-4 GB of bf16; the largest single tensor is the
 embedding / head (151 MB bf16, 302 MB in k3jax's fp32). Each conversion runs in a fresh
 subprocess that reports its own peak RSS (``resource.getrusage``); the checkpoints are written
-streamed too and deleted afterwards.
+streamed too and deleted afterwards. Prints a table and writes the rows as JSON (atomically).
 """
 from __future__ import annotations
 
@@ -18,9 +19,13 @@ import resource
 import shutil
 import subprocess
 import sys
-import time
 
 import numpy as np
+
+from bench.common import table, timed, write_json
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def kimi_linear_shaped(layers: int) -> dict:
@@ -75,21 +80,18 @@ def child(command: str, source: str, target: str) -> None:
     import jax
     jax.numpy.zeros(1).block_until_ready()
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    start = time.perf_counter()
     if command == "import":
-        from k3jax.convert.importer import import_checkpoint
-        import_checkpoint(source, target, log=lambda line: None)
+        from k3jax.convert.importer import import_checkpoint as convert
     else:
-        from k3jax.convert.exporter import export_checkpoint
-        export_checkpoint(source, target, log=lambda line: None)
-    wall = time.perf_counter() - start
+        from k3jax.convert.exporter import export_checkpoint as convert
+    _, wall = timed(lambda: convert(source, target, log=lambda line: None))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"wall_s": wall, "peak_rss_mb": peak / 1024, "baseline_rss_mb": baseline / 1024}))
 
 
 def measure(command: str, source: pathlib.Path, target: pathlib.Path) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", command, str(source), str(target)],
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "bench.convert_rss", "--child", command, str(source), str(target)],
+                         cwd=ROOT, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -97,6 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--work", default="/tmp/k3jax_convert_bench")
+    parser.add_argument("--json", default="bench_results/convert_rss.json")
     parser.add_argument("--child", nargs=3, metavar=("COMMAND", "SOURCE", "TARGET"))
     args = parser.parse_args()
     if args.child:
@@ -104,8 +107,7 @@ def main() -> None:
         return
     work = pathlib.Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
-    print("| layers | checkpoint (bf16) | import wall | import peak RSS | export wall | export peak RSS | baseline RSS |")
-    print("|---|---|---|---|---|---|---|")
+    rows = []
     try:
         for layers in args.layers:
             hf_dir, run_dir, out_dir = work / f"hf{layers}", work / f"run{layers}", work / f"out{layers}"
@@ -115,11 +117,18 @@ def main() -> None:
             exported = measure("export", run_dir, out_dir)
             shutil.rmtree(run_dir)
             shutil.rmtree(out_dir)
-            print(f"| {layers} | {size / 1e9:.2f} GB | {imported['wall_s']:.1f} s | {imported['peak_rss_mb']:.0f} MB | "
-                  f"{exported['wall_s']:.1f} s | {exported['peak_rss_mb']:.0f} MB | {imported['baseline_rss_mb']:.0f} MB |",
-                  flush=True)
+            rows.append({"layers": layers, "checkpoint_bytes": size, "import": imported, "export": exported})
+            print(f"{layers} layers ({size / 1e9:.2f} GB): import {imported['wall_s']:.1f} s, "
+                  f"{imported['peak_rss_mb']:.0f} MB; export {exported['wall_s']:.1f} s, "
+                  f"{exported['peak_rss_mb']:.0f} MB", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    print(table(["layers", "checkpoint (bf16) GB", "import wall s", "import peak RSS MB", "export wall s",
+                 "export peak RSS MB", "baseline RSS MB"],
+                [[r["layers"], f"{r['checkpoint_bytes'] / 1e9:.2f}", f"{r['import']['wall_s']:.1f}",
+                  f"{r['import']['peak_rss_mb']:.0f}", f"{r['export']['wall_s']:.1f}",
+                  f"{r['export']['peak_rss_mb']:.0f}", f"{r['import']['baseline_rss_mb']:.0f}"] for r in rows]))
+    print(f"wrote {write_json(args.json, {'rows': rows})}")
 
 
 if __name__ == "__main__":

@@ -15,16 +15,13 @@ alternate in order; the table reports medians.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import pathlib
 import statistics
 import sys
-import time
 
 import numpy as np
 from flax import nnx
 
+from bench.common import seconds, table, timed, write_json
 from k3jax.config import ConfigError, load_config
 from k3jax.model import K3Model
 from k3jax.sessions import SessionStore
@@ -32,12 +29,6 @@ from k3jax.sessions import SessionStore
 # Uncounted trials first, one in each order: they compile every program, including those for the
 # pool capacities the rollbacks grow into, so the timed trials run compiled code only.
 WARMUP_TRIALS = 2
-
-
-def timed(run) -> float:
-    started = time.perf_counter()
-    run()
-    return time.perf_counter() - started
 
 
 def decode_trials(store: SessionStore, sids, handles, new_tokens: int, trials: int) -> dict:
@@ -48,23 +39,24 @@ def decode_trials(store: SessionStore, sids, handles, new_tokens: int, trials: i
 
     modes = {"batched": lambda: store.generate(sids, new_tokens),
              "one_at_a_time": lambda: [store.generate([sid], new_tokens) for sid in sids]}
-    seconds = {name: [] for name in modes}
+    trial_seconds = {name: [] for name in modes}
     for trial in range(trials + WARMUP_TRIALS):
         order = list(modes) if trial % 2 == 0 else list(modes)[::-1]
         for name in order:
             reset()
-            elapsed = timed(modes[name])
+            elapsed = seconds(modes[name])
             if trial >= WARMUP_TRIALS:
-                seconds[name].append(elapsed)
-    return seconds
+                trial_seconds[name].append(elapsed)
+    return trial_seconds
 
 
 def open_timed(store: SessionStore, prompt: np.ndarray) -> tuple[float, np.ndarray]:
     """Seconds to open a session on ``prompt`` (closed again) and its last logits."""
-    started = time.perf_counter()
-    sid = store.open(prompt)
-    logits = store.logits(sid)
-    elapsed = time.perf_counter() - started
+    def open_and_read():
+        sid = store.open(prompt)
+        return sid, store.logits(sid)
+
+    (sid, logits), elapsed = timed(open_and_read)
     store.close(sid)
     return elapsed, logits
 
@@ -74,7 +66,7 @@ def prefix_trials(model, shared: np.ndarray, suffixes: list[np.ndarray], trials:
     also the largest logit difference between the two."""
     warm = SessionStore(model)
     warm.close(warm.open(np.concatenate([shared, suffixes[0]])))
-    seconds, difference = {"cold_prefill": [], "prefix_hit": []}, 0.0
+    trial_seconds, difference = {"cold_prefill": [], "prefix_hit": []}, 0.0
     for trial in range(trials + WARMUP_TRIALS):
         prompt = np.concatenate([shared, suffixes[trial % len(suffixes)]])
         stores = {"cold_prefill": SessionStore(model), "prefix_hit": warm}
@@ -83,13 +75,13 @@ def prefix_trials(model, shared: np.ndarray, suffixes: list[np.ndarray], trials:
         for name in order:
             elapsed, logits[name] = open_timed(stores[name], prompt)
             if trial >= WARMUP_TRIALS:
-                seconds[name].append(elapsed)
+                trial_seconds[name].append(elapsed)
         difference = max(difference, float(np.abs(logits["prefix_hit"] - logits["cold_prefill"]).max()))
-    return seconds, difference
+    return trial_seconds, difference
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python bench/sessions.py", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.sessions", description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/tiny.yaml")
     parser.add_argument("--sessions", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=8)
@@ -136,19 +128,16 @@ def main(argv=None) -> int:
         "prefix_speedup": median["cold_prefill"] / median["prefix_hit"],
         "prefix_hit_max_logit_difference": difference,
     }
-    print(f"{'measurement':<44}{'value':>14}")
-    print(f"{'batched decode, tokens/s':<44}{result['batched_tokens_per_s']:>14.1f}")
-    print(f"{'one-at-a-time decode, tokens/s':<44}{result['one_at_a_time_tokens_per_s']:>14.1f}")
-    print(f"{'  ratio (batched / one at a time)':<44}{result['batched_speedup']:>14.2f}")
-    print(f"{f'cold prefill of {args.prefix}+16 tokens, s':<44}{result['cold_prefill_s']:>14.3f}")
-    print(f"{'prefix-cache hit (prefill 16 tokens), s':<44}{result['prefix_hit_s']:>14.3f}")
-    print(f"{'  ratio (cold / hit)':<44}{result['prefix_speedup']:>14.2f}")
-    print(f"{'hit vs cold, max |logit difference|':<44}{difference:>14.2e}")
-    path = pathlib.Path(args.json)
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(json.dumps(result, indent=2), encoding="utf-8")
-    os.replace(temporary, path)
-    print(f"wrote {path}")
+    print(table(["measurement", "value"], [
+        ["batched decode, tokens/s", f"{result['batched_tokens_per_s']:.1f}"],
+        ["one-at-a-time decode, tokens/s", f"{result['one_at_a_time_tokens_per_s']:.1f}"],
+        ["  ratio (batched / one at a time)", f"{result['batched_speedup']:.2f}"],
+        [f"cold prefill of {args.prefix}+16 tokens, s", f"{result['cold_prefill_s']:.3f}"],
+        ["prefix-cache hit (prefill 16 tokens), s", f"{result['prefix_hit_s']:.3f}"],
+        ["  ratio (cold / hit)", f"{result['prefix_speedup']:.2f}"],
+        ["hit vs cold, max |logit difference|", f"{difference:.2e}"],
+    ]))
+    print(f"wrote {write_json(args.json, result)}")
     return 0
 
 

@@ -1,2 +1,31 @@
-"""Test configuration: fp32 CPU runs; k3jax is imported first so its XLA:CPU workaround applies."""
+"""Test configuration: fp32 CPU runs; k3jax is imported first so its XLA:CPU workaround applies.
+
+`pytest -q` runs on two pytest-xdist workers (``-n 2 --dist loadgroup``, pyproject.toml; ``-n 0``
+runs in this process). A test that uses a module- or session-scoped fixture of ours (a compiled
+model, a trained run) joins the group of the tests sharing it -- its module, or the package whose
+conftest defines the session fixture -- so each such fixture is built on one worker, once; the
+other tests go to whichever worker is free.
+"""
+import pytest
+
 import k3jax  # noqa: F401  (sets XLA flags before JAX creates a backend)
+
+
+def shared_fixture_group(item) -> str | None:
+    """The package (session-scoped fixtures) or module (module-scoped ones) whose shared fixtures
+    ``item`` uses, the broader first; None when it uses only per-test fixtures of ours."""
+    definitions = [definition for definitions in item._fixtureinfo.name2fixturedefs.values()
+                   for definition in definitions if definition.baseid]   # baseid "": pytest's own
+    for scope in ("session", "package", "module"):
+        owners = sorted({definition.baseid for definition in definitions if definition.scope == scope})
+        if owners:
+            return owners[0] if scope != "module" else item.nodeid.split("::")[0]
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)   # before pytest-xdist's own hook reads the marks
+def pytest_collection_modifyitems(items):
+    for item in items:
+        group = shared_fixture_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))

@@ -172,28 +172,29 @@ def test_adamw_steps_reduce_loss_and_gradients_reach_every_parameter(tokens):
         assert np.all(np.abs(per_layer).max(axis=1) > 0), path
 
 
-def test_remat_keeps_loss_and_gradients_and_saves_activation_memory(tokens):
-    """Checkpointed periods recompute the same forward: equal loss and gradients, and the
-    compiled backward keeps fewer temporaries than without checkpointing."""
-    def loss_and_grads(remat):
-        model = K3Model(micro_config("model.kda.implementation=reference", "model.num_layers=6", f"model.remat={remat}"),
-                        rngs=nnx.Rngs(3))
-        graphdef, params = nnx.split(model)
-        batch = jnp.tile(tokens, (4, 8))           # long enough for activations to dominate
-        compiled = jax.jit(jax.value_and_grad(lambda p, t: next_token_loss(nnx.merge(graphdef, p), t))).lower(
-            params, batch).compile()
-        loss, grads = compiled(params, batch)
-        return loss, jax.tree.leaves(grads), compiled.memory_analysis().temp_size_in_bytes
+def remat_loss_grads_and_temporaries(tokens, remat):
+    model = K3Model(micro_config("model.kda.implementation=reference", "model.num_layers=6", f"model.remat={remat}"),
+                    rngs=nnx.Rngs(3))
+    graphdef, params = nnx.split(model)
+    batch = jnp.tile(tokens, (4, 8))           # long enough for activations to dominate
+    compiled = jax.jit(jax.value_and_grad(lambda p, t: next_token_loss(nnx.merge(graphdef, p), t))).lower(
+        params, batch).compile()
+    loss, grads = compiled(params, batch)
+    return loss, jax.tree.leaves(grads), compiled.memory_analysis().temp_size_in_bytes
 
-    loss, grads, temporaries = loss_and_grads("none")
-    for remat in ("full", "dots"):
-        remat_loss, remat_grads, remat_temporaries = loss_and_grads(remat)
-        assert rel_err(remat_loss, loss) <= 1e-6, remat
-        scale = max(float(np.abs(grad).max()) for grad in grads)
-        for grad, remat_grad in zip(grads, remat_grads):   # fp32 recomputation: rounding differs
-            np.testing.assert_allclose(remat_grad, grad, rtol=1e-4, atol=1e-6 * scale, err_msg=remat)
-        if remat == "full":
-            assert remat_temporaries < temporaries, (remat_temporaries, temporaries)
+
+@pytest.mark.parametrize("remat", ["full", pytest.param("dots", marks=pytest.mark.slow)])
+def test_remat_keeps_loss_and_gradients_and_saves_activation_memory(tokens, remat):
+    """Checkpointed periods recompute the same forward: equal loss and gradients, and the
+    compiled backward keeps fewer temporaries than without checkpointing (full remat)."""
+    loss, grads, temporaries = remat_loss_grads_and_temporaries(tokens, "none")
+    remat_loss, remat_grads, remat_temporaries = remat_loss_grads_and_temporaries(tokens, remat)
+    assert rel_err(remat_loss, loss) <= 1e-6, remat
+    scale = max(float(np.abs(grad).max()) for grad in grads)
+    for grad, remat_grad in zip(grads, remat_grads):   # fp32 recomputation: rounding differs
+        np.testing.assert_allclose(remat_grad, grad, rtol=1e-4, atol=1e-6 * scale, err_msg=remat)
+    if remat == "full":
+        assert remat_temporaries < temporaries, (remat_temporaries, temporaries)
 
 
 def test_parameters_carry_logical_axes_and_stacked_ones_name_layers(model):
@@ -249,7 +250,9 @@ def test_greedy_generation_matches_decoding_and_stops_at_eos(model, tokens):
     np.testing.assert_array_equal(top1.tokens, greedy.tokens)
 
 
-@pytest.mark.parametrize("name, total, active", [("k3.yaml", 2779.5e9, 104.2e9),
+# k3.yaml's 61 layers take about a minute of CPU to trace (flax's RNG counter updates scan the
+# whole trace for each parameter): slow set.
+@pytest.mark.parametrize("name, total, active", [pytest.param("k3.yaml", 2779.5e9, 104.2e9, marks=pytest.mark.slow),
                                                  ("kimi-linear-48b.yaml", 49.1e9, 3.1e9)])
 def test_param_counts_match_the_released_models(name, total, active):
     counted_total, counted_active = param_counts(load_config(CONFIGS / name).model)
@@ -332,14 +335,17 @@ def test_decoder_layers_read_the_feed_forward_fields_of_the_config():
     assert rel_err(y.reshape(-1, config.d_model), expected) < 1e-4
 
 
-def test_blockwise_attention_keeps_logits_and_gradients_of_dense_attention(tokens):
+# 2 layers (one KDA, one MLA) in the fast set; the 7-layer stack (MLA also in the scanned body) is slow.
+@pytest.mark.parametrize("num_layers", [2, pytest.param(7, marks=pytest.mark.slow)])
+def test_blockwise_attention_keeps_logits_and_gradients_of_dense_attention(tokens, num_layers):
     """MLA with the xla blockwise attention (blocks of 5 over 12 tokens, documents crossing
     blocks) against the dense score matrix: the same logits and parameter gradients."""
     segments = jnp.array([[1] * 7 + [2] * 5, [3] * 12], jnp.int32)
 
     def loss_and_grads(implementation):
         model = K3Model(micro_config(f"model.mla.attention_implementation={implementation}",
-                                     "model.mla.attention_block_size=5"), rngs=nnx.Rngs(0))
+                                     "model.mla.attention_block_size=5", f"model.num_layers={num_layers}"),
+                        rngs=nnx.Rngs(0))
         loss = lambda m: jnp.mean(m(tokens, segment_ids=segments).logits ** 2)
         return nnx.jit(nnx.value_and_grad(loss))(model), forward(model, tokens, segments).logits
 
