@@ -39,7 +39,7 @@ def wheel(tmp_path_factory) -> pathlib.Path:
     shutil.copytree(ROOT, scratch / "src", ignore=SOURCE_IGNORED)
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                              str(scratch / "src"), "-w", str(scratch / "dist")], capture_output=True, text=True,
-                            timeout=600)
+                            timeout=1800)
     assert result.returncode == 0, result.stderr
     (path,) = (scratch / "dist").glob("k3jax-*.whl")
     return path
@@ -76,7 +76,7 @@ def run_outside(bin_dir: pathlib.Path, cwd: pathlib.Path, *command: str) -> subp
     """``command`` with the venv's scripts first on PATH, from ``cwd``, without the repository on sys.path."""
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
-    return subprocess.run(list(command), cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(list(command), cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
 
 
 def test_console_scripts_work_from_any_directory(venv, tmp_path):

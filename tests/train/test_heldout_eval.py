@@ -94,7 +94,7 @@ def train_command(run_dir, corpus, cache, *overrides):
 def test_interrupted_run_writes_the_same_eval_records(tmp_path):
     corpus, cache = write_corpus(tmp_path), tmp_path / "xla"
     straight = subprocess.run(train_command(tmp_path / "straight", corpus, cache), cwd=ROOT, capture_output=True,
-                              text=True, timeout=600)
+                              text=True, timeout=1800)
     assert straight.returncode == 0, straight.stderr
     expected = eval_records(tmp_path / "straight")
     assert [record["step"] for record in expected] == [3, 6, 9, 12]
@@ -115,7 +115,7 @@ def test_interrupted_run_writes_the_same_eval_records(tmp_path):
         process.send_signal(signal.SIGKILL)
         process.wait()
     resumed = subprocess.run(train_command(run_dir, corpus, cache), cwd=ROOT, capture_output=True, text=True,
-                             timeout=600)
+                             timeout=1800)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from checkpoint" in resumed.stderr
     assert eval_records(run_dir) == expected
