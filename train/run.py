@@ -252,6 +252,9 @@ class Trainer:
         if self.data.vocab_size > config.model.vocab_size:
             raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the data's "
                                                   f"vocabulary ({self.data.vocab_size} tokens)")
+        if config.train.eval_batches and isinstance(self.data, TextDataset) and not self.data.num_rows("heldout"):
+            raise ConfigError("train.eval_batches", f"{config.train.eval_batches}, but the data's held-out split "
+                                                    f"is empty; set train.eval_batches=0 or raise data.heldout_fraction")
         # Shapes and their layout on the device mesh first; the state itself is then created or
         # restored shard by shard, where it lives.
         layout = lay_out_run(config)

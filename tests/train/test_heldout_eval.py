@@ -119,3 +119,10 @@ def test_interrupted_run_writes_the_same_eval_records(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from checkpoint" in resumed.stderr
     assert eval_records(run_dir) == expected
+
+
+def test_evaluating_an_empty_held_out_split_is_refused_before_anything_runs(tmp_path):
+    config = load_config(MICRO, [*text_overrides(tmp_path, write_corpus(tmp_path)), "data.heldout_fraction=0"])
+    with pytest.raises(ConfigError, match="train.eval_batches: 2, but the data's held-out split is empty"):
+        Trainer(config)
+    assert not (tmp_path / "run").exists()   # a failed start leaves no run directory
