@@ -45,7 +45,7 @@ SUBSTITUTIONS = {
         "1600 steps on 8 fake devices take far longer than CI allows; 8 steps run the same sharded step and saves"),
     "python -m train configs/tiny.yaml --coordinator-address host0:1234 --num-processes 2 --process-id 0": (
         None, "needs a second host; its localhost equivalent (two processes, --coordinator-address "
-              "localhost:PORT --num-processes 2 --process-id 0/1) runs in tests/sharding/test_multi_device.py"),
+              "127.0.0.1:PORT --num-processes 2 --process-id 0/1) runs in tests/sharding/test_multi_device.py"),
 }
 
 # README command prefix -> files (relative to the scratch copy; ~ is the scratch HOME) it must leave.
@@ -66,6 +66,10 @@ EXPECTED = {
     "python -m k3jax.convert export runs/k3-import": ["~/hf/my-k3/model.safetensors.index.json"],
     "python -m k3jax.convert config": ["kl.yaml"],
 }
+
+# README command prefix -> what its standard output must say (the README promises it).
+EXPECTED_STDOUT = {"python -m train configs/tiny.yaml\0": "held-out MQAR recall",
+                   "python -m train --help\0": "usage: python -m train"}
 
 
 def readme_commands(text: str) -> list[str]:
@@ -139,6 +143,9 @@ def test_readme_command(workspace, command):
     seconds = time.perf_counter() - started
     print(f"\n[readme] exit {result.returncode} in {seconds:.0f} s: {replacement}")
     assert result.returncode == 0, f"{replacement}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    for prefix, words in EXPECTED_STDOUT.items():
+        if (replacement + "\0").startswith(prefix):
+            assert words in result.stdout, result.stdout[-2000:]
     for name in expected_files(replacement):
         path = pathlib.Path(env["HOME"], name[2:]) if name.startswith("~/") else root / name
         assert path.exists(), f"{replacement} did not write {name}"
