@@ -21,8 +21,8 @@ import pathlib
 import sys
 
 from k3jax.data import DataError, load_tokenizer
-from eval.cli import quiet_checkpoint_logging
-from eval.loading import EvalInputError, load_run
+from .cli import quiet_checkpoint_logging
+from .loading import EvalInputError, load_run
 from k3jax.sessions import SessionStore
 
 

@@ -23,11 +23,11 @@ from tqdm import tqdm
 from k3jax.data import DataError
 from k3jax.host import keep_freed_memory
 from k3jax.model import param_counts
-from train.metrics import read_metrics
-from eval.loading import EvalInputError, LoadedRun, load_run
-from eval.report import build_report, markdown_table, write_report
-from eval.tasks import TASKS, EvalContext, run_task
-from eval.tasks.perplexity import open_text_dataset
+from k3jax.run_metrics import read_metrics
+from .loading import EvalInputError, LoadedRun, load_run
+from .report import build_report, markdown_table, write_report
+from .tasks import TASKS, EvalContext, run_task
+from .tasks.perplexity import open_text_dataset
 
 TASK_NAMES = tuple(TASKS)   # in the order they run
 
@@ -99,14 +99,14 @@ def training_record(run_dir: pathlib.Path) -> tuple[dict, list[dict]]:
     except (OSError, ValueError):
         summary = None
     losses = [r["loss"] for r in records if isinstance(r.get("loss"), (int, float))]
-    return {"summary": summary, "logged_steps": len(records), "last_loss": losses[-1] if losses else None}, records
+    return {"summary": summary, "logged_steps": len(losses), "last_loss": losses[-1] if losses else None}, records
 
 
 def evaluate(run: LoadedRun, tasks: list, seeds: int, out_dir: pathlib.Path, *, text=None,
              show_progress: bool = True) -> dict:
     """Run ``tasks`` (task definitions, `eval.tasks`) on ``run``'s model with seeds 0 … seeds-1,
     write report.json, report.md and the plots into ``out_dir``; return the report."""
-    from eval.plots import write_plots   # matplotlib loads only when there is something to draw
+    from .plots import write_plots   # matplotlib loads only when there is something to draw
 
     context = EvalContext(run.model, run.config, tuple(range(seeds)), text)
     results = []

@@ -20,8 +20,8 @@ import sys
 import numpy as np
 
 from k3jax.data import DataError, load_tokenizer
-from eval.cli import OneLineParser, quiet_checkpoint_logging
-from eval.loading import EvalInputError, load_run
+from .cli import OneLineParser, quiet_checkpoint_logging
+from .loading import EvalInputError, load_run
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

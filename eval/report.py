@@ -23,8 +23,8 @@ from typing import Any
 import flax
 import jax
 
-from eval.stats import CONFIDENCE, Estimate
-from eval.tasks.common import TaskResult
+from .stats import CONFIDENCE, Estimate
+from .tasks.common import TaskResult
 
 FORMAT = "k3jax-eval/1"
 

@@ -327,7 +327,8 @@ class TrainConfig:
     grad_accum: int = 1                   # micro-batches per step
     seed: int = 0                         # parameter initialisation
     log_every: int = 10
-    eval_batches: int = 8                 # held-out batches evaluated at the end
+    eval_batches: int = 8                 # held-out batches of each evaluation (at the end, and every eval_every)
+    eval_every: int = 0                   # evaluate on the held-out split every N steps too; 0: only at the end
     max_nonfinite_steps: int = 5          # consecutive skipped steps before the run stops
     compilation_cache: str | None = "~/.cache/k3jax/xla"   # persistent XLA cache; None: off
     resume_step: int | None = None        # resume from this checkpoint; None: the newest one that restores
@@ -337,6 +338,9 @@ class TrainConfig:
         _require(self.resume_step is None or self.resume_step >= 0, "resume_step",
                  f"must be non-negative, got {self.resume_step}")
         _require(self.eval_batches >= 0, "eval_batches", f"must be non-negative, got {self.eval_batches}")
+        _require(self.eval_every >= 0, "eval_every", f"must be non-negative (0: off), got {self.eval_every}")
+        _require(not self.eval_every or self.eval_batches, "eval_every",
+                 f"{self.eval_every} needs train.eval_batches > 0 (the batches each evaluation reads)")
         _require(self.batch_size % self.grad_accum == 0, "grad_accum",
                  f"must divide batch_size = {self.batch_size}, got {self.grad_accum}")
 

@@ -1,3 +1,3 @@
-from train.cli import entry
+from .cli import entry
 
 entry()

@@ -24,13 +24,13 @@ import logging
 import os
 import sys
 
-from train.signals import StopRequested, StopSignals   # light: the handlers go in before JAX loads
+from .signals import StopRequested, StopSignals   # light: the handlers go in before JAX loads
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m train", description="Train or fine-tune a K3-family model.",
                                      epilog="Overrides are dotted.key=value, e.g. train.steps=500 run_dir=runs/x.")
-    parser.add_argument("config", help="YAML config file (e.g. configs/tiny.yaml)")
+    parser.add_argument("config", help="YAML config file, or a packaged config's name (e.g. configs/tiny.yaml, tiny)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value settings applied over the file")
     parser.add_argument("--coordinator-address", help="host:port of process 0, for a multi-process run "
                                                       "(default: $JAX_COORDINATOR_ADDRESS)")
@@ -44,7 +44,7 @@ def one_line_failure(error: BaseException) -> str | None:
     from k3jax.checkpoint import CheckpointError
     from k3jax.config import ConfigError
     from k3jax.data import DataError
-    from train.run import RunError
+    from .run import RunError
 
     if isinstance(error, (ConfigError, DataError, CheckpointError, RunError)):
         return str(error)
@@ -65,10 +65,11 @@ def main(argv=None) -> int:
             quiet_checkpoint_io(logging.CRITICAL)   # failures come as our one line
             from k3jax.config import load_config
             from k3jax.sharding import initialize_distributed
-            from train.run import Trainer  # after argument parsing: --help stays instant
+            from .configs import resolve_config
+            from .run import Trainer  # after argument parsing: --help stays instant
 
             signals.check()
-            config = load_config(args.config, args.overrides)
+            config = load_config(resolve_config(args.config), args.overrides)
             initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
             summary = Trainer(config, signals).run()
         except StopRequested as stop:

@@ -1,9 +1,11 @@
 """Where a run's numbers go: a JSONL file, optional TensorBoard events, a progress bar or log lines.
 
-``<run_dir>/metrics.jsonl`` holds one JSON object per logged step. On resume the lines of steps
+``<run_dir>/metrics.jsonl`` holds one JSON object per logged step and, with ``train.eval_every``,
+one ``{"kind": "eval", "step": N, "heldout_loss": ..., ...}`` per periodic held-out evaluation
+(readers that look for ``loss`` skip them). On resume the lines of steps
 after the restored checkpoint are dropped first (they are about to be recomputed), so the file
 always reads as one uninterrupted run. A line that does not parse (a crash can leave the last one
-torn) is dropped there, and skipped by `read_metrics`.
+torn) is dropped there, and skipped by `k3jax.run_metrics.read_metrics`.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import time
 from typing import Any
 
 from tqdm import tqdm
+
+from k3jax.run_metrics import parsed_lines
 
 
 def _jsonable(value: Any) -> Any:
@@ -40,7 +44,7 @@ class MetricsLog:
     def _drop_after(self, step: int) -> None:
         if not self.path.exists():
             return
-        kept = [record for record in _parsed_lines(self.path) if record.get("step", 0) <= step]
+        kept = [record for record in parsed_lines(self.path) if record.get("step", 0) <= step]
         temporary = self.path.with_suffix(".jsonl.tmp")
         temporary.write_text("".join(json.dumps(record) + "\n" for record in kept), encoding="utf-8")
         os.replace(temporary, self.path)
@@ -51,25 +55,6 @@ class MetricsLog:
 
     def close(self) -> None:
         self._file.close()
-
-
-def _parsed_lines(path: pathlib.Path) -> list[dict]:
-    """The JSON objects of the lines of ``path`` that parse as one (torn or foreign lines skipped)."""
-    records = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
-
-
-def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    """The records of a run's metrics file (empty when there is none)."""
-    path = pathlib.Path(run_dir) / "metrics.jsonl"
-    return _parsed_lines(path) if path.exists() else []
 
 
 class TensorBoard:

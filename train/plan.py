@@ -154,7 +154,7 @@ def plan_train_step(config) -> Plan:
 
     from k3jax.sharding import mesh_shape
     from k3jax.training import make_train_step
-    from train.run import lay_out_run
+    from .run import lay_out_run
 
     layout = lay_out_run(config)
     rows, length = config.train.batch_size, config.data.seq_len
@@ -220,7 +220,7 @@ def report(plan: Plan, config) -> str:
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m train.plan", description="Per-device memory, compute and "
                                      "communication of a train step, compiled for fake CPU devices.")
-    parser.add_argument("config", help="YAML config file (e.g. configs/k3.yaml)")
+    parser.add_argument("config", help="YAML config file, or a packaged config's name (e.g. configs/k3.yaml, k3)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value settings, e.g. mesh.expert=64")
     parser.add_argument("--devices", type=int, help="device count (default: the product of the mesh sizes)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
@@ -230,9 +230,10 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from k3jax.config import ConfigError, load_config
+    from .configs import resolve_config
 
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(resolve_config(args.config), args.overrides)
         sizes = config.mesh.sizes.values()
         devices = args.devices or (math.prod(sizes) if -1 not in sizes else None)
         if devices is None:

@@ -37,14 +37,15 @@ import yaml
 
 from k3jax.checkpoint import CheckpointError, RunCheckpoints, restore_newest_good, restore_subtree
 from k3jax.config import Config, ConfigError, to_dict
-from k3jax.data import MQARDataset, make_dataset, mqar_recall
+from k3jax.data import MQARDataset, TextDataset, make_dataset, mqar_recall
+from k3jax.data.byte_metrics import bits_per_byte, scored_bytes, token_byte_lengths
 from k3jax.optim import build_optimizer, learning_rate_schedule
 from k3jax.sharding import (StepShardings, abstract, check_run_fits, global_batch, make_mesh, process_rows,
                             step_shardings, to_host)
 from k3jax.training import (TrainState, abstract_model, abstract_train_state, make_eval_step, make_train_step,
                             sharded_state_from_params, sharded_train_state, training_flops_per_token)
-from train.metrics import MetricsLog, Progress, TensorBoard
-from train.signals import StopSignals
+from .metrics import MetricsLog, Progress, TensorBoard
+from .signals import StopSignals
 
 
 class RunError(RuntimeError):
@@ -115,6 +116,16 @@ def set_aside(run_dir: pathlib.Path, steps: list[int], reason: str) -> None:
             destination, suffix = target / f"{step}.{suffix}", suffix + 1
         os.replace(run_dir / "checkpoints" / str(step), destination)
     say(f"moved checkpoints {', '.join(map(str, steps))} ({reason}) to {target}")
+
+
+def evaluation_line(step: int, result: dict) -> str:
+    """``step N  held-out loss X  bits/byte Y  recall Z`` (the parts the evaluation has)."""
+    parts = [f"step {step}  held-out loss {result['heldout_loss']:.4f}"]
+    if "heldout_bits_per_byte" in result:
+        parts.append(f"bits/byte {result['heldout_bits_per_byte']:.4f}")
+    if "heldout_mqar_recall" in result:
+        parts.append(f"MQAR recall {result['heldout_mqar_recall']:.3f}")
+    return "  ".join(parts) + f"  ({result['heldout_tokens']} tokens)"
 
 
 def write_atomically(path: pathlib.Path, text: str) -> None:
@@ -241,6 +252,9 @@ class Trainer:
         if self.data.vocab_size > config.model.vocab_size:
             raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the data's "
                                                   f"vocabulary ({self.data.vocab_size} tokens)")
+        if config.train.eval_batches and isinstance(self.data, TextDataset) and not self.data.num_rows("heldout"):
+            raise ConfigError("train.eval_batches", f"{config.train.eval_batches}, but the data's held-out split "
+                                                    f"is empty; set train.eval_batches=0 or raise data.heldout_fraction")
         # Shapes and their layout on the device mesh first; the state itself is then created or
         # restored shard by shard, where it lives.
         layout = lay_out_run(config)
@@ -251,6 +265,8 @@ class Trainer:
         self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", keep=config.checkpoint.keep,
                                           every=config.checkpoint.every, async_save=config.checkpoint.async_save)
         self.position = 0  # batches consumed
+        self._last_evaluation = (None, {})   # (step, result) of the latest periodic evaluation
+        self.byte_lengths = token_byte_lengths(self.data.tokenizer) if isinstance(self.data, TextDataset) else None
         self._stop_point()
         self._resume_or_initialise()
         self._stop_point()
@@ -374,6 +390,7 @@ class Trainer:
                 if board:
                     board.write(record)
             progress.update(1, float(metrics["loss"]), tokens_per_second)
+            self._periodic_evaluation(log, board, progress)   # before the save: a checkpoint's evaluation is logged
             self.save()
         if self.position != first:
             self.save(force=True)
@@ -385,7 +402,8 @@ class Trainer:
         elapsed = time.perf_counter() - started
         summary = {"step": self.position, "train_seconds": elapsed}
         if signals.received is None:
-            summary.update(self.evaluate(signals))
+            evaluated_step, result = self._last_evaluation
+            summary.update(result if evaluated_step == self.position else self.evaluate(signals))
         stopped_by = signals.received
         if stopped_by:
             saved = (f"saved checkpoint {self.position} in {self.run_dir / 'checkpoints'}" if self.position != first
@@ -410,24 +428,48 @@ class Trainer:
     # -- evaluation ----------------------------------------------------------------------------
 
     def evaluate(self, signals: StopSignals | None = None) -> dict:
-        """Held-out loss (and MQAR recall) over ``train.eval_batches`` batches (cut short by a signal)."""
+        """Held-out loss over ``train.eval_batches`` batches (cut short by a signal), and on text its
+        bits per byte, on MQAR the recall. Batch ``i`` of every evaluation is held-out batch ``i``
+        (rows the training batches never see), so evaluations of the same state are equal.
+
+            heldout_loss = Σ NLL / scored tokens;   heldout_bits_per_byte = Σ NLL / ln 2 / scored bytes
+        """
         batches = self.config.train.eval_batches
         if not batches:
             return {}
-        loss_sum = count = 0.0
+        loss_sum = count = num_bytes = 0.0
         correct = answers = 0.0
+        byte_lengths = self.byte_lengths
         for index in range(batches):
             if signals is not None and signals.received:
                 break
             batch = self._device_batch(index, split="heldout")
             batch_loss, batch_count, predictions = self.eval_step(self.state.params, self.state.buffers, batch)
             loss_sum, count = loss_sum + float(batch_loss), count + float(batch_count)
+            if byte_lengths is not None or isinstance(self.data, MQARDataset):
+                host = self.data.batch(index, self.config.train.batch_size, split="heldout")   # every process's rows
+            if byte_lengths is not None:
+                num_bytes += scored_bytes(byte_lengths, host["targets"], host["loss_mask"])
             if isinstance(self.data, MQARDataset):
-                host = self.data.batch(index, self.config.train.batch_size, split="heldout")
                 n = float(np.sum(host["loss_mask"]))
                 correct += mqar_recall(to_host(predictions), host) * n
                 answers += n
         result = {"heldout_loss": loss_sum / max(count, 1.0), "heldout_tokens": int(count)}
+        if byte_lengths is not None:
+            result.update(heldout_bytes=int(num_bytes), heldout_bits_per_byte=bits_per_byte(loss_sum, num_bytes))
         if answers:
             result["heldout_mqar_recall"] = correct / answers
         return result
+
+    def _periodic_evaluation(self, log: MetricsLog, board, progress: Progress) -> None:
+        """Every ``train.eval_every`` steps: evaluate, write an ``{"kind": "eval"}`` record, log a line."""
+        every = self.config.train.eval_every
+        if not every or self.position % every:
+            return
+        result = self.evaluate()
+        self._last_evaluation = (self.position, result)
+        record = {"kind": "eval", "step": self.position, **result}
+        log.write(record)
+        if board:
+            board.write(record)
+        progress.write(evaluation_line(self.position, result))

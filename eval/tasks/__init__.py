@@ -1,11 +1,11 @@
 """The evaluation tasks, by the name ``--tasks`` uses (see each module's docstring for its definition)."""
-from eval.tasks.common import EvalContext, TaskOutput, TaskResult, TaskSkipped, run_task
-from eval.tasks.decode_cost import DecodeCostTask
-from eval.tasks.mqar import MQARLengthTask
-from eval.tasks.passkey import PasskeyTask
-from eval.tasks.perplexity import PerplexityTask
-from eval.tasks.samples import SamplesTask
-from eval.tasks.sessions import SessionsTask
+from .common import EvalContext, TaskOutput, TaskResult, TaskSkipped, run_task
+from .decode_cost import DecodeCostTask
+from .mqar import MQARLengthTask
+from .passkey import PasskeyTask
+from .perplexity import PerplexityTask
+from .samples import SamplesTask
+from .sessions import SessionsTask
 
 TASKS = {task.name: task for task in (PerplexityTask, MQARLengthTask, PasskeyTask, DecodeCostTask, SamplesTask,
                                           SessionsTask)}

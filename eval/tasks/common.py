@@ -25,7 +25,7 @@ from tqdm import tqdm
 from k3jax.config import Config
 from k3jax.model import K3Model
 from k3jax.training import make_eval_step, split_model
-from eval.cost import Cost, forward_flops_per_token
+from ..cost import Cost, forward_flops_per_token
 
 
 class TaskSkipped(Exception):

@@ -27,9 +27,9 @@ from flax import nnx
 from k3jax.config import ModelConfig
 from k3jax.memory import KDAMemory, Memory, MLAMemory, init_memory, memory_bytes
 from k3jax.model import K3Model
-from eval.cost import decode_flops_per_token
-from eval.stats import t_interval
-from eval.tasks.common import TaskOutput, canonical_json, sha256_text
+from ..cost import decode_flops_per_token
+from ..stats import t_interval
+from .common import TaskOutput, canonical_json, sha256_text
 
 
 def all_mla_config(config: ModelConfig) -> ModelConfig:

@@ -22,8 +22,8 @@ from typing import ClassVar
 import numpy as np
 
 from k3jax.data import DataError, MQARDataset, make_dataset, mqar_recall
-from eval.stats import t_interval
-from eval.tasks.common import TaskOutput, TaskSkipped, require_vocabulary
+from ..stats import t_interval
+from .common import TaskOutput, TaskSkipped, require_vocabulary
 
 
 def base_mqar_dataset(config) -> MQARDataset:

@@ -18,8 +18,8 @@ from typing import ClassVar
 import numpy as np
 
 from k3jax.data import DataError, load_tokenizer
-from eval.stats import t_interval
-from eval.tasks.common import TaskOutput, TaskSkipped, canonical_json, require_vocabulary, sha256_text
+from ..stats import t_interval
+from .common import TaskOutput, TaskSkipped, canonical_json, require_vocabulary, sha256_text
 
 INTRO = "A pass key is hidden in the text below. Find it and remember it; you will be asked for it.\n"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "

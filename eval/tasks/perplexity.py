@@ -18,24 +18,10 @@ import dataclasses
 import math
 from typing import ClassVar
 
-import numpy as np
-
-from k3jax.data import ByteTokenizer, DataError, TextDataset, make_dataset
-from k3jax.data.sources import read_file_bytes
-from k3jax.data.tokenizers import parse_bpe_ranks
-from eval.stats import t_interval
-from eval.tasks.common import TaskOutput, TaskSkipped, canonical_json, require_vocabulary, sha256_text
-
-
-def token_byte_lengths(tokenizer) -> np.ndarray:
-    """UTF-8 bytes each token id stands for (0 for special tokens), ``[vocab_size]`` int64."""
-    lengths = np.zeros(tokenizer.vocab_size, np.int64)
-    if isinstance(tokenizer, ByteTokenizer):
-        lengths[:256] = 1
-        return lengths
-    for token, rank in parse_bpe_ranks(read_file_bytes(tokenizer.path), tokenizer.path).items():
-        lengths[rank] = len(token)
-    return lengths
+from k3jax.data import DataError, TextDataset, make_dataset
+from k3jax.data.byte_metrics import bits_per_byte, scored_bytes, token_byte_lengths
+from ..stats import t_interval
+from .common import TaskOutput, TaskSkipped, canonical_json, require_vocabulary, sha256_text
 
 
 def open_text_dataset(path: str, config) -> TextDataset:
@@ -74,7 +60,7 @@ class PerplexityTask:
                 out = context.forward(batch, cost)
                 loss_sum, count = loss_sum + out.loss_sum, count + out.count
                 if byte_lengths is not None:
-                    num_bytes += float(np.sum(byte_lengths[batch["targets"]] * batch["loss_mask"]))
+                    num_bytes += scored_bytes(byte_lengths, batch["targets"], batch["loss_mask"])
                 progress.update()
             losses.append(loss_sum)
             tokens_scored.append(count)
@@ -89,5 +75,5 @@ class PerplexityTask:
             "bits_per_token": t_interval([loss / math.log(2) for loss in per_token]),
         }
         if byte_lengths is not None:
-            row["bits_per_byte"] = t_interval([loss / math.log(2) / n for loss, n in zip(losses, bytes_scored)])
+            row["bits_per_byte"] = t_interval([bits_per_byte(loss, n) for loss, n in zip(losses, bytes_scored)])
         return TaskOutput([row], sha256_text(canonical_json({"dataset": dataset.content_hash(), "split": split})))

@@ -16,10 +16,10 @@ import numpy as np
 
 from k3jax.data import DataError, MQARDataset, load_tokenizer
 from k3jax.generate import generate
-from eval.cost import decode_flops_per_token, forward_flops_per_token
-from eval.stats import t_interval
-from eval.tasks.common import TaskOutput, TaskSkipped, canonical_json, require_vocabulary, sha256_text
-from eval.tasks.mqar import base_mqar_dataset
+from ..cost import decode_flops_per_token, forward_flops_per_token
+from ..stats import t_interval
+from .common import TaskOutput, TaskSkipped, canonical_json, require_vocabulary, sha256_text
+from .mqar import base_mqar_dataset
 
 TEXT_PROMPTS = ("The capital of France is", "Once upon a time, there was a", "def fibonacci(n):\n")
 

@@ -27,10 +27,10 @@ import numpy as np
 
 from k3jax.data import DataError
 from k3jax.sessions import SessionStore
-from eval.cost import forward_flops_per_token
-from eval.stats import t_interval
-from eval.tasks.common import TaskOutput, TaskSkipped, require_vocabulary
-from eval.tasks.mqar import base_mqar_dataset
+from ..cost import forward_flops_per_token
+from ..stats import t_interval
+from .common import TaskOutput, TaskSkipped, require_vocabulary
+from .mqar import base_mqar_dataset
 
 TURNS = ("write", "restore", "query 1", "query 2", "branches")
 

@@ -1,5 +1,8 @@
 """The tasks' figures come from the model: recomputed independently, chance for shuffled weights,
 the trainer's own held-out recall reproduced; passkey prompts and the synthetic bank are as defined."""
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,3 +95,19 @@ def test_content_hash_follows_the_definition_and_the_data():
     assert content_hash("mqar", definition, "d1") == content_hash("mqar", dict(reversed(definition.items())), "d1")
     assert content_hash("mqar", definition, "d1") != content_hash("mqar", {**definition, "rows_per_seed": 32}, "d1")
     assert content_hash("mqar", definition, "d1") != content_hash("mqar", definition, "d2")
+
+
+@pytest.mark.parametrize("name", ["perplexity", "mqar", "passkey", "samples", "sessions"])
+def test_a_task_whose_token_ids_the_model_lacks_is_skipped_with_the_reason(name, tmp_path):
+    """Bad input at the eval boundary: data (the run's or --text) with ids beyond the model's
+    vocabulary is a skipped task naming both sizes, before the model runs (there is none here)."""
+    from eval.tasks import TASKS
+    from k3jax.config import load_config
+    from k3jax.data import TextDataset
+
+    config = load_config(pathlib.Path(__file__).parents[1] / "train" / "micro.yaml", ["model.vocab_size=16"])
+    (tmp_path / "text.txt").write_text("held-out text " * 20)
+    text = TextDataset(tmp_path / "text.txt", 8, heldout_fraction=0.0)
+    result = run_task(TASKS[name](), EvalContext(None, config, (0,), text), tqdm(disable=True))
+    assert result.output is None
+    assert re.fullmatch(r".* uses \d+ token ids, the model has 16", result.skipped), result.skipped
