@@ -134,8 +134,16 @@ def _tiled_grouped_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, gro
         start = tile_starts[t]
         return jax.lax.dynamic_update_slice_in_dim(y, jax.lax.dynamic_slice_in_dim(y, start, rows) + part, start, 0)
 
-    y = jax.lax.fori_loop(0, experts // group, one_tile, jnp.zeros((2 * rows, result_width), x.dtype))
-    return y[:rows]
+    y = _varying_like(jnp.zeros((2 * rows, result_width), x.dtype), x, codes, scales, group_sizes)
+    return jax.lax.fori_loop(0, experts // group, one_tile, y)[:rows]
+
+
+def _varying_like(value: jax.Array, *arrays: jax.Array) -> jax.Array:
+    """``value`` varying over every manual mesh axis any of ``arrays`` varies over (inside
+    `jax.shard_map`, so that a loop carry keeps one type; unchanged elsewhere)."""
+    varying = lambda a: jax.typeof(a).manual_axis_type.varying  # noqa: E731
+    axes = tuple(sorted(set().union(*map(varying, arrays)) - varying(value)))
+    return jax.lax.pcast(value, axes, to="varying") if axes else value
 
 
 def _pallas_available() -> bool:
@@ -178,5 +186,8 @@ def grouped_matmul(x: jax.Array, weight: "Mxfp4Experts | jax.Array", group_sizes
         return jax.lax.ragged_dot(x, weight, group_sizes)
     if weight.implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown MXFP4 implementation {weight.implementation!r}; expected one of {IMPLEMENTATIONS}")
-    return _grouped_matmul(x, weight.codes, weight.scales, group_sizes.astype(jnp.int32), weight.tile,
-                           weight.implementation)
+    group_sizes = group_sizes.astype(jnp.int32)
+    # Inside shard_map: x varies over the weights' axes before the custom VJP (whose backward then
+    # psums the partial dx over the axes x was replicated on, e.g. a split hidden width).
+    x = _varying_like(x, x, weight.codes, weight.scales, group_sizes)
+    return _grouped_matmul(x, weight.codes, weight.scales, group_sizes, weight.tile, weight.implementation)
