@@ -20,7 +20,9 @@ fits; rows past the tile's groups come out zero and the window is added into y).
 is O(G * expert size + rows * width) instead of O(E * expert size). Gradients flow to x only,
 through a custom VJP that runs the same tiled loop on the transposed decoded tiles,
 ``dx_r = dy_r W_j^T`` (so the backward pass keeps no decoded weights either); the codes and
-scales get none. The Pallas form (`k3jax.ops.mxfp4_pallas`) decodes inside the kernel.
+scales get none. The Pallas form (`k3jax.ops.mxfp4_pallas`) decodes inside the kernel; it
+compiles on TPU ("auto" picks it there) and runs interpreted elsewhere (tests); GPUs use the XLA
+loop (a Triton variant of the kernel is not written).
 """
 from __future__ import annotations
 
@@ -146,17 +148,19 @@ def _varying_like(value: jax.Array, *arrays: jax.Array) -> jax.Array:
     return jax.lax.pcast(value, axes, to="varying") if axes else value
 
 
-def _pallas_available() -> bool:
-    return jax.default_backend() in ("gpu", "tpu")
+def _pallas_compiles() -> bool:
+    """The Pallas kernel uses TPU scalar prefetch: compiled on TPU, interpreted elsewhere."""
+    return jax.default_backend() == "tpu"
 
 
 def _grouped_matmul_impl(x, codes, scales, group_sizes, tile, implementation, contract_output):
-    """Forward (or, ``contract_output``, the transposed product of the backward pass) by implementation."""
-    if implementation == "pallas" or (implementation == "auto" and _pallas_available()):
+    """Forward (or, ``contract_output``, the transposed product of the backward pass) by implementation:
+    "auto" is Pallas where it compiles (TPU), the XLA loop elsewhere."""
+    if implementation == "pallas" or (implementation == "auto" and _pallas_compiles()):
         from k3jax.ops.mxfp4_pallas import pallas_grouped_matmul
 
         return pallas_grouped_matmul(x, codes, scales, group_sizes, contract_output=contract_output,
-                                     interpret=not _pallas_available())
+                                     interpret=not _pallas_compiles())
     return _tiled_grouped_matmul(x, codes, scales, group_sizes, tile, contract_output)
 
 

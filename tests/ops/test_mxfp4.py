@@ -1,5 +1,7 @@
 """MXFP4 experts on device (`k3jax.ops.mxfp4`): the JAX codec against the SPEC §7 formulas and the
-release encoder, and the tiled grouped matmul (values and input gradients) against float64 NumPy."""
+release encoder, and the grouped matmul -- the XLA loop over tiles and the Pallas kernel with
+in-kernel decode (`k3jax.ops.mxfp4_pallas`, interpreted) -- values and input gradients against
+float64 NumPy."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,10 +48,10 @@ def test_jitted_encode_is_the_release_encoder_bit_for_bit():
         mxfp4.encode(jnp.zeros((4, 48)))
 
 
-def make_experts(tile, seed=2):
+def make_experts(tile, seed=2, implementation="xla"):
     w_t = np.random.default_rng(seed).standard_normal((EXPERTS, OUT, IN)).astype(np.float32)
     codes, scales = mxfp4.encode(w_t)
-    return mxfp4.Mxfp4Experts(codes, scales, tile=tile, implementation="xla")
+    return mxfp4.Mxfp4Experts(codes, scales, tile=tile, implementation=implementation)
 
 
 def group_sizes(seed):
@@ -60,9 +62,13 @@ def group_sizes(seed):
     return sizes.astype(np.int32)
 
 
-@pytest.mark.parametrize("dtype,tile", [(jnp.float32, 5), (jnp.float32, EXPERTS), (jnp.bfloat16, 3)])
-def test_tiled_grouped_matmul_values_and_input_gradients_match_numpy(dtype, tile):
-    weight = make_experts(tile)
+@pytest.mark.parametrize("dtype,tile,implementation", [
+    (jnp.float32, 5, "xla"), (jnp.float32, EXPERTS, "xla"), (jnp.bfloat16, 3, "xla"),
+    # pallas: in-kernel decode, interpreted on CPU (a grid step at a time: slow)
+    pytest.param(jnp.float32, 1, "pallas", marks=pytest.mark.slow),
+    pytest.param(jnp.bfloat16, 1, "pallas", marks=pytest.mark.slow)])
+def test_grouped_matmul_values_and_input_gradients_match_numpy(dtype, tile, implementation):
+    weight = make_experts(tile, implementation=implementation)
     sizes = group_sizes(3)
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.standard_normal((ROWS, IN)), dtype)
