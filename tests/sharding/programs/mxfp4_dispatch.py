@@ -6,16 +6,14 @@ compute, against the dense layer on the decoded weights on one device.
 Prints one JSON object: {"<dispatch> <mesh> <dtype>": {"loss": relative error, "input_gradient":
 relative error, "dropped": count, "local_codes_bytes": bytes of expert codes + scales per device}}.
 """
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax.config import MoEConfig
-from k3jax.layers.moe import EXPERT_WEIGHTS, MoE
 from k3jax.sharding import make_mesh, parallelize
+from tests.layers.test_moe_mxfp4 import build_pair
 from tests.sharding.programs.common import emit, mesh_config, relative_error
 from tests.sharding.programs.moe_dispatch import emulated_ragged_all_to_all
 
@@ -28,13 +26,7 @@ CASES = {"capacity data=2,expert=4": dict(data=2, expert=4, moe_dispatch="capaci
 def make_pair(dtype):
     config = MoEConfig(num_experts=EXPERTS, top_k=TOP_K, expert_width=WIDTH, latent_dim=LATENT, latent_norm=True,
                        num_shared_experts=1, expert_format="mxfp4", expert_tile=1)
-    quantized = MoE(D_MODEL, config, init_std=0.3, dtype=dtype, rngs=nnx.Rngs(0))
-    dense = MoE(D_MODEL, dataclasses.replace(config, expert_format="dense"), init_std=0.3, dtype=dtype,
-                rngs=nnx.Rngs(0))
-    nnx.update(dense, nnx.state(quantized, nnx.Param))
-    for name, weight in zip(EXPERT_WEIGHTS, quantized.experts.expert_weights()):
-        getattr(dense.experts, name)[...] = weight.decoded()
-    return quantized, dense
+    return build_pair(D_MODEL, config, dtype)
 
 
 def loss_and_input_grad(model):
