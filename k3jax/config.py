@@ -162,7 +162,7 @@ class MoEConfig:
     expert_matmul: Literal["ragged_dot", "dense"] = "ragged_dot"   # dense: every expert on every token
     # Routed experts' storage: "dense" (in the model's dtype) or "mxfp4" (packed E2M1 codes + E8M0 scales,
     # SPEC §7, frozen: `k3jax.ops.mxfp4`), decoded `expert_tile` experts at a time by the XLA path or
-    # inside the Pallas grouped matmul (`mxfp4_implementation`; auto: Pallas on TPU, XLA elsewhere).
+    # inside the Pallas grouped matmul (`mxfp4_implementation`; auto: XLA until the TPU kernel is verified).
     expert_format: Literal["dense", "mxfp4"] = "dense"
     expert_tile: int = 8
     mxfp4_implementation: Literal["auto", "xla", "pallas"] = "auto"

@@ -20,9 +20,10 @@ fits; rows past the tile's groups come out zero and the window is added into y).
 is O(G * expert size + rows * width) instead of O(E * expert size). Gradients flow to x only,
 through a custom VJP that runs the same tiled loop on the transposed decoded tiles,
 ``dx_r = dy_r W_j^T`` (so the backward pass keeps no decoded weights either); the codes and
-scales get none. The Pallas form (`k3jax.ops.mxfp4_pallas`) decodes inside the kernel; it
-compiles on TPU ("auto" picks it there) and runs interpreted elsewhere (tests); GPUs use the XLA
-loop (a Triton variant of the kernel is not written).
+scales get none. The Pallas form (`k3jax.ops.mxfp4_pallas`, ``implementation="pallas"``) decodes
+inside the kernel; it is written for TPU (scalar prefetch) and runs interpreted elsewhere (tests).
+"auto" is the XLA loop everywhere until the kernel has been compiled and timed on a TPU; GPUs use
+the XLA loop (a Triton variant of the kernel is not written).
 """
 from __future__ import annotations
 
@@ -154,9 +155,10 @@ def _pallas_compiles() -> bool:
 
 
 def _grouped_matmul_impl(x, codes, scales, group_sizes, tile, implementation, contract_output):
-    """Forward (or, ``contract_output``, the transposed product of the backward pass) by implementation:
-    "auto" is Pallas where it compiles (TPU), the XLA loop elsewhere."""
-    if implementation == "pallas" or (implementation == "auto" and _pallas_compiles()):
+    """Forward (or, ``contract_output``, the transposed product of the backward pass) by implementation.
+    "auto" is the XLA loop on every platform until the Pallas kernel has been compiled and timed on
+    a TPU (it has only run interpreted); "pallas" asks for the kernel."""
+    if implementation == "pallas":
         from k3jax.ops.mxfp4_pallas import pallas_grouped_matmul
 
         return pallas_grouped_matmul(x, codes, scales, group_sizes, contract_output=contract_output,

@@ -12,10 +12,10 @@ outside the kernel and nothing is interleaved inside it:
         dx_even = dy (e2m1(lo) * s),  dx_odd = dy (e2m1(hi) * s)
 
 The products accumulate in fp32 (``preferred_element_type``) and are returned in x's dtype. The
-grid spec is TPU's (scalar prefetch): compiled on TPU, where `grouped_matmul` chooses it with
-``implementation="auto"``; elsewhere it runs in interpret mode (``pltpu.InterpretParams``: the
-CPU tests; on a GPU only with ``implementation="pallas"``, slowly). Not yet compiled or timed on
-a TPU.
+grid spec is TPU's (scalar prefetch): compiled on TPU, interpreted elsewhere
+(``pltpu.InterpretParams``: the CPU tests; a GPU, slowly). `grouped_matmul` uses it with
+``implementation="pallas"``; it has not yet been compiled or timed on a TPU, so "auto" does not
+pick it yet.
 """
 from __future__ import annotations
 
