@@ -160,10 +160,18 @@ class MoEConfig:
     quantile_bins: int | None = None      # `quantile` from per-expert histograms of this many bins, summed
                                           # over data-parallel shards; None: exact, from all token scores
     expert_matmul: Literal["ragged_dot", "dense"] = "ragged_dot"   # dense: every expert on every token
+    # Routed experts' storage: "dense" (in the model's dtype) or "mxfp4" (packed E2M1 codes + E8M0 scales,
+    # SPEC §7, frozen: `k3jax.ops.mxfp4`), decoded `expert_tile` experts at a time by the XLA path or
+    # inside the Pallas grouped matmul (`mxfp4_implementation`; auto: XLA until the TPU kernel is verified).
+    expert_format: Literal["dense", "mxfp4"] = "dense"
+    expert_tile: int = 8
+    mxfp4_implementation: Literal["auto", "xla", "pallas"] = "auto"
 
     def __post_init__(self):
         _positive(self, "num_experts", "top_k", "expert_width", "latent_dim", "routed_scale", "bias_update_rate",
-                  "quantile_bins", "expert_groups", "topk_groups")
+                  "quantile_bins", "expert_groups", "topk_groups", "expert_tile")
+        _require(self.expert_format != "mxfp4" or self.expert_matmul == "ragged_dot", "expert_matmul",
+                 "mxfp4 experts are decoded per tile by the grouped (ragged_dot) matmul; 'dense' would decode them all")
         _require(self.num_shared_experts >= 0, "num_shared_experts", f"must be non-negative, got {self.num_shared_experts}")
         _require(self.top_k < self.num_experts, "top_k",
                  f"must be below num_experts = {self.num_experts} (the balancer ranks a top-(k+1)), got {self.top_k}")

@@ -34,7 +34,7 @@ from k3jax.layers.ffn import DenseGLU
 from k3jax.layers.kda import KDALayer
 from k3jax.layers.linear import project
 from k3jax.layers.mla import MLALayer
-from k3jax.layers.moe import MoE
+from k3jax.layers.moe import ExpertCodes, MoE
 from k3jax.layers.params import logical_axes, param, truncated_normal
 from k3jax.memory import Memory, check_memory
 from k3jax.ops.moe import MoEStats, updated_router_bias
@@ -346,12 +346,14 @@ def param_counts(config: ModelConfig) -> tuple[int, int]:
 
     Active counts routed experts at top_k / num_experts of their size and excludes the input
     embedding (SPEC §6) unless it is also the (tied) head; the router's selection bias is not a
-    parameter.
+    parameter, MXFP4 experts count as the weights they encode.
     """
     model = nnx.eval_shape(lambda: K3Model(config, rngs=nnx.Rngs(0)))
     total = active = 0.0
-    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    for path, variable in nnx.to_flat_state(nnx.state(model, (nnx.Param, ExpertCodes))):
         size = variable.size
+        if isinstance(variable, ExpertCodes):   # MXFP4: two weights per code byte; scales are not parameters
+            size = 2 * size if str(path[-1]).endswith("_packed") else 0
         total += size
         if path == ("embedding",) and not config.tie_embeddings:
             continue

@@ -2,7 +2,7 @@
 
 The model's NNX state is kept as two flat dicts keyed by parameter path (``"body/layers/0/
 mixer/q_proj"``): ``params`` (`nnx.Param`s, trained by the optimizer) and ``buffers`` (the
-routers' selection biases, updated by the balancer). Flat string-keyed dicts make the optimizer
+routers' selection biases, updated by the balancer, and the frozen MXFP4 routed experts). Flat string-keyed dicts make the optimizer
 state, the checkpoints and the sharding rules simple; `StateCodec` converts back to NNX.
 
 One train step (jitted, donated):
@@ -24,12 +24,16 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from k3jax.config import MeshConfig, ModelConfig
-from k3jax.layers.moe import RouterBias
+from k3jax.layers.moe import ExpertCodes, RouterBias
 from k3jax.layers.params import logical_axes
 from k3jax.model import K3Model, param_counts
 from k3jax.ops.kda.chunk import chunk_algorithm_flops
 from k3jax.ops.moe import MoEStats, load_metrics
 from k3jax.sharding import StepShardings, parallelize
+
+
+# Variables kept beside the trained parameters: the routers' selection biases and MXFP4 experts.
+BUFFER_TYPES = (RouterBias, ExpertCodes)
 
 
 class StateCodec:
@@ -64,7 +68,7 @@ class ModelParts(NamedTuple):
 
 def split_model(model: nnx.Module) -> tuple[ModelParts, dict, dict]:
     """``(parts, params, buffers)`` of a model (concrete or abstract from `nnx.eval_shape`)."""
-    graphdef, params, buffers = nnx.split(model, nnx.Param, RouterBias)
+    graphdef, params, buffers = nnx.split(model, nnx.Param, BUFFER_TYPES)
     parts = ModelParts(graphdef, StateCodec(params), StateCodec(buffers))
     return parts, parts.params.flatten(params), parts.buffers.flatten(buffers)
 
@@ -72,7 +76,7 @@ def split_model(model: nnx.Module) -> tuple[ModelParts, dict, dict]:
 class TrainState(NamedTuple):
     step: jax.Array           # optimizer steps taken (int32)
     params: dict              # {path: fp32 array}
-    buffers: dict             # {path: array}: router selection biases
+    buffers: dict             # {path: array}: router selection biases, MXFP4 expert codes and scales
     opt_state: Any
     skipped: jax.Array        # consecutive non-finite steps skipped so far (int32)
 
@@ -175,7 +179,7 @@ def make_train_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
         if stats is not None:
             model = parts.merge(params, buffers)
             model.update_router_bias(stats)
-            buffers = parts.buffers.flatten(nnx.state(model, RouterBias))
+            buffers = parts.buffers.flatten(nnx.state(model, BUFFER_TYPES))
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         new_state = TrainState(
             step=state.step + finite.astype(jnp.int32),

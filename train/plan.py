@@ -7,6 +7,9 @@ Compiles one train step ahead of time for N fake CPU devices (nothing is allocat
 optimizer state and batches are abstract arrays carrying their shardings) and reads, per device:
 
     parameters, optimizer state   the shards the compiled program takes (its input shardings)
+    buffers                       likewise: router biases and, with ``model.moe.expert_format=mxfp4``,
+                                  the frozen routed experts (0.53 B/weight: codes + scales; no
+                                  optimizer state)
     arguments, outputs, temporaries  ``compiled.memory_analysis()``: temporaries are the
                                   activations and workspace of forward + backward + update
     FLOPs                         ``compiled.cost_analysis()``
@@ -121,6 +124,7 @@ class Plan(NamedTuple):
     tokens_per_step: int
     parameters: float
     optimizer_state: float
+    buffers: float
     arguments: float
     outputs: float
     aliased: float
@@ -174,6 +178,7 @@ def plan_train_step(config) -> Plan:
         tokens_per_step=rows * length,
         parameters=_shard_bytes(state.params, state_shardings.params),
         optimizer_state=_shard_bytes(state.opt_state, state_shardings.opt_state),
+        buffers=_shard_bytes(state.buffers, state_shardings.buffers),
         arguments=float(memory.argument_size_in_bytes),
         outputs=float(memory.output_size_in_bytes),
         aliased=float(memory.alias_size_in_bytes),
@@ -199,11 +204,13 @@ def report(plan: Plan, config) -> str:
         f"tokens, grad_accum {config.train.grad_accum}, moe_dispatch {config.mesh.moe_dispatch}"
         + (f" (capacity_factor {config.mesh.capacity_factor})" if config.mesh.moe_dispatch == "capacity" else ""),
         f"model: {config.model.num_layers} layers, d {config.model.d_model}, {moe.num_experts} experts "
-        f"top-{moe.top_k}, latent {moe.latent_dim or 'none (plain MoE)'}, {config.model.compute_dtype} compute, "
+        f"top-{moe.top_k} ({moe.expert_format}), latent {moe.latent_dim or 'none (plain MoE)'}, "
+        f"{config.model.compute_dtype} compute, "
         f"{config.optimizer.name}",
         "per device:",
         f"  parameters                      {_bytes(plan.parameters)}",
         f"  optimizer state                 {_bytes(plan.optimizer_state)}",
+        f"  buffers (biases, MXFP4 experts) {_bytes(plan.buffers)}",
         f"  arguments (state + batch)       {_bytes(plan.arguments)}",
         f"  outputs (new state, donated)    {_bytes(plan.outputs)}",
         f"  temporaries (activations, work) {_bytes(plan.temporaries)}",

@@ -27,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     importing.add_argument("hf_dir")
     importing.add_argument("out_dir")
     importing.add_argument("overrides", nargs="*", metavar="key=value", help="trainer config overrides, e.g. "
-                           "model.moe.expert_matmul=dense data.path=notes.txt")
+                           "model.moe.expert_format=dense (decode MXFP4 experts) data.path=notes.txt")
     exporting = commands.add_parser("export", help="a k3jax run directory -> a HF checkpoint directory")
     exporting.add_argument("run_dir")
     exporting.add_argument("hf_dir")

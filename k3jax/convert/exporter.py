@@ -8,7 +8,8 @@ carried over) and the tokenizer files. Tensors are bf16 by default; a run import
 each tensor's source dtype and shape (e.g. the zero-padded ``A_log``). With ``mxfp4`` the routed
 experts are packed (`k3jax.convert.mxfp4`) and ``quantization_config`` is the source's (or the
 release's compressed-tensors MXFP4 description); an expert that arrived as MXFP4 and was not
-changed comes back bit for bit. Vision tensors are not exported (k3jax holds the text model only).
+changed comes back bit for bit. A model whose experts are held packed (``moe.expert_format:
+mxfp4``) writes its codes and scales as they are with ``mxfp4``, decoded to bf16 without. Vision tensors are not exported (k3jax holds the text model only).
 
 Each tensor is read from the checkpoint as one region and written to its shard as soon as it is
 converted, so the host holds about one tensor at a time. The output appears under its name only
@@ -30,7 +31,7 @@ from k3jax.convert.errors import ConvertError, atomic_directory, require_new
 from k3jax.convert.hf_config import HFConfigError, checkpoint_flavour, hf_config_from_model, model_config_from_hf
 from k3jax.convert.importer import SCALES, SOURCE_DIR, TOKENIZER_DIR
 from k3jax.convert.keymap import TensorMap, model_maps, mxfp4_names
-from k3jax.convert.mxfp4 import encode_mxfp4
+from k3jax.convert.mxfp4 import decode_mxfp4, encode_mxfp4
 from k3jax.convert.orbax_stream import StateReader
 from k3jax.convert.safetensors_io import DTYPES, INDEX_NAME, plan_shards, write_shard
 
@@ -62,6 +63,13 @@ def _entries(maps, manifest: dict, mxfp4: bool) -> list[tuple[str, str, tuple[in
     """``(name, dtype, shape)`` of every exported tensor, in order."""
     entries = []
     for spec in maps:
+        if spec.layout == "packed":
+            if mxfp4:
+                entries.append((spec.hf_name, "U8", spec.hf_shape))
+            elif spec.key.endswith("_packed"):       # one bf16 weight [out, in] per codes + scales pair
+                out, half = spec.hf_shape
+                entries.append((spec.hf_name.removesuffix("_packed"), "BF16", (out, 2 * half)))
+            continue
         if spec.expert and mxfp4:
             out, inputs = spec.hf_shape
             packed, scale = mxfp4_names(spec.hf_name)
@@ -79,6 +87,15 @@ def _tensors(maps, entries, reader: StateReader, mxfp4: bool) -> Iterator[np.nda
     """The exported arrays in `_entries` order, one region read at a time."""
     shapes = {name: (dtype, shape) for name, dtype, shape in entries}
     for spec in maps:
+        if spec.layout == "packed":
+            if mxfp4:
+                yield np.asarray(reader.read(spec.top, spec.key, spec.index), np.uint8)
+            elif spec.key.endswith("_packed"):
+                scale_key = spec.key.removesuffix("_packed") + "_scale"
+                codes, scales = (np.asarray(reader.read(spec.top, key, spec.index), np.uint8)
+                                 for key in (spec.key, scale_key))
+                yield decode_mxfp4(codes, scales).astype(DTYPES["BF16"])
+            continue
         value = reader.read(spec.top, spec.key, spec.index)
         if spec.expert and mxfp4:
             preferred = reader.read(SCALES, spec.key, spec.index) if reader.has(SCALES, spec.key) else None

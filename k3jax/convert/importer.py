@@ -3,13 +3,17 @@
     python -m k3jax.convert import HF_DIR OUT_DIR [key=value ...]
 
 Every HF tensor is read once (its shard opened for that read only), converted to its k3jax layout
-(`k3jax.convert.keymap`; MXFP4 experts decoded exactly, `k3jax.convert.mxfp4`) in fp32 — the
-model's parameter dtype, in which bf16 and decoded MXFP4 values are exact — and written straight
+(`k3jax.convert.keymap`) in fp32 — the model's parameter dtype, in which bf16 and decoded MXFP4
+values are exact — and written straight
 into its region of the checkpoint (`k3jax.convert.orbax_stream`), so peak host memory is about one
-tensor in its HF and k3jax forms, whatever the model's depth. The run directory::
+tensor in its HF and k3jax forms, whatever the model's depth. MXFP4 routed experts are kept packed
+(``model.moe.expert_format: mxfp4``, the default when ``config.json`` has the release's
+``quantization_config``): their codes and scales are copied byte for byte into the buffers; with
+``model.moe.expert_format=dense`` they are decoded exactly (`k3jax.convert.mxfp4`). The run directory::
 
     OUT_DIR/config.yaml                  the resolved config (model from config.json, key=value applied)
-    OUT_DIR/checkpoints/0/               params, router biases (buffers), the experts' MXFP4 scales
+    OUT_DIR/checkpoints/0/               params, buffers (router biases; packed MXFP4 experts), the
+                                         MXFP4 scales of experts decoded to dense
     OUT_DIR/tokenizer/                   tiktoken.model, tokenizer_config.json (when HF_DIR has them)
     OUT_DIR/hf_source/                   the source config.json and tensor manifest (for export)
 
@@ -45,6 +49,8 @@ SCALES = "mxfp4_scales"      # top-level state item: the E8M0 scales experts arr
 
 def to_k3jax(hf_value: np.ndarray, spec: TensorMap) -> np.ndarray:
     """An HF tensor (any float dtype) in the k3jax layout of ``spec``, fp32."""
+    if spec.layout == "packed":
+        return np.asarray(hf_value, np.uint8)
     value = np.asarray(hf_value, np.float32)
     if spec.layout == "linear":
         return value.T.reshape(spec.shape)
@@ -88,7 +94,8 @@ def plan_import(maps: list[TensorMap], manifest: dict[str, TensorInfo]) -> tuple
         else:
             expected.add(spec.hf_name)
             if spec.hf_name in manifest:
-                _check_tensor(spec, manifest[spec.hf_name], spec.hf_name, FLOAT_DTYPES, spec.hf_shape)
+                dtypes = ("U8",) if spec.layout == "packed" else FLOAT_DTYPES
+                _check_tensor(spec, manifest[spec.hf_name], spec.hf_name, dtypes, spec.hf_shape)
     missing = expected - set(manifest)
     if missing:
         raise ConvertError(f"{len(missing)} tensors the config needs are missing: {_first(missing)}")
@@ -106,7 +113,8 @@ def _leaf_specs(abstract: dict, maps: list[TensorMap], packed: set[str]) -> dict
     for spec in maps:
         full = tuple(abstract[spec.top][spec.key].shape)
         chunks = (1,) * len(spec.index) + spec.shape
-        leaves[spec.top][spec.key] = LeafSpec(full, np.dtype(np.float32), chunks)
+        dtype = np.uint8 if spec.layout == "packed" else np.float32
+        leaves[spec.top][spec.key] = LeafSpec(full, np.dtype(dtype), chunks)
         if spec.hf_name in packed:
             out, inputs = spec.hf_shape
             lead = full[: len(spec.index)]
@@ -132,6 +140,8 @@ def _resolved_config(hf: dict, out_dir: pathlib.Path, tokenizer: bool, overrides
     except HFConfigError as error:
         raise ConvertError(f"config.json: {error}") from None
     data = {"model": to_dict(model), "run_dir": str(out_dir)}
+    if quantized_experts(hf):
+        data["model"]["moe"]["expert_format"] = "mxfp4"      # keep the release's experts packed
     if tokenizer:
         data["data"] = {"tokenizer": str(out_dir / TOKENIZER_DIR / BPE_FILE_NAME)}
     if any(o.split("=", 1)[0].strip() == "data.path" for o in overrides):
@@ -140,6 +150,13 @@ def _resolved_config(hf: dict, out_dir: pathlib.Path, tokenizer: bool, overrides
         return config_from_dict(data, overrides), carried
     except ConfigError as error:
         raise ConvertError(f"override: {error}") from None
+
+
+def quantized_experts(hf: dict) -> bool:
+    """Whether ``config.json`` declares MXFP4 routed experts (a ``quantization_config``, top level or
+    in ``text_config``; `k3jax.convert.hf_config` accepts only the release's MXFP4 one)."""
+    text = hf.get("text_config")
+    return "quantization_config" in hf or (isinstance(text, dict) and "quantization_config" in text)
 
 
 def read_hf_config(path: pathlib.Path) -> tuple[dict, str]:
@@ -214,7 +231,10 @@ def import_checkpoint(hf_dir, out_dir, overrides: Sequence[str] = (), log: Calla
         (temporary / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
         writer.finish({"config": to_dict(config), "data_position": 0, "optimizer_step": 0,
                        "jax_version": jax.__version__, "imported_from": str(hf_dir.resolve())})
+    kept = sum(spec.layout == "packed" for spec in maps) // 2
     summary = {"run_dir": str(out_dir), "flavour": flavour, "tensors": len(checkpoint.manifest) - vision,
-               "mxfp4_experts": len(packed), "vision_skipped": vision, "tokenizer": has_tokenizer}
-    log(f"imported {summary['tensors']} tensors ({len(packed)} MXFP4 expert weights decoded) into {out_dir}")
+               "mxfp4_experts": len(packed) + kept, "mxfp4_kept_packed": kept > 0, "vision_skipped": vision,
+               "tokenizer": has_tokenizer}
+    how = "kept packed" if kept else "decoded"
+    log(f"imported {summary['tensors']} tensors ({len(packed) + kept} MXFP4 expert weights {how}) into {out_dir}")
     return summary

@@ -5,6 +5,7 @@ parameter dict (`k3jax.training.split_model`), the index inside it (the repeat o
 layer, then the expert), and a layout rule:
 
     linear   HF W [out, in]  ->  W^T reshaped to the k3jax shape, whose first ``in_dims`` axes are the input
+    packed   uint8 copied as it is: MXFP4 expert codes / scales of a model with ``moe.expert_format: mxfp4``
     reshape  same values, new shape (norms [d], convolutions [P, 1, W] -> [H, K, W], flat dt_bias [P] -> [H, K],
              AttnRes projections [1, d] -> [d])
     narrow   A_log: the first HV entries of a zero-padded [n >= HV] (K3) or of [1, 1, HV, 1] (Kimi Linear)
@@ -13,7 +14,9 @@ Layer l of the HF checkpoint is ``prefix/layers/i`` (unrolled), ``body/layers/j`
 (scanned: the leaf has a leading repeat axis) or ``suffix/layers/i`` (`k3jax.model.layer_groups`).
 Names depend on the layer's kind: ``g_proj`` / ``o_proj`` are KDA's output gate and projection in
 KDA layers and MLA's in MLA layers. Routed experts ``experts.{e}.w1|w3|w2`` (gate, up, down) are
-one expert row of ``experts/w_gate|w_up|w_down``; shared experts are ``gate|up|down_proj``.
+one expert row of ``experts/w_gate|w_up|w_down``, or with ``moe.expert_format: mxfp4`` their
+``weight_packed`` / ``weight_scale`` are one expert row of the buffers ``experts/w_*_packed|_scale``
+(the release layout, no decode); shared experts are ``gate|up|down_proj``.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ class TensorMap(NamedTuple):
     index: tuple[int, ...]        # the region of the leaf: (repeat,) for scanned layers, then (expert,)
     shape: tuple[int, ...]        # the region's k3jax shape
     hf_shape: tuple[int, ...]     # the HF shape (A_log: the unpadded default)
-    layout: str                   # "linear", "reshape" or "narrow"
+    layout: str                   # "linear", "reshape", "narrow" or "packed"
     in_dims: int = 1              # linear: leading k3jax axes that are the HF input axis
     expert: bool = False          # a routed expert weight (may arrive as MXFP4)
 
@@ -131,10 +134,22 @@ def _moe_maps(config: ModelConfig, hf: str, k3: str, index) -> list[TensorMap]:
         maps += _glu_maps(hf + "shared_experts.", k3 + "shared/", index, d, moe.shared_width)
     for expert in range(moe.num_experts):
         name, at = f"{hf}experts.{expert}.", (*index, expert)
+        if moe.expert_format == "mxfp4":
+            maps += [*_packed_maps(name + "w1.weight", k3 + "experts/w_gate", at, moe.expert_width, width),
+                     *_packed_maps(name + "w3.weight", k3 + "experts/w_up", at, moe.expert_width, width),
+                     *_packed_maps(name + "w2.weight", k3 + "experts/w_down", at, width, moe.expert_width)]
+            continue
         maps += [_linear(name + "w1.weight", k3 + "experts/w_gate", at, (width, moe.expert_width), expert=True),
                  _linear(name + "w3.weight", k3 + "experts/w_up", at, (width, moe.expert_width), expert=True),
                  _linear(name + "w2.weight", k3 + "experts/w_down", at, (moe.expert_width, width), expert=True)]
     return maps
+
+
+def _packed_maps(hf_weight: str, key: str, index, out: int, inputs: int) -> list[TensorMap]:
+    """An MXFP4 expert weight [out, in] kept packed: its codes and scales, each one expert row of a buffer."""
+    packed, scale = mxfp4_names(hf_weight)
+    return [TensorMap(packed, "buffers", key + "_packed", index, (out, inputs // 2), (out, inputs // 2), "packed"),
+            TensorMap(scale, "buffers", key + "_scale", index, (out, inputs // 32), (out, inputs // 32), "packed")]
 
 
 def _res_maps(hf: str, k3: str, index, d: int, hf_names: tuple[str, str], k3_name: str) -> list[TensorMap]:

@@ -9,8 +9,9 @@ Stable LatentMoE (K3), for a pre-normed token x in R^d:
 Plain MoE (Kimi Linear): l = d and no W_down / W_up / norm: y = u + Shared(x).
 
 The selection bias b is a ``RouterBias`` variable, not an ``nnx.Param``: gradients and optimizers
-filtered on ``nnx.Param`` never see it. The trainer overwrites it after each optimizer step with
-``k3jax.ops.moe.updated_router_bias(bias, stats, ...)`` from the ``MoEStats`` the layer returns.
+filtered on ``nnx.Param`` never see it (nor the frozen MXFP4 routed experts, ``ExpertCodes``). The
+trainer overwrites it after each optimizer step with ``k3jax.ops.moe.updated_router_bias(bias,
+stats, ...)`` from the ``MoEStats`` the layer returns.
 
 The routed experts run where the tokens are unless `k3jax.sharding.parallelize` stored an
 ``expert_dispatch`` on the layer (expert parallelism: only the latents z cross devices).
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import MoEConfig
+from k3jax.convert.mxfp4 import BLOCK
 from k3jax.layers.ffn import DenseGLU
 from k3jax.layers.params import param, truncated_normal
 from k3jax.ops.moe import (
@@ -36,6 +38,7 @@ from k3jax.ops.moe import (
     router_scores,
     select_experts,
 )
+from k3jax.ops.mxfp4 import Mxfp4Experts, encode, tile_size
 from k3jax.ops.norms import rms_norm
 from k3jax.ops.precision import einsum
 
@@ -85,13 +88,41 @@ class Router(nnx.Module):
         return indices, weights, scores
 
 
+class ExpertCodes(nnx.Variable):
+    """Packed MXFP4 routed-expert codes or scales (uint8, `k3jax.ops.mxfp4`): frozen, never an
+    ``nnx.Param`` (no gradient, no optimizer state, no adapter); saved with the buffers."""
+
+
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+
+
+def _mxfp4_experts_init(key: jax.Array, init, shape: tuple[int, int, int], tile: int) -> tuple[jax.Array, jax.Array]:
+    """(codes [E, out, in/2], scales [E, out, in/32]) of weights drawn by ``init`` in the dense layout
+    ``shape`` [E, in, out] and encoded, ``tile`` experts at a time (never all experts dense at once;
+    under the depth scan's vmap, one tile per stacked layer)."""
+    experts, inputs, out = shape
+    group = tile_size(experts, tile)
+
+    def one_tile(tile_key):
+        return encode(jnp.swapaxes(init(tile_key, (group, inputs, out), jnp.float32), 1, 2))
+
+    codes, scales = jax.lax.map(one_tile, jax.random.split(key, experts // group))
+    return codes.reshape(experts, out, inputs // 2), scales.reshape(experts, out, inputs // BLOCK)
+
+
 class RoutedExperts(nnx.Module):
     """E GLU experts of width m on ``input_axis``-named inputs of width ``input_width``, stacked:
     w_gate / w_up [E, in, m] ("experts", in, "expert_mlp"), w_down [E, m, in].
 
-    The call is ``k3jax.ops.moe.routed_experts`` (dropless, ``lax.ragged_dot``) or, with
-    ``config.expert_matmul == "dense"``, ``dense_experts`` (the same function, every expert on
-    every token); a ``dispatch`` given to the call replaces both on these weights.
+    With ``config.expert_format == "mxfp4"`` each of them is instead two frozen `ExpertCodes`
+    in the release layout (SPEC §7, `k3jax.ops.mxfp4`), ``{name}_packed`` [E, out, in/2] and
+    ``{name}_scale`` [E, out, in/32]: w_gate / w_up ("experts", "expert_mlp", in), w_down
+    ("experts", in, "expert_mlp"); a fresh model draws them as the dense init would and encodes
+    them a tile of ``config.expert_tile`` experts at a time.
+
+    The call is ``k3jax.ops.moe.routed_experts`` (dropless, ``lax.ragged_dot``; MXFP4 decoded per
+    tile) or, with ``config.expert_matmul == "dense"``, ``dense_experts`` (the same function, every
+    expert on every token); a ``dispatch`` given to the call replaces both on these weights.
     """
 
     def __init__(self, input_width: int, config: MoEConfig, *, input_axis: str, activation: str,
@@ -99,20 +130,38 @@ class RoutedExperts(nnx.Module):
         glu_activation(activation)  # fail at construction on an unknown name
         init = truncated_normal(init_std)
         experts, width = config.num_experts, config.expert_width
-        up_axes = ("experts", input_axis, "expert_mlp")
-        self.w_gate = param(rngs, init, (experts, input_width, width), up_axes)
-        self.w_up = param(rngs, init, (experts, input_width, width), up_axes)
-        self.w_down = param(rngs, init, (experts, width, input_width), ("experts", "expert_mlp", input_axis))
+        shapes = {"w_gate": (experts, input_width, width), "w_up": (experts, input_width, width),
+                  "w_down": (experts, width, input_width)}
+        up_axes, down_axes = ("experts", input_axis, "expert_mlp"), ("experts", "expert_mlp", input_axis)
+        self.expert_format, self.tile, self.implementation = (config.expert_format, config.expert_tile,
+                                                              config.mxfp4_implementation)
+        for name, shape in shapes.items():
+            axes = down_axes if name == "w_down" else up_axes
+            if self.expert_format == "mxfp4":
+                codes, scales = _mxfp4_experts_init(rngs.params(), init, shape, config.expert_tile)
+                packed_axes = (axes[0], axes[2], axes[1])          # [E, out, in]: the release layout
+                setattr(self, f"{name}_packed", ExpertCodes(codes, logical_axes=packed_axes))
+                setattr(self, f"{name}_scale", ExpertCodes(scales, logical_axes=packed_axes))
+            else:
+                setattr(self, name, param(rngs, init, shape, axes))
         self.expert_matmul = config.expert_matmul
         self.activation = activation
         self.situ_beta, self.situ_beta_linear = situ_beta, situ_beta_linear
         self.dtype = dtype
 
+    def expert_weights(self) -> tuple:
+        """(W_gate, W_up, W_down): dense arrays in ``dtype``, or `Mxfp4Experts` (decoded to the
+        input's dtype per tile where they are used)."""
+        if self.expert_format == "mxfp4":
+            return tuple(Mxfp4Experts(getattr(self, f"{name}_packed")[...], getattr(self, f"{name}_scale")[...],
+                                      self.tile, self.implementation) for name in EXPERT_WEIGHTS)
+        return tuple(getattr(self, name)[...].astype(self.dtype) for name in EXPERT_WEIGHTS)
+
     def __call__(self, x: jax.Array, indices: jax.Array, weights: jax.Array,
                  dispatch: ExpertDispatchFn | None = None) -> tuple[jax.Array, jax.Array]:
         """x [N, in], indices / weights [N, k] -> (sum_i weights_i E_{indices_i}(x) [N, in] in ``dtype``,
         (token, expert) assignments dropped by a capacity dispatch [] fp32)."""
-        w_gate, w_up, w_down = (w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        w_gate, w_up, w_down = self.expert_weights()
         activation = glu_activation(self.activation, self.situ_beta, self.situ_beta_linear)
         x = x.astype(self.dtype)
         if dispatch is not None:

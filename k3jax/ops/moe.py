@@ -24,7 +24,8 @@ Balancing (after each optimizer step, never through gradients):
 
 The routed path is three pieces so that an expert-parallel dispatch (shard_map + all_to_all over
 an "expert" mesh axis) can replace the movement around the unchanged grouped computation:
-``sort_by_expert`` -> ``expert_glu`` -> ``unsort_and_combine``.
+``sort_by_expert`` -> ``expert_glu`` -> ``unsort_and_combine``. Expert weights are dense arrays
+or `k3jax.ops.mxfp4.Mxfp4Experts` (packed MXFP4, decoded per tile inside the grouped GEMMs).
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from k3jax.ops.mxfp4 import Mxfp4Experts, grouped_matmul
 
 ACTIVATIONS = ("situ", "swiglu")
 BALANCING = ("sign", "quantile")
@@ -197,14 +200,25 @@ def expert_glu(
     w_down: jax.Array,
     activation: GLUActivation,
 ) -> jax.Array:
-    """Each expert's GLU on its contiguous group of rows (grouped GEMMs with ``lax.ragged_dot``).
+    """Each expert's GLU on its contiguous group of rows (grouped GEMMs, `k3jax.ops.mxfp4.grouped_matmul`:
+    ``lax.ragged_dot`` for dense weights, decoded per tile for `Mxfp4Experts`).
 
     x_sorted [M, d] grouped by expert, group_sizes [E], W_gate / W_up [E, d, F], W_down [E, F, d]:
     rows r of group j -> act(x_r W_gate[j], x_r W_up[j]) W_down[j]. Returns [M, d] in x_sorted.dtype.
     """
-    gate = jax.lax.ragged_dot(x_sorted, w_gate, group_sizes)
-    up = jax.lax.ragged_dot(x_sorted, w_up, group_sizes)
-    return jax.lax.ragged_dot(activation(gate, up), w_down, group_sizes)
+    gate = grouped_matmul(x_sorted, w_gate, group_sizes)
+    up = grouped_matmul(x_sorted, w_up, group_sizes)
+    return grouped_matmul(activation(gate, up), w_down, group_sizes)
+
+
+def equal_groups_glu(x: jax.Array, w_gate, w_up, w_down, activation: GLUActivation) -> jax.Array:
+    """Expert j's GLU on its own R rows: x [E, R, d] -> [E, R, d] in x.dtype; batched GEMMs for dense
+    weights [E, d, F] / [E, F, d], `expert_glu` over E groups of R rows for `Mxfp4Experts` (decoded per tile)."""
+    if not isinstance(w_gate, Mxfp4Experts):
+        return glu_ffn(x, w_gate, w_up, w_down, activation)
+    experts, rows, width = x.shape
+    sizes = jnp.full((experts,), rows, jnp.int32)
+    return expert_glu(x.reshape(experts * rows, width), sizes, w_gate, w_up, w_down, activation).reshape(x.shape)
 
 
 def routed_experts(

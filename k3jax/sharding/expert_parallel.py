@@ -22,7 +22,8 @@ ragged (``ragged_all_to_all``; dropless; GPU/TPU -- XLA:CPU has no ragged all-to
     ``ragged_dot``), and returns them to the slots they came from; then the usual unsort and
     weighted sum.
 
-Expert weights enter as [E/ep, l, m/tp], the hidden width m split over the ``hidden`` axes (tp
+Expert weights enter as [E/ep, l, m/tp] (dense, or MXFP4 codes and scales in the transposed release
+layout, decoded a tile of local experts at a time), the hidden width m split over the ``hidden`` axes (tp
 devices); each device computes its slice of every expert's hidden units and the partial outputs
 are summed (psum over ``hidden``). Weights sharded over other axes (FSDP) are gathered by GSPMD
 at the region's boundary, and their gradients reduced on the way out.
@@ -39,8 +40,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from k3jax.config import MeshConfig
-from k3jax.ops.moe import (GLUActivation, combine_assignments, expert_glu, glu_ffn, sort_by_expert,
+from k3jax.convert.mxfp4 import BLOCK
+from k3jax.ops.moe import (GLUActivation, combine_assignments, equal_groups_glu, expert_glu, sort_by_expert,
                            unsort_and_combine)
+from k3jax.ops.mxfp4 import Mxfp4Experts
 from k3jax.sharding.mesh import AnyMesh, axes_size
 
 DISPATCHES = ("capacity", "ragged")
@@ -68,14 +71,15 @@ class ExpertPlacement(NamedTuple):
         return axes_size(self.mesh, axes)
 
 
-def expert_placement(mesh: AnyMesh, config: MeshConfig, num_tokens: int, expert_width: int) -> ExpertPlacement:
+def expert_placement(mesh: AnyMesh, config: MeshConfig, num_tokens: int, expert_width: int,
+                     hidden_block: int = 1) -> ExpertPlacement:
     """How an MoE layer with ``num_tokens`` token rows and experts of hidden width ``expert_width``
     reaches experts split over the rules' "experts" axes of ``mesh`` with ``config``'s dispatch.
 
     Token rows split over the expert axes (each device ships its own rows) and those of the
     rules' batch axes that still divide them, in the batch rule's order (the batch's own layout);
-    the hidden width over the rules' expert_mlp axes that divide it and split neither tokens nor
-    experts.
+    the hidden width over the rules' expert_mlp axes that divide it into whole ``hidden_block``s
+    (MXFP4 experts: 32, W_down's scale blocks run along it) and split neither tokens nor experts.
     """
     rules = config.rules
     experts = tuple(axis for axis in rules.experts if mesh.shape[axis] > 1)
@@ -91,7 +95,7 @@ def expert_placement(mesh: AnyMesh, config: MeshConfig, num_tokens: int, expert_
     hidden: list[str] = []
     for axis in rules.expert_mlp:
         if (axis not in tokens and axis not in experts and mesh.shape[axis] > 1
-                and expert_width % (axes_size(mesh, hidden) * mesh.shape[axis]) == 0):
+                and expert_width % (hidden_block * axes_size(mesh, hidden) * mesh.shape[axis]) == 0):
             hidden.append(axis)
     return ExpertPlacement(mesh, tokens, experts, tuple(hidden), config.moe_dispatch, config.capacity_factor)
 
@@ -133,7 +137,8 @@ def capacity_experts(x, indices, weights, w_gate, w_up, w_down, *, activation: G
                      capacity: int, placement: ExpertPlacement):
     """One device's part of the capacity dispatch (call inside `jax.shard_map`; see the module doc).
 
-    x [n, l], indices / weights [n, k], W_gate / W_up [E/ep, l, m/tp], W_down [E/ep, m/tp, l]
+    x [n, l], indices / weights [n, k], W_gate / W_up [E/ep, l, m/tp], W_down [E/ep, m/tp, l] (dense, or
+    `Mxfp4Experts` of these shapes: only the local experts are decoded, a tile at a time)
     -> (u [n, l] in x.dtype, assignments dropped on all devices [] fp32).
     """
     num_local, width = w_gate.shape[0], x.shape[-1]
@@ -144,7 +149,7 @@ def capacity_experts(x, indices, weights, w_gate, w_up, w_down, *, activation: G
     send = jnp.zeros((num_experts * capacity, width), x.dtype).at[slots].set(rows, mode="drop")
     recv = _exchange(send.reshape(ep, num_local * capacity, width), placement)
     by_expert = recv.reshape(ep, num_local, capacity, width).swapaxes(0, 1).reshape(num_local, -1, width)
-    out = _sum_hidden_slices(glu_ffn(by_expert, w_gate, w_up, w_down, activation), placement)
+    out = _sum_hidden_slices(equal_groups_glu(by_expert, w_gate, w_up, w_down, activation), placement)
     out = out.reshape(num_local, ep, capacity, width).swapaxes(0, 1).reshape(ep, num_local * capacity, width)
     back = _exchange(out, placement).reshape(num_experts * capacity, width)
     y_assign = jnp.take(back, slots, axis=0, mode="fill", fill_value=0)
@@ -199,12 +204,22 @@ def ragged_experts(x, indices, weights, w_gate, w_up, w_down, *, activation: GLU
     return unsort_and_combine(back, order, weights), jnp.zeros((), jnp.float32)
 
 
+def _weight_spec(weight, dense_spec: P):
+    """The shard_map spec of an expert weight whose dense [E, in, out] form splits as ``dense_spec``;
+    `Mxfp4Experts` hold [E, out, in/2] codes and [E, out, in/32] scales: the same split, transposed."""
+    if not isinstance(weight, Mxfp4Experts):
+        return dense_spec
+    transposed = P(dense_spec[0], dense_spec[2], dense_spec[1])
+    return dataclasses.replace(weight, codes=transposed, scales=transposed)
+
+
 def expert_parallel_experts(x, indices, weights, w_gate, w_up, w_down, activation: GLUActivation,
                             placement: ExpertPlacement) -> tuple[jax.Array, jax.Array]:
     """``u_t = sum_i p_ti E_{e_ti}(x_t)`` with the experts split over ``placement``'s mesh.
 
     x [N, l] (latents, or tokens for plain MoE), indices / weights [N, k], W_gate / W_up [E, l, m],
-    W_down [E, m, l] -> (u [N, l] in x.dtype, (token, expert) assignments dropped [] fp32).
+    W_down [E, m, l] (dense, or `Mxfp4Experts`: each device holds and decodes only its own experts'
+    codes) -> (u [N, l] in x.dtype, (token, expert) assignments dropped [] fp32).
     """
     if placement.dispatch not in DISPATCHES:
         raise ValueError(f"unknown expert dispatch {placement.dispatch!r}; expected one of {DISPATCHES}")
@@ -218,7 +233,8 @@ def expert_parallel_experts(x, indices, weights, w_gate, w_up, w_down, activatio
         body = functools.partial(ragged_experts, activation=activation, placement=placement)
     region = jax.shard_map(
         body, mesh=placement.mesh,
-        in_specs=(rows, rows, rows, P(experts, None, hidden), P(experts, None, hidden), P(experts, hidden, None)),
+        in_specs=(rows, rows, rows, _weight_spec(w_gate, P(experts, None, hidden)),
+                  _weight_spec(w_up, P(experts, None, hidden)), _weight_spec(w_down, P(experts, hidden, None))),
         out_specs=(rows, P()),
     )
     return region(x, indices, weights, w_gate, w_up, w_down)
@@ -238,7 +254,8 @@ class ExpertDispatch:
 
     def __call__(self, x, indices, weights, w_gate, w_up, w_down, activation: GLUActivation):
         """`expert_parallel_experts` of these arrays on the placement their shapes allow."""
-        placement = expert_placement(self.mesh, self.config, x.shape[0], w_gate.shape[-1])
+        hidden_block = BLOCK if isinstance(w_gate, Mxfp4Experts) else 1
+        placement = expert_placement(self.mesh, self.config, x.shape[0], w_gate.shape[-1], hidden_block)
         return expert_parallel_experts(x, indices, weights, w_gate, w_up, w_down, activation, placement)
 
 

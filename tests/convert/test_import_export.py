@@ -159,3 +159,30 @@ def test_export_of_a_run_without_hf_source_uses_defaults(k3, tmp_path):
     assert exported.manifest["language_model.model.layers.0.self_attn.A_log"].shape == (2,)
     assert exported.manifest["language_model.model.embed_tokens.weight"].dtype == "BF16"
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "kimi_k3"
+
+
+def test_k3_import_keeps_mxfp4_experts_packed_byte_for_byte(k3, tmp_path):
+    """The release's experts land in the checkpoint's buffers as their codes and scales (no decode);
+    ``model.moe.expert_format=dense`` decodes them instead."""
+    from k3jax.checkpoint import checkpoint_directory
+    from k3jax.config import load_config
+    from k3jax.convert.keymap import model_maps
+    from k3jax.convert.orbax_stream import StateReader
+
+    assert k3.summary["mxfp4_kept_packed"]
+    config = load_config(k3.run_dir / "config.yaml").model
+    assert config.moe.expert_format == "mxfp4"
+    packed = {spec.hf_name: spec for spec in model_maps(config, "k3") if spec.layout == "packed"}
+    assert len(packed) == 2 * k3.summary["mxfp4_experts"]
+    reader = StateReader(checkpoint_directory(k3.run_dir) / "0")
+    for name, spec in packed.items():
+        stored = reader.read("buffers", spec.key, spec.index)
+        assert stored.dtype == np.uint8 and stored.tobytes() == k3.tensors[name].tobytes(), name
+    spec = packed["language_model.model.layers.5.block_sparse_moe.experts.3.w2.weight_packed"]
+    dense_key = spec.key.removesuffix("_packed")
+    assert not reader.has("params", dense_key)
+    dense = import_checkpoint(k3.hf_dir, tmp_path / "dense", ["model.moe.expert_format=dense"], log=QUIET)
+    assert not dense["mxfp4_kept_packed"] and dense["mxfp4_experts"] == k3.summary["mxfp4_experts"]
+    decoded = StateReader(checkpoint_directory(tmp_path / "dense") / "0").read("params", dense_key, spec.index)
+    base = spec.hf_name.removesuffix("_packed")
+    np.testing.assert_array_equal(decoded.T, decode_mxfp4(k3.tensors[base + "_packed"], k3.tensors[base + "_scale"]))

@@ -1,0 +1,199 @@
+"""MXFP4 routed-expert weights on device, and the grouped matmul that decodes them a tile at a time.
+
+A stack of E expert matrices W_j [in, out] (k3jax's layout) is held in the release layout (SPEC §7,
+`k3jax.convert.mxfp4`), one block of 32 along the contraction (input) axis per scale:
+
+    codes  [E, out, in/2]  uint8   two E2M1 codes per byte, input 2i in the low nibble, 2i+1 in the high
+    scales [E, out, in/32] uint8   E8M0: 2^(byte - 127)
+    W_j[i, o] = e2m1(code[j, o, i]) * 2^(scales[j, o, i // 32] - 127)
+    e2m1(c) = (-1)^(c >> 3) * {0, 0.5, 1, 1.5, 2, 3, 4, 6}[c & 7]
+
+0.5 + 1/32 = 0.53125 bytes per weight (0.27 of bf16). The codes are frozen: nothing differentiates
+them.
+
+    grouped_matmul(x, w, group_sizes)      rows of group j (contiguous, groups in order): y_r = x_r W_j
+
+The XLA form never decodes all experts: a loop over tiles of G experts decodes only the tile's
+experts (to x's dtype; exact, every MXFP4 value is a bf16 value) and runs `lax.ragged_dot` on the
+window of rows starting at the tile's first row (x padded with zero rows so the window always
+fits; rows past the tile's groups come out zero and the window is added into y). Its temporary
+is O(G * expert size + rows * width) instead of O(E * expert size). Gradients flow to x only,
+through a custom VJP that runs the same tiled loop on the transposed decoded tiles,
+``dx_r = dy_r W_j^T`` (so the backward pass keeps no decoded weights either); the codes and
+scales get none. The Pallas form (`k3jax.ops.mxfp4_pallas`, ``implementation="pallas"``) decodes
+inside the kernel; it is written for TPU (scalar prefetch) and runs interpreted elsewhere (tests).
+"auto" is the XLA loop everywhere until the kernel has been compiled and timed on a TPU; GPUs use
+the XLA loop (a Triton variant of the kernel is not written).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.convert.mxfp4 import BLOCK, E2M1_MAX, SCALE_BIAS
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
+MXFP4_BYTES_PER_WEIGHT = 0.5 + 1 / BLOCK
+
+_SIGN_BIT = np.uint32(1 << 31)
+_HALF_BITS = np.uint32(0x3F000000)          # fp32 0.5, the E2M1 subnormal (code 1)
+_SMALLEST_SCALE_BITS = np.uint32(1 << 22)   # fp32 2^-127 (E8M0 byte 0), an fp32 subnormal
+_NAN_BITS = np.uint32(0x7FC00000)           # E8M0 byte 255
+
+
+def e2m1_values(codes: jax.Array) -> jax.Array:
+    """fp32 values of 4-bit E2M1 codes (any unsigned integer dtype, values in [0, 16)), built from
+    their bits: magnitude m = c & 7 is 0, 0.5 (m = 1) or 2^((m >> 1) - 1) * (1 + (m & 1) / 2)."""
+    c = codes.astype(jnp.uint32)
+    m = c & 7
+    normal = ((m >> 1) + 126) << 23 | (m & 1) << 22
+    bits = jnp.where(m >= 2, normal, jnp.where(m == 1, _HALF_BITS, 0)) | (c & 8) << 28
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
+
+
+def e8m0_values(scales: jax.Array) -> jax.Array:
+    """fp32 values 2^(byte - 127) of E8M0 scale bytes (byte 255 is NaN)."""
+    s = scales.astype(jnp.uint32)
+    bits = jnp.where(s == 0, _SMALLEST_SCALE_BITS, jnp.where(s == 255, _NAN_BITS, s << 23))
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
+
+
+def decode(codes: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """``codes [..., out, in/2]``, ``scales [..., out, in/32]`` -> W^T ``[..., out, in]`` in ``dtype``
+    (the release layout, not transposed), exactly."""
+    *lead, out, half = codes.shape
+    nibbles = jnp.stack([codes & 0x0F, codes >> 4], axis=-1)                  # [..., out, in/2, 2]
+    values = e2m1_values(nibbles).reshape(*lead, out, 2 * half // BLOCK, BLOCK)
+    return (values * e8m0_values(scales)[..., None]).reshape(*lead, out, 2 * half).astype(dtype)
+
+
+def encode(weight_t: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """W^T ``[..., out, in]`` (float) -> ``(codes [..., out, in/2], scales [..., out, in/32])`` uint8 with
+    the OCP MX exponent per block, floor(log2 max|W|) - 2 (the rule of `k3jax.convert.mxfp4.encode_mxfp4`,
+    which also keeps preferred scales; this one runs under jit, for initialising a fresh model)."""
+    *lead, out, inputs = weight_t.shape
+    if inputs % BLOCK:
+        raise ValueError(f"MXFP4 needs an input width that is a multiple of {BLOCK}, got {inputs}")
+    blocks = weight_t.astype(jnp.float32).reshape(*lead, out, inputs // BLOCK, BLOCK)
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    _, exponent = jnp.frexp(jnp.where(amax > 0, amax, 1.0))                 # amax = f 2^e, f in [0.5, 1)
+    exponent = jnp.clip(exponent - 3, -SCALE_BIAS, SCALE_BIAS)                # floor(log2 amax) - 2
+    scaled = jnp.clip(blocks / jnp.exp2(exponent.astype(jnp.float32))[..., None], -E2M1_MAX, E2M1_MAX)
+    codes = jax.lax.bitcast_convert_type(scaled.astype(jnp.float4_e2m1fn), jnp.uint4).astype(jnp.uint8)
+    codes = codes.reshape(*lead, out, inputs // 2, 2)
+    return codes[..., 0] | codes[..., 1] << 4, (exponent + SCALE_BIAS).astype(jnp.uint8)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Mxfp4Experts:
+    """E expert matrices W_j [in, out] as MXFP4 (the module doc's layout); ``tile``: experts decoded
+    at once, ``implementation``: "auto", "xla" or "pallas" (static)."""
+
+    codes: jax.Array                      # [E, out, in/2] uint8
+    scales: jax.Array                     # [E, out, in/32] uint8
+    tile: int = dataclasses.field(default=8, metadata=dict(static=True))
+    implementation: str = dataclasses.field(default="auto", metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The dense stack's shape [E, in, out]."""
+        experts, out, half = self.codes.shape
+        return experts, 2 * half, out
+
+    def decoded(self, dtype=jnp.float32) -> jax.Array:
+        """All experts dense, [E, in, out] (for tests and export: the layer never calls this)."""
+        return jnp.swapaxes(decode(self.codes, self.scales, dtype), -1, -2)
+
+
+def tile_size(num_experts: int, tile: int) -> int:
+    """The largest divisor of ``num_experts`` that is at most ``tile``."""
+    return max(g for g in range(1, min(tile, num_experts) + 1) if num_experts % g == 0)
+
+
+def _tiled_grouped_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, group_sizes: jax.Array, tile: int,
+                          contract_output: bool) -> jax.Array:
+    """The XLA loop of the module doc. x [M, in] -> [M, out] (``contract_output``: x [M, out], the
+    decoded tiles transposed, -> [M, in]), in x.dtype."""
+    rows = x.shape[0]
+    experts, out, half = codes.shape
+    group = tile_size(experts, tile)
+    result_width = 2 * half if contract_output else out
+    padded = jnp.concatenate([x, jnp.zeros_like(x)])
+    tile_rows = jnp.sum(group_sizes.reshape(experts // group, group), axis=1)
+    tile_starts = jnp.cumsum(tile_rows) - tile_rows
+
+    def one_tile(t, y):
+        first = t * group
+        w_t = decode(jax.lax.dynamic_slice_in_dim(codes, first, group),
+                     jax.lax.dynamic_slice_in_dim(scales, first, group), x.dtype)     # [G, out, in]
+        rhs = w_t if contract_output else jnp.swapaxes(w_t, 1, 2)
+        window = jax.lax.dynamic_slice_in_dim(padded, tile_starts[t], rows)
+        part = jax.lax.ragged_dot(window, rhs, jax.lax.dynamic_slice_in_dim(group_sizes, first, group))
+        start = tile_starts[t]
+        return jax.lax.dynamic_update_slice_in_dim(y, jax.lax.dynamic_slice_in_dim(y, start, rows) + part, start, 0)
+
+    y = _varying_like(jnp.zeros((2 * rows, result_width), x.dtype), x, codes, scales, group_sizes)
+    return jax.lax.fori_loop(0, experts // group, one_tile, y)[:rows]
+
+
+def _varying_like(value: jax.Array, *arrays: jax.Array) -> jax.Array:
+    """``value`` varying over every manual mesh axis any of ``arrays`` varies over (inside
+    `jax.shard_map`, so that a loop carry keeps one type; unchanged elsewhere)."""
+    varying = lambda a: jax.typeof(a).manual_axis_type.varying  # noqa: E731
+    axes = tuple(sorted(set().union(*map(varying, arrays)) - varying(value)))
+    return jax.lax.pcast(value, axes, to="varying") if axes else value
+
+
+def _pallas_compiles() -> bool:
+    """The Pallas kernel uses TPU scalar prefetch: compiled on TPU, interpreted elsewhere."""
+    return jax.default_backend() == "tpu"
+
+
+def _grouped_matmul_impl(x, codes, scales, group_sizes, tile, implementation, contract_output):
+    """Forward (or, ``contract_output``, the transposed product of the backward pass) by implementation.
+    "auto" is the XLA loop on every platform until the Pallas kernel has been compiled and timed on
+    a TPU (it has only run interpreted); "pallas" asks for the kernel."""
+    if implementation == "pallas":
+        from k3jax.ops.mxfp4_pallas import pallas_grouped_matmul
+
+        return pallas_grouped_matmul(x, codes, scales, group_sizes, contract_output=contract_output,
+                                     interpret=not _pallas_compiles())
+    return _tiled_grouped_matmul(x, codes, scales, group_sizes, tile, contract_output)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _grouped_matmul(x, codes, scales, group_sizes, tile, implementation):
+    return _grouped_matmul_impl(x, codes, scales, group_sizes, tile, implementation, False)
+
+
+def _grouped_matmul_fwd(x, codes, scales, group_sizes, tile, implementation):
+    return _grouped_matmul(x, codes, scales, group_sizes, tile, implementation), (codes, scales, group_sizes)
+
+
+def _grouped_matmul_bwd(tile, implementation, residuals, dy):
+    codes, scales, group_sizes = residuals
+    dx = _grouped_matmul_impl(dy, codes, scales, group_sizes, tile, implementation, True)
+    return dx, None, None, None
+
+
+_grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
+def grouped_matmul(x: jax.Array, weight: "Mxfp4Experts | jax.Array", group_sizes: jax.Array) -> jax.Array:
+    """``y_r = x_r W_j`` for the rows r of group j: x [M, in] sorted by group, group_sizes [E] int32
+    (rows past their sum come out zero), weight a dense [E, in, out] (``lax.ragged_dot``) or
+    `Mxfp4Experts` (decoded per tile; gradients w.r.t. x only). -> [M, out] in x.dtype."""
+    if not isinstance(weight, Mxfp4Experts):
+        return jax.lax.ragged_dot(x, weight, group_sizes)
+    if weight.implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown MXFP4 implementation {weight.implementation!r}; expected one of {IMPLEMENTATIONS}")
+    group_sizes = group_sizes.astype(jnp.int32)
+    # Inside shard_map: x varies over the weights' axes before the custom VJP (whose backward then
+    # psums the partial dx over the axes x was replicated on, e.g. a split hidden width).
+    x = _varying_like(x, x, weight.codes, weight.scales, group_sizes)
+    return _grouped_matmul(x, weight.codes, weight.scales, group_sizes, weight.tile, weight.implementation)
