@@ -25,6 +25,7 @@ from flax import nnx
 
 from k3jax.config import MoEConfig
 from k3jax.layers.ffn import DenseGLU
+from k3jax.layers.lora import adapted_weight
 from k3jax.layers.params import param, truncated_normal
 from k3jax.ops.moe import (
     EXPERT_MATMULS,
@@ -91,8 +92,12 @@ class RoutedExperts(nnx.Module):
 
     The call is ``k3jax.ops.moe.routed_experts`` (dropless, ``lax.ragged_dot``) or, with
     ``config.expert_matmul == "dense"``, ``dense_experts`` (the same function, every expert on
-    every token); a ``dispatch`` given to the call replaces both on these weights.
+    every token); a ``dispatch`` given to the call replaces both on these weights. LoRA adapters
+    (a shared A, one B per expert) are merged into the weights they are computed with.
     """
+
+    LORA_WEIGHTS = {"w_gate": 1, "w_up": 1, "w_down": 1}   # after the experts axis: {name: input axes}
+    LORA_ROUTED = True
 
     def __init__(self, input_width: int, config: MoEConfig, *, input_axis: str, activation: str,
                  situ_beta: float, situ_beta_linear: float | None, init_std: float, dtype, rngs: nnx.Rngs):
@@ -112,7 +117,7 @@ class RoutedExperts(nnx.Module):
                  dispatch: ExpertDispatchFn | None = None) -> tuple[jax.Array, jax.Array]:
         """x [N, in], indices / weights [N, k] -> (sum_i weights_i E_{indices_i}(x) [N, in] in ``dtype``,
         (token, expert) assignments dropped by a capacity dispatch [] fp32)."""
-        w_gate, w_up, w_down = (w[...].astype(self.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        w_gate, w_up, w_down = (adapted_weight(self, name, self.dtype) for name in ("w_gate", "w_up", "w_down"))
         activation = glu_activation(self.activation, self.situ_beta, self.situ_beta_linear)
         x = x.astype(self.dtype)
         if dispatch is not None:
