@@ -17,7 +17,7 @@ Adapters are `Adapter` submodules named ``<weight>_lora`` beside the weight (its
 unchanged); their factors are `LoRA` variables, not ``nnx.Param``s. `attach_adapters` adds them
 to a built model; a layer computes an adaptable weight through `adapted_project` /
 `adapted_weight`, which add the adapter's term when there is one. With dropout, each adapter
-holds a `LoRADropoutSeed` (key data); the trainer replaces it by a per-step key.
+holds a `LoRADropoutSeed` slot the training forward fills with per-step keys (`dropout_keys`).
 """
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ class LoRA(nnx.Variable):
 
 
 class LoRADropoutSeed(nnx.Variable):
-    """The key data (uint32 [..., 2]) of an adapter's dropout: fixed per adapter; the trainer folds
-    in the step number before each training forward."""
+    """The key data (uint32 [..., 2], one key per stacked layer) of an adapter's dropout: a slot that
+    every training forward fills with keys of its own (`dropout_keys`); never trained or saved."""
 
 
 def kaiming_uniform(key: jax.Array, shape, fan_in: int, dtype=jnp.float32) -> jax.Array:
@@ -190,13 +190,10 @@ def attach_adapters(model: nnx.Module, *, rank: int, alpha: float, dropout_rate:
         weight = getattr(item.module, item.name)
         key = jax.random.fold_in(root, _path_hash(item.path))
         a, b, a_axes, b_axes = adapter_factors(weight, item.input_dims, item.routed, rank, key)
-        seed_data = None
-        if dropout_rate and not item.routed:
-            stack = a.shape[:_stacked(a_axes)]
-            seeds = jax.random.split(jax.random.fold_in(key, 1), stack) if stack else jax.random.fold_in(key, 1)
-            seed_data = jax.random.key_data(seeds)
+        stack = a.shape[:_stacked(a_axes)]
+        slot = jnp.zeros((*stack, 2), jnp.uint32) if dropout_rate and not item.routed else None
         setattr(item.module, item.name + ADAPTER_SUFFIX,
-                Adapter(a, b, a_axes, b_axes, alpha / rank, dropout_rate, seed_data, item.routed))
+                Adapter(a, b, a_axes, b_axes, alpha / rank, dropout_rate, slot, item.routed))
     return [item.path for item in chosen]
 
 
@@ -206,6 +203,17 @@ def _path_hash(path: str) -> int:
     for byte in path.encode():
         h = ((h ^ byte) * 0x01000193) % 2**32
     return h % 2**31
+
+
+def dropout_keys(slots: dict, key: jax.Array | None) -> dict:
+    """Fill the dropout slots ``{path: uint32 [..., 2]}`` (arrays or shapes) with key data drawn
+    from ``key`` (one step's key) and each slot's path; zeros without a key (no dropout)."""
+    def fill(path, slot):
+        if key is None:
+            return jnp.zeros(slot.shape, jnp.uint32)
+        own = jax.random.fold_in(key, _path_hash(path))
+        return jax.random.key_data(jax.random.split(own, slot.shape[:-1]) if len(slot.shape) > 1 else own)
+    return {path: fill(path, slot) for path, slot in slots.items()}
 
 
 def set_adapter_dropout(model: nnx.Module, rate: float) -> None:
