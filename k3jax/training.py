@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from k3jax.config import MeshConfig, ModelConfig
-from k3jax.layers.lora import dropout_keys, set_adapter_dropout
+from k3jax.layers.lora import LoRA, LoRADropoutSeed, dropout_keys, set_adapter_dropout
 from k3jax.layers.moe import RouterBias
 from k3jax.layers.params import logical_axes
 from k3jax.model import K3Model, param_counts
@@ -79,8 +79,10 @@ class ModelParts(NamedTuple):
 
 
 def split_model(model: nnx.Module) -> tuple[ModelParts, dict, dict]:
-    """``(parts, params, buffers)`` of a model (concrete or abstract from `nnx.eval_shape`)."""
-    graphdef, params, buffers = nnx.split(model, nnx.Param, RouterBias)
+    """``(parts, params, buffers)`` of a model (concrete or abstract from `nnx.eval_shape`); a
+    fine-tuned model's LoRA adapters (and dropout slots) count as params here (LoRA training
+    splits with `k3jax.finetune.split_lora_model` instead)."""
+    graphdef, params, buffers = nnx.split(model, (nnx.Param, LoRA, LoRADropoutSeed), RouterBias)
     parts = ModelParts(graphdef, StateCodec(params), StateCodec(buffers))
     return parts, parts.params.flatten(params), parts.buffers.flatten(buffers)
 
