@@ -11,8 +11,9 @@ With ``finetune.lora_rank > 0`` the model carries `k3jax.layers.lora` adapters a
 
 A LoRA run's checkpoints hold the adapters, the router biases and the adapters' optimizer state
 only, with ``meta["lora_base"]``: where the base came from (``init_from``, step) and its
-fingerprint (`base_fingerprint`), which a resume, `k3jax.training.restore_model` and the
-exporter check against the base they load.
+fingerprint (`base_fingerprint`), which a resume and `k3jax.training.restore_model` check
+against the base they load (the streaming exporter checks only that the base's model config is
+the run's: fingerprinting would read the whole base first).
 """
 from __future__ import annotations
 
