@@ -375,6 +375,48 @@ class LoggingConfig:
         _positive(self, "peak_tflops")
 
 
+# Default adapter targets: every KDA / MLA projection, the shared experts, the dense FFN.
+DEFAULT_LORA_TARGETS = ("mixer/*_proj", "ffn/shared/w_*", "ffn/w_*")
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneConfig:
+    """LoRA fine-tuning on a frozen base (`k3jax.finetune`); ``lora_rank`` 0 trains every parameter.
+
+    ``lora_targets`` select the adapted weights among those a layer can adapt (`k3jax.layers.lora`):
+    a glob over the weight's parameter path matched at any depth (``mixer/q_proj`` matches
+    ``body/layers/0/mixer/q_proj``), or ``axis:NAME``, every adaptable weight with logical axis NAME.
+    ``lora_routed_experts`` also adapts the routed experts (one A [in, r] shared by the experts,
+    B [E, r, out] per expert). The routers' selection biases stay frozen unless
+    ``update_router_bias``: then the aux-free balancer keeps updating them (they never have
+    optimizer state either way)."""
+
+    lora_rank: int = 0
+    lora_alpha: float = 16.0              # the adapter output is scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0             # dropout on the adapter's input while training
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    lora_routed_experts: bool = False
+    update_router_bias: bool = False
+
+    def __post_init__(self):
+        _require(self.lora_rank >= 0, "lora_rank", f"must be non-negative (0: full fine-tuning), got {self.lora_rank}")
+        _positive(self, "lora_alpha")
+        _require(0.0 <= self.lora_dropout < 1.0, "lora_dropout", f"must be in [0, 1), got {self.lora_dropout}")
+        _require(self.lora_rank == 0 or bool(self.lora_targets) or self.lora_routed_experts, "lora_targets",
+                 "names no weight to adapt")
+        for index, target in enumerate(self.lora_targets):
+            _require(bool(target.strip()) and target != "axis:", f"lora_targets[{index}]",
+                     f"must be a path glob or axis:NAME, got {target!r}")
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank > 0
+
+    @property
+    def lora_scale(self) -> float:
+        return self.lora_alpha / self.lora_rank
+
+
 MeshAxis = Literal["data", "fsdp", "expert", "tensor"]
 
 
@@ -401,6 +443,7 @@ class AxisRules:
     expert_mlp: tuple[MeshAxis, ...] = ("tensor",)
     latent: tuple[MeshAxis, ...] = ("fsdp",)
     layers: tuple[MeshAxis, ...] = ()
+    lora_rank: tuple[MeshAxis, ...] = ()  # the rank of LoRA adapters (`k3jax.layers.lora`): replicated
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -449,6 +492,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
     mesh: MeshConfig = MeshConfig()
+    finetune: FinetuneConfig = FinetuneConfig()
     run_dir: str = "runs/default"         # checkpoints, the resolved config and metrics
     init_from: str | None = None          # fine-tune: parameters from this run or checkpoint directory
 

@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from k3jax.config import MeshConfig, ModelConfig
+from k3jax.layers.lora import LoRA, LoRADropoutSeed, dropout_keys, set_adapter_dropout
 from k3jax.layers.moe import ExpertCodes, RouterBias
 from k3jax.layers.params import logical_axes
 from k3jax.model import K3Model, param_counts
@@ -53,22 +54,39 @@ class StateCodec:
         """Logical axis names of every entry."""
         return {key: logical_axes(variable) for key, _, variable in self._entries}
 
+    def shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """Shape and dtype of every entry."""
+        return {key: jax.ShapeDtypeStruct(variable.shape, variable.dtype) for key, _, variable in self._entries}
+
 
 class ModelParts(NamedTuple):
-    """A model split for functional use: its graph and the codecs of its params and buffers."""
+    """A model split for functional use: its graph and the codecs of its params (what the optimizer
+    trains) and buffers; for LoRA (`k3jax.finetune`) also of the frozen base and of the adapters'
+    dropout key slots, and ``balance``: whether the train step updates the routers' biases."""
 
     graphdef: Any
     params: StateCodec
     buffers: StateCodec
+    frozen: StateCodec | None = None
+    dropout: StateCodec | None = None
+    balance: bool = True
 
-    def merge(self, params: dict, buffers: dict):
-        """The model with these parameter and buffer values."""
-        return nnx.merge(self.graphdef, self.params.unflatten(params), self.buffers.unflatten(buffers))
+    def merge(self, params: dict, buffers: dict, frozen: dict | None = None, dropout_key: jax.Array | None = None):
+        """The model with these parameter, buffer (and frozen) values; a LoRA model's dropout draws
+        its masks from ``dropout_key`` (None: the slots hold zeros)."""
+        states = [self.params.unflatten(params), self.buffers.unflatten(buffers)]
+        if self.frozen is not None:
+            states.append(self.frozen.unflatten(frozen))
+        if self.dropout is not None:
+            states.append(self.dropout.unflatten(dropout_keys(self.dropout.shapes(), dropout_key)))
+        return nnx.merge(self.graphdef, *states)
 
 
 def split_model(model: nnx.Module) -> tuple[ModelParts, dict, dict]:
-    """``(parts, params, buffers)`` of a model (concrete or abstract from `nnx.eval_shape`)."""
-    graphdef, params, buffers = nnx.split(model, nnx.Param, BUFFER_TYPES)
+    """``(parts, params, buffers)`` of a model (concrete or abstract from `nnx.eval_shape`); a
+    fine-tuned model's LoRA adapters (and dropout slots) count as params here (LoRA training
+    splits with `k3jax.finetune.split_lora_model` instead)."""
+    graphdef, params, buffers = nnx.split(model, (nnx.Param, LoRA, LoRADropoutSeed), BUFFER_TYPES)
     parts = ModelParts(graphdef, StateCodec(params), StateCodec(buffers))
     return parts, parts.params.flatten(params), parts.buffers.flatten(buffers)
 
@@ -124,9 +142,9 @@ def masked_cross_entropy(logits, targets, mask):
     return jnp.sum(losses * mask), jnp.sum(mask)
 
 
-def _forward_loss(parts: ModelParts, params, buffers, batch):
+def _forward_loss(parts: ModelParts, params, buffers, batch, frozen=None, dropout_key=None):
     """``(loss sum, (mask sum, MoE stats))`` of one micro-batch."""
-    model = parts.merge(params, buffers)
+    model = parts.merge(params, buffers, frozen, dropout_key)
     out = model(batch["tokens"], segment_ids=batch["segment_ids"])
     loss_sum, count = masked_cross_entropy(out.logits, batch["targets"], batch["loss_mask"])
     return loss_sum, (count, out.moe_stats)
@@ -142,32 +160,41 @@ def _merge_micro_batch_stats(stats: MoEStats | None) -> MoEStats | None:
                     summed(stats.dropped), jax.tree.map(summed, stats.bias_histogram))
 
 
-def _gradients(parts, params, buffers, batch, accumulation: int):
-    """Summed loss, mask count, summed gradients and MoE stats over ``accumulation`` micro-batches."""
+def _gradients(parts, params, buffers, batch, accumulation: int, frozen=None, dropout_key=None):
+    """Summed loss, mask count, summed gradients and MoE stats over ``accumulation`` micro-batches
+    (micro-batch i draws its dropout from ``fold_in(dropout_key, i)``)."""
     grad_fn = jax.value_and_grad(functools.partial(_forward_loss, parts), has_aux=True)
     if accumulation == 1:
-        (loss_sum, (count, stats)), grads = grad_fn(params, buffers, batch)
+        (loss_sum, (count, stats)), grads = grad_fn(params, buffers, batch, frozen, dropout_key)
         return loss_sum, count, grads, stats
     micro = jax.tree.map(lambda x: x.reshape(accumulation, -1, *x.shape[1:]), batch)
 
-    def accumulate(carry, micro_batch):
+    def accumulate(carry, indexed):
         loss_sum, count, grads = carry
-        (loss, (n, stats)), g = grad_fn(params, buffers, micro_batch)
+        index, micro_batch = indexed
+        key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
+        (loss, (n, stats)), g = grad_fn(params, buffers, micro_batch, frozen, key)
         return (loss_sum + loss, count + n, jax.tree.map(jnp.add, grads, g)), stats
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (loss_sum, count, grads), stats = jax.lax.scan(accumulate, (0.0, 0.0, zeros), micro)
+    (loss_sum, count, grads), stats = jax.lax.scan(accumulate, (0.0, 0.0, zeros), (jnp.arange(accumulation), micro))
     return loss_sum, count, grads, _merge_micro_batch_stats(stats)
 
 
 def make_train_step(parts: ModelParts, optimizer: optax.GradientTransformation, *, accumulation: int = 1,
-                    schedule: optax.Schedule | None = None, shardings: StepShardings | None = None):
+                    schedule: optax.Schedule | None = None, shardings: StepShardings | None = None,
+                    dropout_seed: int = 0):
     """The jitted ``train_step(state, batch) -> (state, metrics)`` (the state is donated); with
     ``shardings`` the state keeps its layout across steps and the metrics come back replicated.
-    What the model computes on the mesh is in ``parts.graphdef`` (`abstract_model` with a mesh)."""
+    What the model computes on the mesh is in ``parts.graphdef`` (`abstract_model` with a mesh).
+    A LoRA model's step is ``train_step(state, batch, frozen)`` (the frozen base, not donated); its
+    adapters' dropout at step n draws from ``fold_in(key(dropout_seed), n)``."""
 
-    def train_step(state: TrainState, batch):
-        loss_sum, count, grads, stats = _gradients(parts, state.params, state.buffers, batch, accumulation)
+    def train_step(state: TrainState, batch, *frozen):
+        dropout_key = None if parts.dropout is None else jax.random.fold_in(jax.random.key(dropout_seed), state.step)
+        frozen = frozen[0] if frozen else None
+        loss_sum, count, grads, stats = _gradients(parts, state.params, state.buffers, batch, accumulation, frozen,
+                                                   dropout_key)
         count = jnp.maximum(count, 1.0)
         loss = loss_sum / count
         grads = jax.tree.map(lambda g: g / count, grads)
@@ -176,8 +203,8 @@ def make_train_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         buffers = state.buffers
-        if stats is not None:
-            model = parts.merge(params, buffers)
+        if stats is not None and parts.balance:
+            model = parts.merge(params, buffers, frozen)
             model.update_router_bias(stats)
             buffers = parts.buffers.flatten(nnx.state(model, BUFFER_TYPES))
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
@@ -200,23 +227,27 @@ def make_train_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
 
     if shardings is None:
         return jax.jit(train_step, donate_argnums=0)
-    return jax.jit(train_step, donate_argnums=0, in_shardings=(shardings.state, shardings.batch),
+    frozen = () if parts.frozen is None else (shardings.frozen,)
+    return jax.jit(train_step, donate_argnums=0, in_shardings=(shardings.state, shardings.batch, *frozen),
                    out_shardings=(shardings.state, shardings.replicated))
 
 
 def make_eval_step(parts: ModelParts, shardings: StepShardings | None = None):
     """The jitted ``eval_step(params, buffers, batch) -> (loss sum, mask sum, argmax predictions)``
-    (predictions laid out like the batch under ``shardings``)."""
+    (predictions laid out like the batch under ``shardings``); a LoRA model's is
+    ``eval_step(params, buffers, batch, frozen)``, with the adapters' dropout off."""
 
-    def eval_step(params, buffers, batch):
-        model = parts.merge(params, buffers)
+    def eval_step(params, buffers, batch, *frozen):
+        model = parts.merge(params, buffers, frozen[0] if frozen else None)
+        set_adapter_dropout(model, 0.0)
         out = model(batch["tokens"], segment_ids=batch["segment_ids"])
         loss_sum, count = masked_cross_entropy(out.logits, batch["targets"], batch["loss_mask"])
         return loss_sum, count, jnp.argmax(out.logits, axis=-1)
 
     if shardings is None:
         return jax.jit(eval_step)
-    return jax.jit(eval_step, in_shardings=(shardings.state.params, shardings.state.buffers, shardings.batch),
+    frozen = () if parts.frozen is None else (shardings.frozen,)
+    return jax.jit(eval_step, in_shardings=(shardings.state.params, shardings.state.buffers, shardings.batch, *frozen),
                    out_shardings=(shardings.replicated, shardings.replicated, shardings.batch))
 
 
@@ -257,6 +288,9 @@ def _restore_model_at(directory, step: int) -> tuple[nnx.Module, Any, dict]:
     if not isinstance(meta.get("config"), dict):
         raise CheckpointError(f"checkpoint {step} in {checkpoints.directory} has no saved config")
     config = config_from_dict(meta["config"])
+    if config.finetune.lora:
+        from k3jax.finetune import restore_lora_model
+        return restore_lora_model(directory, step, config, meta), config, meta
     parts, params, buffers = abstract_model(config.model)
     params, _ = restore_subtree(directory, "params", params, step)
     buffers, _ = restore_subtree(directory, "buffers", buffers, step)
@@ -268,7 +302,8 @@ def restore_model(directory, step: int | None = None, report=None) -> RestoredMo
     config saved with it, on this process's first device (whatever devices wrote it). ``step`` None
     picks the newest checkpoint that restores: each newer one that is corrupted or unreadable is
     reported through ``report`` (default: a logging warning) and skipped. Only parameters and router
-    biases are read (not the optimizer state), each verified against its saved checksum. Raises
+    biases are read (not the optimizer state), each verified against its saved checksum; a LoRA
+    run's model is its base (from the run it names) with the adapters it trained. Raises
     `k3jax.checkpoint.CheckpointError` when there is none."""
     from k3jax.checkpoint import RunCheckpoints, checkpoint_directory, restore_newest_good
 

@@ -71,6 +71,11 @@ def test_overrides_parse_yaml_scalars_and_lists():
     ("model.kda=3", "model.kda", "mapping"),
     ("model.kda.chunk_size=48", "model.kda.chunk_size", "power of two >= 16"),
     ("model.kda.implementation=xla", "model.kda.implementation", "'auto'"),
+    ("finetune.lora_rank=-2", "finetune.lora_rank", "non-negative"),
+    ("finetune.lora_dropout=1.5", "finetune.lora_dropout", "[0, 1)"),
+    ("finetune.lora_alpha=0", "finetune.lora_alpha", "positive"),
+    ("finetune.lora_targets=['axis:']", "finetune.lora_targets[0]", "axis:NAME"),
+    ("finetune.lora_rnak=4", "finetune.lora_rnak", "did you mean 'lora_rank'"),
 ])
 def test_errors_are_one_line_and_name_the_dotted_key(override, key, words):
     with pytest.raises(ConfigError) as info:
@@ -97,3 +102,10 @@ def test_missing_key_bad_override_and_base_loops(tmp_path):
         load_config(CONFIGS / "tiny.yaml", ["model.d_model"])
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_finetune_defaults_to_full_training_and_scales_lora_by_alpha_over_rank():
+    assert not load_config(CONFIGS / "tiny.yaml").finetune.lora
+    finetune = load_config(CONFIGS / "tiny.yaml", ["finetune.lora_rank=8", "finetune.lora_alpha=4"]).finetune
+    assert finetune.lora and finetune.lora_scale == 0.5
+    assert finetune.lora_targets == ("mixer/*_proj", "ffn/shared/w_*", "ffn/w_*") and not finetune.update_router_bias

@@ -21,6 +21,11 @@ optimizer state and batches are abstract arrays carrying their shardings) and re
                                   expert all-to-all bytes per token = their per-device bytes *
                                   devices / tokens per step
 
+A LoRA run (``finetune.lora_rank > 0``) also shows its frozen base: the parameters held without
+optimizer state; "parameters" and "optimizer state" are then the adapters' (and their Adam
+moments). ``--layout-only`` stops before compiling: parameter and optimizer-state shards only,
+from the run's shardings (seconds, even for K3 on 256 devices).
+
 CPU numbers are what XLA:CPU would allocate; an accelerator's compiler fuses and schedules
 differently, so treat them as estimates. Bad input ends with one line on stderr and status 2.
 """
@@ -132,11 +137,19 @@ class Plan(NamedTuple):
     flops: float
     collectives: dict
     compile_seconds: float
+    frozen_parameters: float = 0.0     # a LoRA run's base (no optimizer state)
+    trainable_count: int = 0           # parameters the optimizer trains (all devices)
+    frozen_count: int = 0              # parameters held frozen (all devices)
 
     @property
     def peak(self) -> float:
         """Arguments + outputs not aliased to them + temporaries: the step's live bytes at most."""
         return self.arguments + self.outputs - self.aliased + self.temporaries
+
+    @property
+    def resident(self) -> float:
+        """Parameters, frozen base, optimizer state and buffers: the bytes a device holds between steps."""
+        return self.parameters + self.frozen_parameters + self.optimizer_state + self.buffers
 
     @property
     def all_to_all_bytes_per_token(self) -> float:
@@ -152,8 +165,15 @@ def _shard_bytes(abstract_tree, shardings) -> float:
                      for x, s in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings))))
 
 
-def plan_train_step(config) -> Plan:
-    """Compile ``config``'s train step for the current devices (abstract inputs only) and measure it."""
+def _count(tree) -> int:
+    import jax
+
+    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(tree)))
+
+
+def plan_train_step(config, compile: bool = True) -> Plan:
+    """Compile ``config``'s train step for the current devices (abstract inputs only) and measure it;
+    without ``compile`` only the resident shards (parameters, frozen base, optimizer state)."""
     import jax
 
     from k3jax.sharding import mesh_shape
@@ -162,23 +182,29 @@ def plan_train_step(config) -> Plan:
 
     layout = lay_out_run(config)
     rows, length = config.train.batch_size, config.data.seq_len
+    mesh, state = layout.mesh, layout.state
+    frozen = () if layout.frozen is None else (layout.frozen,)
+    resident = dict(
+        devices=mesh.size, mesh=mesh_shape(config.mesh, mesh.size), tokens_per_step=rows * length,
+        parameters=_shard_bytes(state.params, layout.shardings.state.params),
+        optimizer_state=_shard_bytes(state.opt_state, layout.shardings.state.opt_state),
+        buffers=_shard_bytes(state.buffers, layout.shardings.state.buffers),
+        frozen_parameters=_shard_bytes(layout.frozen, layout.shardings.frozen) if frozen else 0.0,
+        trainable_count=_count(state.params), frozen_count=_count(layout.frozen) if frozen else 0)
+    if not compile:
+        unmeasured = dict.fromkeys(("arguments", "outputs", "aliased", "temporaries", "flops", "compile_seconds"),
+                                   math.nan)
+        return Plan(**resident, **unmeasured, collectives={})
     batch = {name: jax.ShapeDtypeStruct((rows, length), dtype, sharding=layout.shardings.batch)
              for name, dtype in BATCH_DTYPES.items()}
     step = make_train_step(layout.parts, layout.optimizer, accumulation=config.train.grad_accum,
                            schedule=layout.schedule, shardings=layout.shardings)
     started = time.perf_counter()
-    compiled = step.lower(layout.state, batch).compile()
+    compiled = step.lower(layout.state, batch, *frozen).compile()
     seconds = time.perf_counter() - started
     memory = compiled.memory_analysis()
-    state_shardings = compiled.input_shardings[0][0]
-    mesh, state = layout.mesh, layout.state
     return Plan(
-        devices=mesh.size,
-        mesh=mesh_shape(config.mesh, mesh.size),
-        tokens_per_step=rows * length,
-        parameters=_shard_bytes(state.params, state_shardings.params),
-        optimizer_state=_shard_bytes(state.opt_state, state_shardings.opt_state),
-        buffers=_shard_bytes(state.buffers, state_shardings.buffers),
+        **resident,
         arguments=float(memory.argument_size_in_bytes),
         outputs=float(memory.output_size_in_bytes),
         aliased=float(memory.alias_size_in_bytes),
@@ -199,18 +225,27 @@ def report(plan: Plan, config) -> str:
     """The plan as a table."""
     moe = config.model.moe
     mesh = " ".join(f"{name}={size}" for name, size in plan.mesh.items())
+    finetune = config.finetune
+    tuning = (f"LoRA rank {finetune.lora_rank} on a frozen base ({plan.trainable_count:,} trainable, "
+              f"{plan.frozen_count:,} frozen parameters)" if finetune.lora else
+              f"full training ({plan.trainable_count:,} parameters)")
     rows = [
         f"train step on {plan.devices} devices ({mesh}), batch {config.train.batch_size} x {config.data.seq_len} "
         f"tokens, grad_accum {config.train.grad_accum}, moe_dispatch {config.mesh.moe_dispatch}"
         + (f" (capacity_factor {config.mesh.capacity_factor})" if config.mesh.moe_dispatch == "capacity" else ""),
         f"model: {config.model.num_layers} layers, d {config.model.d_model}, {moe.num_experts} experts "
         f"top-{moe.top_k} ({moe.expert_format}), latent {moe.latent_dim or 'none (plain MoE)'}, "
-        f"{config.model.compute_dtype} compute, "
-        f"{config.optimizer.name}",
+        f"{config.model.compute_dtype} compute, {config.optimizer.name}; {tuning}",
         "per device:",
-        f"  parameters                      {_bytes(plan.parameters)}",
+        f"  {'parameters (adapters)' if finetune.lora else 'parameters':<32}{_bytes(plan.parameters)}",
+        *([f"  frozen base parameters          {_bytes(plan.frozen_parameters)}"] if finetune.lora else []),
         f"  optimizer state                 {_bytes(plan.optimizer_state)}",
         f"  buffers (biases, MXFP4 experts) {_bytes(plan.buffers)}",
+        f"  resident (params + state)       {_bytes(plan.resident)}",
+    ]
+    if math.isnan(plan.temporaries):
+        return "\n".join(rows + ["(layout only: not compiled)"])
+    rows += [
         f"  arguments (state + batch)       {_bytes(plan.arguments)}",
         f"  outputs (new state, donated)    {_bytes(plan.outputs)}",
         f"  temporaries (activations, work) {_bytes(plan.temporaries)}",
@@ -231,6 +266,7 @@ def parse_args(argv):
     parser.add_argument("overrides", nargs="*", help="dotted.key=value settings, e.g. mesh.expert=64")
     parser.add_argument("--devices", type=int, help="device count (default: the product of the mesh sizes)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
+    parser.add_argument("--layout-only", action="store_true", help="resident shards only, without compiling")
     return parser.parse_intermixed_args(argv)
 
 
@@ -249,13 +285,13 @@ def main(argv=None) -> int:
 
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", devices)
-        plan = plan_train_step(config)
+        plan = plan_train_step(config, compile=not args.layout_only)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     if args.json:
-        print(json.dumps({**plan._asdict(), "peak": plan.peak,
-                          "all_to_all_bytes_per_token": plan.all_to_all_bytes_per_token}))
+        print(json.dumps({**plan._asdict(), "peak": plan.peak, "resident": plan.resident,
+                          "all_to_all_bytes_per_token": plan.all_to_all_bytes_per_token if plan.collectives else None}))
     else:
         print(report(plan, config))
     return 0

@@ -35,13 +35,14 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 
-from k3jax.checkpoint import CheckpointError, RunCheckpoints, restore_newest_good, restore_subtree
+from k3jax.checkpoint import CheckpointError, RunCheckpoints, latest_meta, restore_newest_good, restore_subtree
 from k3jax.config import Config, ConfigError, to_dict
 from k3jax.data import MQARDataset, TextDataset, make_dataset, mqar_recall
 from k3jax.data.byte_metrics import bits_per_byte, scored_bytes, token_byte_lengths
+from k3jax.finetune import BASE_META, abstract_lora_model, base_fingerprint, initial_adapters
 from k3jax.optim import build_optimizer, learning_rate_schedule
-from k3jax.sharding import (StepShardings, abstract, check_run_fits, global_batch, make_mesh, process_rows,
-                            step_shardings, to_host)
+from k3jax.sharding import (StepShardings, abstract, check_run_fits, global_batch, make_mesh, named_shardings,
+                            process_rows, step_shardings, to_host)
 from k3jax.training import (TrainState, abstract_model, abstract_train_state, make_eval_step, make_train_step,
                             sharded_state_from_params, sharded_train_state, training_flops_per_token)
 from .metrics import MetricsLog, Progress, TensorBoard
@@ -156,6 +157,15 @@ def check_same_model(meta: dict, config: Config, source: str) -> None:
         raise RunError(f"{source} was written by a different model: {differences[0]}{more}")
 
 
+def check_same_base(meta: dict, base: dict, source: str) -> None:
+    """Refuse a LoRA checkpoint whose adapters were trained on another base than ``base``."""
+    saved = meta.get(BASE_META) or {}
+    if saved.get("fingerprint") != base["fingerprint"]:
+        raise RunError(f"{source} holds adapters for a different base (fingerprint "
+                       f"{str(saved.get('fingerprint'))[:12]}, from {saved.get('init_from')} step {saved.get('step')}); "
+                       f"init_from={base['init_from']} step {base['step']} has {base['fingerprint'][:12]}")
+
+
 def measured_matmul_flops(dtype: str) -> float:
     """An attainable peak: the best of three 2048^3 matmuls in ``dtype`` on the default device."""
     a = jnp.ones((2048, 2048), dtype)
@@ -189,7 +199,9 @@ def run_optimizer(config: Config, axes: dict):
 class RunLayout(NamedTuple):
     """What a run's train step is built from, before any array exists: the device mesh, the
     model's parts, the schedule and optimizer, and the train state as `jax.ShapeDtypeStruct`s
-    carrying the shardings it lives with on the mesh (``shardings`` also lays out the batches)."""
+    carrying the shardings it lives with on the mesh (``shardings`` also lays out the batches).
+    A LoRA run (`k3jax.finetune`) trains only its adapters; ``frozen`` is its base, laid out the
+    same way (None otherwise)."""
 
     mesh: Any
     parts: Any
@@ -197,17 +209,26 @@ class RunLayout(NamedTuple):
     optimizer: Any
     state: TrainState
     shardings: StepShardings
+    frozen: Any = None
 
 
 def lay_out_run(config: Config) -> RunLayout:
     """The `RunLayout` of ``config`` on all devices (shapes only; nothing is allocated)."""
     mesh = make_mesh(config.mesh)
     check_run_fits(config, mesh)
-    parts, params, buffers = abstract_model(config.model, mesh, config.mesh)
+    frozen = None
+    if config.finetune.lora:
+        lora = abstract_lora_model(config.model, config.finetune, config.train.seed, mesh, config.mesh)
+        parts, params, buffers, frozen = lora
+    else:
+        parts, params, buffers = abstract_model(config.model, mesh, config.mesh)
     schedule, optimizer = run_optimizer(config, parts.params.axes())
     shapes = abstract_train_state(params, buffers, optimizer)
     shardings = step_shardings(shapes, parts.params.axes(), parts.buffers.axes(), mesh, config.mesh)
-    return RunLayout(mesh, parts, schedule, optimizer, abstract(shapes, shardings.state), shardings)
+    if frozen is not None:
+        shardings = shardings._replace(frozen=named_shardings(parts.frozen.axes(), frozen, config.mesh.rules, mesh))
+        frozen = abstract(frozen, shardings.frozen)
+    return RunLayout(mesh, parts, schedule, optimizer, abstract(shapes, shardings.state), shardings, frozen)
 
 
 class Trainer:
@@ -261,6 +282,8 @@ class Trainer:
         self.mesh, self.parts = layout.mesh, layout.parts
         self.schedule, self.optimizer = layout.schedule, layout.optimizer
         self.abstract_state, self.shardings = layout.state, layout.shardings
+        self.abstract_frozen = layout.frozen
+        self.frozen, self.base = None, None      # a LoRA run's base: its arrays, and where they came from
         self.batch_rows = process_rows(self.shardings.batch, config.train.batch_size)
         self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", keep=config.checkpoint.keep,
                                           every=config.checkpoint.every, async_save=config.checkpoint.async_save)
@@ -273,14 +296,36 @@ class Trainer:
         if self.primary:
             write_atomically(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
         self.train_step = make_train_step(self.parts, self.optimizer, accumulation=config.train.grad_accum,
-                                          schedule=self.schedule, shardings=self.shardings)
+                                          schedule=self.schedule, shardings=self.shardings,
+                                          dropout_seed=config.train.seed)
         self.eval_step = make_eval_step(self.parts, self.shardings)
+        self.frozen_args = () if self.frozen is None else (self.frozen,)
 
     # -- state ---------------------------------------------------------------------------------
 
     def _restore_checkpoint(self, step: int) -> tuple[TrainState, dict]:
-        check_same_model(self.checkpoints.meta(step), self.config, f"checkpoint {step} in {self.run_dir}")
+        meta = self.checkpoints.meta(step)
+        check_same_model(meta, self.config, f"checkpoint {step} in {self.run_dir}")
+        if self.base is not None:
+            check_same_base(meta, self.base, f"checkpoint {step} in {self.run_dir}")
         return self.checkpoints.restore(step, self.abstract_state)
+
+    def _load_base(self) -> None:
+        """A LoRA run's frozen base: ``init_from``'s latest parameters and router biases."""
+        if not self.config.init_from:
+            raise RunError("finetune.lora_rank > 0 trains adapters on a frozen base: set init_from=RUN_DIR (the base run)")
+        if self.config.model.moe.expert_format == "mxfp4":
+            raise RunError("finetune.lora_rank > 0 on MXFP4 routed experts (QLoRA) is not supported yet: the frozen "
+                           "base restores dense parameters only; use model.moe.expert_format=dense")
+        source = pathlib.Path(self.config.init_from).expanduser().resolve()
+        try:
+            step, meta = latest_meta(source)
+            check_same_model(meta, self.config, f"init_from {source}")
+            self.frozen, _ = restore_subtree(source, "params", self.abstract_frozen, step)
+            self.base_buffers, _ = restore_subtree(source, "buffers", self.abstract_state.buffers, step)
+        except CheckpointError as error:
+            raise CheckpointError(f"init_from={source}: {error}") from None
+        self.base = {"init_from": str(source), "step": step, "fingerprint": base_fingerprint(self.frozen)}
 
     def _resume(self, steps: list[int]) -> None:
         """Restore ``train.resume_step`` or else the newest checkpoint that restores; set aside the
@@ -303,6 +348,8 @@ class Trainer:
         self.resumed_from = step
 
     def _resume_or_initialise(self) -> None:
+        if self.config.finetune.lora:
+            self._load_base()
         steps = self.checkpoints.steps()
         if steps:
             self._resume(steps)
@@ -310,6 +357,11 @@ class Trainer:
         if self.config.train.resume_step is not None:
             raise RunError(f"train.resume_step={self.config.train.resume_step}, but {self.run_dir} has no checkpoint")
         self.resumed_from = None
+        if self.base is not None:
+            adapters = initial_adapters(self.config.model, self.config.finetune, self.config.train.seed,
+                                        self.shardings.state.params)
+            self.state = sharded_state_from_params(adapters, self.base_buffers, self.optimizer, self.shardings.state)
+            return
         if self.config.init_from:
             source = pathlib.Path(self.config.init_from).expanduser()
             try:
@@ -324,9 +376,10 @@ class Trainer:
                                          self.shardings.state)
 
     def _meta(self) -> dict:
-        return {"config": to_dict(self.config), "data_position": self.position,
+        meta = {"config": to_dict(self.config), "data_position": self.position,
                 "data": self.data.describe(), "optimizer_step": int(self.state.step),
                 "jax_version": jax.__version__}
+        return meta if self.base is None else {**meta, BASE_META: self.base}
 
     def save(self, force: bool = False) -> None:
         """Save at the current position when due (or ``force``), unless it is saved already; raises
@@ -370,7 +423,7 @@ class Trainer:
         first = self.position
         last = time.perf_counter()
         while self.position < cfg.steps and signals.received is None:
-            self.state, metrics = self.train_step(self.state, self._device_batch(self.position))
+            self.state, metrics = self.train_step(self.state, self._device_batch(self.position), *self.frozen_args)
             metrics = jax.device_get(metrics)
             self.position += 1
             now = time.perf_counter()
@@ -444,7 +497,8 @@ class Trainer:
             if signals is not None and signals.received:
                 break
             batch = self._device_batch(index, split="heldout")
-            batch_loss, batch_count, predictions = self.eval_step(self.state.params, self.state.buffers, batch)
+            batch_loss, batch_count, predictions = self.eval_step(self.state.params, self.state.buffers, batch,
+                                                                  *self.frozen_args)
             loss_sum, count = loss_sum + float(batch_loss), count + float(batch_count)
             if byte_lengths is not None or isinstance(self.data, MQARDataset):
                 host = self.data.batch(index, self.config.train.batch_size, split="heldout")   # every process's rows

@@ -1,7 +1,8 @@
 """``python -m k3jax.convert`` / ``k3jax-convert``: Hugging Face checkpoints in and out of k3jax.
 
     python -m k3jax.convert import HF_DIR OUT_DIR [key=value ...]     HF -> a k3jax run directory
-    python -m k3jax.convert export RUN_DIR HF_DIR [--mxfp4]           a k3jax run -> HF safetensors
+    python -m k3jax.convert export RUN_DIR HF_DIR [--mxfp4] [--float32]   a k3jax run -> HF safetensors
+                                                                      (a LoRA run: adapters merged)
     python -m k3jax.convert config CONFIG_JSON OUT_YAML [key=value ...]  the run config an import would use
 
 Bad input (a missing or truncated shard, a missing or unexpected tensor, a shape or dtype
@@ -32,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     exporting.add_argument("run_dir")
     exporting.add_argument("hf_dir")
     exporting.add_argument("--mxfp4", action="store_true", help="pack the routed experts as MXFP4")
+    exporting.add_argument("--float32", action="store_true", help="write every tensor not packed as MXFP4 in fp32")
     configuring = commands.add_parser("config", help="a HF config.json -> the k3jax run config (YAML)")
     configuring.add_argument("config_json")
     configuring.add_argument("out_yaml")
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             from k3jax.convert.exporter import export_checkpoint
             if args.shard_gb <= 0:
                 raise ConvertError(f"--shard-gb must be positive, got {args.shard_gb}")
-            export_checkpoint(args.run_dir, args.hf_dir, mxfp4=args.mxfp4, shard_bytes=int(args.shard_gb * 2**30), log=log)
+            export_checkpoint(args.run_dir, args.hf_dir, mxfp4=args.mxfp4, float32=args.float32,
+                              shard_bytes=int(args.shard_gb * 2**30), log=log)
     except EXPECTED_ERRORS as error:
         print(f"k3jax-convert: error: {error}", file=sys.stderr)
         return 1

@@ -1,11 +1,12 @@
 """Export a k3jax run directory as a Hugging Face checkpoint, streamed.
 
-    python -m k3jax.convert export RUN_DIR HF_DIR [--mxfp4]
+    python -m k3jax.convert export RUN_DIR HF_DIR [--mxfp4] [--float32]
 
 Writes safetensors shards (``model-0000i-of-0000n.safetensors``), ``model.safetensors.index.json``,
 ``config.json`` (`k3jax.convert.hf_config.hf_config_from_model`, with the fields an imported run
 carried over) and the tokenizer files. Tensors are bf16 by default; a run imported from HF keeps
-each tensor's source dtype and shape (e.g. the zero-padded ``A_log``). With ``mxfp4`` the routed
+each tensor's source dtype and shape (e.g. the zero-padded ``A_log``); ``float32`` writes every
+tensor that is not MXFP4-packed in fp32. With ``mxfp4`` the routed
 experts are packed (`k3jax.convert.mxfp4`) and ``quantization_config`` is the source's (or the
 release's compressed-tensors MXFP4 description); an expert that arrived as MXFP4 and was not
 changed comes back bit for bit. A model whose experts are held packed (``moe.expert_format:
@@ -14,6 +15,10 @@ mxfp4``) writes its codes and scales as they are with ``mxfp4``, decoded to bf16
 Each tensor is read from the checkpoint as one region and written to its shard as soon as it is
 converted, so the host holds about one tensor at a time. The output appears under its name only
 when complete.
+
+A LoRA run (`k3jax.finetune`) exports as a normal checkpoint: each adapted weight region is read
+from the base the run recorded and merged, W' = W + (alpha / r) A B in fp32, then cast; the router
+biases are the run's. The HF description and the tokenizer come from the base run.
 """
 from __future__ import annotations
 
@@ -59,8 +64,8 @@ def to_hf(value: np.ndarray, spec: TensorMap, hf_shape: tuple[int, ...]) -> np.n
     return value.reshape(hf_shape)
 
 
-def _entries(maps, manifest: dict, mxfp4: bool) -> list[tuple[str, str, tuple[int, ...]]]:
-    """``(name, dtype, shape)`` of every exported tensor, in order."""
+def _entries(maps, manifest: dict, mxfp4: bool, float32: bool = False) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``(name, dtype, shape)`` of every exported tensor, in order (``float32``: every unpacked one F32)."""
     entries = []
     for spec in maps:
         if spec.layout == "packed":
@@ -77,7 +82,7 @@ def _entries(maps, manifest: dict, mxfp4: bool) -> list[tuple[str, str, tuple[in
             continue
         source = manifest.get(spec.hf_name)
         default = "F32" if spec.key.rsplit("/", 1)[-1] in FP32_DEFAULT else "BF16"
-        dtype = source["dtype"] if source else default
+        dtype = "F32" if float32 else source["dtype"] if source else default
         shape = tuple(source["shape"]) if source and spec.layout == "narrow" else spec.hf_shape
         entries.append((spec.hf_name, dtype, shape))
     return entries
@@ -121,23 +126,75 @@ def _set_quantization(hf: dict, mxfp4: bool) -> dict:
 
 
 def _run_model(run_dir: pathlib.Path):
-    """``(config, step directory)`` of the latest checkpoint of a run."""
+    """``(config, step directory, metadata)`` of the latest checkpoint of a run."""
     try:
         step, meta = latest_meta(run_dir)
-        return config_from_dict(meta["config"]), checkpoint_directory(run_dir) / str(step)
+        return config_from_dict(meta["config"]), checkpoint_directory(run_dir) / str(step), meta
     except (CheckpointError, ConfigError, KeyError) as error:
         raise ConvertError(f"{run_dir}: not a readable k3jax run ({error})") from None
 
 
-def export_checkpoint(run_dir, hf_dir, *, mxfp4: bool = False, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                      log: Callable[[str], None] = print) -> dict:
+class MergedAdapters:
+    """A `StateReader` of a LoRA run's model: its base's arrays, with each adapted weight region
+    merged with its adapter, W + s A B in fp32 (routed experts: W_e + s A B_e, A shared), and the
+    run's router biases."""
+
+    def __init__(self, base: StateReader, adapters: StateReader, adapted: dict[str, bool], scale: float):
+        self.base, self.adapters, self.adapted, self.scale = base, adapters, adapted, scale
+
+    def has(self, top: str, key: str) -> bool:
+        return self.adapters.has(top, key) if top == "buffers" else self.base.has(top, key)
+
+    def read(self, top: str, key: str, index: tuple[int, ...] = ()) -> np.ndarray:
+        if top == "buffers":
+            return self.adapters.read(top, key, index)
+        value = self.base.read(top, key, index)
+        if top != "params" or key not in self.adapted:
+            return value
+        routed = self.adapted[key]
+        a = self.adapters.read("params", f"{key}_lora/a", index[:-1] if routed else index).astype(np.float32)
+        b = self.adapters.read("params", f"{key}_lora/b", index).astype(np.float32)
+        return value.astype(np.float32) + self.scale * np.tensordot(a, b, axes=1)
+
+
+def _lora_reader(config, step_dir: pathlib.Path, meta: dict) -> tuple[MergedAdapters, pathlib.Path]:
+    """The merging reader of a LoRA run's latest checkpoint, and its base's run directory."""
+    from k3jax.finetune import BASE_META, adapted_weights
+
+    base = meta.get(BASE_META)
+    if not isinstance(base, dict):
+        raise ConvertError(f"{step_dir}: a LoRA checkpoint without its base's record ({BASE_META})")
+    base_dir = pathlib.Path(base["init_from"])
+    try:
+        _, base_meta = latest_meta(base_dir, base["step"])
+    except CheckpointError as error:
+        raise ConvertError(f"the LoRA run's base: {error}") from None
+    base_config = config_from_dict(base_meta["config"])
+    if base_config.model != config.model:
+        raise ConvertError(f"the LoRA run's base {base_dir} step {base['step']} holds a different model")
+    try:
+        adapted = dict(adapted_weights(config.model, config.finetune))
+    except ConfigError as error:
+        raise ConvertError(f"{step_dir}: {error}") from None
+    reader = MergedAdapters(StateReader(checkpoint_directory(base_dir) / str(base["step"])), StateReader(step_dir),
+                            adapted, config.finetune.lora_scale)
+    return reader, base_dir
+
+
+def export_checkpoint(run_dir, hf_dir, *, mxfp4: bool = False, float32: bool = False,
+                      shard_bytes: int = DEFAULT_SHARD_BYTES, log: Callable[[str], None] = print) -> dict:
     """Write the latest checkpoint of ``run_dir`` as a HF checkpoint in ``hf_dir`` (which must not exist)."""
     run_dir, hf_dir = pathlib.Path(run_dir).expanduser().resolve(), pathlib.Path(hf_dir).expanduser().resolve()
     require_new(hf_dir)
     if not run_dir.is_dir():
         raise ConvertError(f"{run_dir}: no such directory")
-    config, step_dir = _run_model(run_dir)
-    source = run_dir / SOURCE_DIR
+    config, step_dir, meta = _run_model(run_dir)
+    model_dir = run_dir
+    if config.finetune.lora:
+        reader, model_dir = _lora_reader(config, step_dir, meta)
+    else:
+        reader = StateReader(step_dir)
+    source = model_dir / SOURCE_DIR
     carried, manifest = None, {}
     try:
         if (source / "config.json").is_file():
@@ -147,9 +204,8 @@ def export_checkpoint(run_dir, hf_dir, *, mxfp4: bool = False, shard_bytes: int 
         flavour = checkpoint_flavour(hf)
     except (HFConfigError, OSError, json.JSONDecodeError) as error:
         raise ConvertError(f"{run_dir}: cannot describe the model as a HF config.json ({error})") from None
-    reader = StateReader(step_dir)
     maps = [spec for spec in model_maps(config.model, flavour) if reader.has(spec.top, spec.key)]
-    entries = _entries(maps, manifest, mxfp4)
+    entries = _entries(maps, manifest, mxfp4, float32)
     shards = plan_shards(entries, shard_bytes)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
 
@@ -162,8 +218,8 @@ def export_checkpoint(run_dir, hf_dir, *, mxfp4: bool = False, shard_bytes: int 
         weight_map = {entry[0]: name for name, shard in zip(names, shards) for entry in shard}
         (temporary / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         (temporary / "config.json").write_text(json.dumps(hf, indent=2))
-        if (run_dir / TOKENIZER_DIR).is_dir():
-            for path in (run_dir / TOKENIZER_DIR).iterdir():
+        if (model_dir / TOKENIZER_DIR).is_dir():
+            for path in (model_dir / TOKENIZER_DIR).iterdir():
                 shutil.copyfile(path, temporary / path.name)
     log(f"exported {len(entries)} tensors in {len(shards)} shards to {hf_dir}"
         + (" (routed experts MXFP4)" if mxfp4 else ""))

@@ -2,6 +2,8 @@
 
     y = act(x W_gate, x W_up) W_down,   act = SiTU-GLU (K3) or SwiGLU (Kimi Linear)
 
+each product plus its LoRA adapter's term when it has one (`k3jax.layers.lora`).
+
 W_gate / W_up are the checkpoint's w1 / w3 (``gate_proj`` / ``up_proj``), W_down its w2
 (``down_proj``); stored here [in, out] (the checkpoint stores [out, in]). No biases.
 """
@@ -11,8 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.layers.lora import adapted_project
 from k3jax.layers.params import param, truncated_normal
-from k3jax.ops.moe import glu_activation, glu_ffn
+from k3jax.ops.moe import glu_activation
 
 
 class DenseGLU(nnx.Module):
@@ -26,6 +29,8 @@ class DenseGLU(nnx.Module):
       dtype: compute dtype of the matmuls (the activation itself runs in fp32).
       param_dtype: storage dtype of the weights.
     """
+
+    LORA_WEIGHTS = {"w_gate": 1, "w_up": 1, "w_down": 1}   # weights a LoRA adapter can join: {name: input axes}
 
     def __init__(
         self,
@@ -52,6 +57,7 @@ class DenseGLU(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., d] -> y [..., d] in ``dtype``."""
-        weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
         activation = glu_activation(self.activation, self.situ_beta, self.situ_beta_linear)
-        return glu_ffn(x.astype(self.dtype), *(w.astype(self.dtype) for w in weights), activation)
+        x = x.astype(self.dtype)
+        hidden = activation(adapted_project(self, "w_gate", x, self.dtype), adapted_project(self, "w_up", x, self.dtype))
+        return adapted_project(self, "w_down", hidden, self.dtype)

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.config import KDAConfig
-from k3jax.layers.linear import project
+from k3jax.layers.lora import adapted_project
 from k3jax.layers.params import param, truncated_normal
 from k3jax.memory import KDAMemory
 from k3jax.ops.conv import causal_depthwise_conv
@@ -49,7 +49,7 @@ def _dt_bias_init(key, shape, dtype):
 
 
 class KDALayer(nnx.Module):
-    """Kimi Delta Attention with its projections (SPEC §1).
+    """Kimi Delta Attention with its projections (SPEC §1); every projection can carry a LoRA adapter.
 
     Args:
       d_model: model width d.
@@ -57,6 +57,10 @@ class KDALayer(nnx.Module):
       init_std: truncated-normal std of the projections.
       dtype: compute dtype of the projections (the gate, beta, norms and the state are fp32).
     """
+
+    # Weights a LoRA adapter can join (`k3jax.layers.lora`): {attribute: input axes}.
+    LORA_WEIGHTS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "f_a_proj": 1, "f_b_proj": 1, "b_proj": 1,
+                    "g_proj": 1, "g_a_proj": 1, "g_b_proj": 1, "o_proj": 2}
 
     def __init__(self, d_model: int, config: KDAConfig, *, init_std: float, dtype=jnp.float32, rngs: nnx.Rngs):
         heads, value_heads, dim, taps = config.num_heads, config.num_value_heads, config.head_dim, config.conv_size
@@ -95,7 +99,7 @@ class KDALayer(nnx.Module):
         batch, length, _ = x.shape
         heads, value_heads, dim = cfg.num_heads, cfg.num_value_heads, cfg.head_dim
         projected = jnp.concatenate(
-            [project(x, w[...], self.dtype).reshape(batch, length, -1) for w in (self.q_proj, self.k_proj, self.v_proj)],
+            [adapted_project(self, name, x, self.dtype).reshape(batch, length, -1) for name in ("q_proj", "k_proj", "v_proj")],
             axis=-1,
         )
         conv_weight = jnp.concatenate([w[...].reshape(-1, cfg.conv_size) for w in (self.q_conv, self.k_conv, self.v_conv)])
@@ -112,10 +116,10 @@ class KDALayer(nnx.Module):
         k = l2_normalize(k.reshape(batch, length, heads, dim).astype(jnp.float32))
         v = v.reshape(batch, length, value_heads, dim)
 
-        raw_gate = project(project(x, self.f_a_proj[...], self.dtype), self.f_b_proj[...], self.dtype)
+        raw_gate = adapted_project(self, "f_b_proj", adapted_project(self, "f_a_proj", x, self.dtype), self.dtype)
         lower_bound = cfg.lower_bound if cfg.gate == "lower_bound" else None
         g = kda_gate(raw_gate, self.A_log[...], self.dt_bias[...], lower_bound=lower_bound)
-        beta = jax.nn.sigmoid(project(x, self.b_proj[...], self.dtype).astype(jnp.float32))
+        beta = jax.nn.sigmoid(adapted_project(self, "b_proj", x, self.dtype).astype(jnp.float32))
 
         state = None if memory is None else memory.state
         if length == 1 and state is not None:
@@ -130,7 +134,7 @@ class KDALayer(nnx.Module):
 
         o = rms_norm(o.astype(jnp.float32), self.o_norm[...], self.config.output_norm_eps)
         o = o * jax.nn.sigmoid(self._output_gate(x).astype(jnp.float32))
-        y = project(o, self.o_proj[...], self.dtype, contract=2)
+        y = adapted_project(self, "o_proj", o, self.dtype, contract=2)
         if memory is not None:
             conv_tail = conv_tail.astype(memory.conv.dtype)
         return y, KDAMemory(state=state, conv=conv_tail)
@@ -138,5 +142,5 @@ class KDALayer(nnx.Module):
     def _output_gate(self, x: jax.Array) -> jax.Array:
         """Gate pre-activation ``[B, T, HV, V]``: W_g x (full rank) or W_gb W_ga x (rank K)."""
         if self.config.output_gate == "full":
-            return project(x, self.g_proj[...], self.dtype)
-        return project(project(x, self.g_a_proj[...], self.dtype), self.g_b_proj[...], self.dtype)
+            return adapted_project(self, "g_proj", x, self.dtype)
+        return adapted_project(self, "g_b_proj", adapted_project(self, "g_a_proj", x, self.dtype), self.dtype)

@@ -23,6 +23,7 @@ from flax import nnx
 
 from k3jax.config import MLAConfig
 from k3jax.layers.linear import project
+from k3jax.layers.lora import adapted_project, adapted_weight
 from k3jax.layers.params import param, truncated_normal
 from k3jax.memory import MLAMemory
 from k3jax.ops.attention import attention
@@ -53,6 +54,11 @@ class MLALayer(nnx.Module):
       init_std: truncated-normal std of the projections.
       dtype: compute dtype of the projections (norms and softmax are fp32).
     """
+
+    # Weights a LoRA adapter can join (`k3jax.layers.lora`): {attribute: input axes}. kv_b_proj's
+    # adapter is merged into the weight (the cached path absorbs it into the queries).
+    LORA_WEIGHTS = {"q_proj": 1, "q_a_proj": 1, "q_b_proj": 1, "kv_a_proj": 1, "kv_b_proj": 1, "g_proj": 1,
+                    "o_proj": 2}
 
     def __init__(self, d_model: int, config: MLAConfig, *, init_std: float, dtype=jnp.float32, rngs: nnx.Rngs):
         heads = config.num_heads
@@ -89,7 +95,7 @@ class MLALayer(nnx.Module):
         """
         cfg = self.config
         q = self._queries(x)
-        latent = project(x, self.kv_a_proj[...], self.dtype)
+        latent = adapted_project(self, "kv_a_proj", x, self.dtype)
         c = rms_norm(latent[..., : cfg.kv_lora_rank], self.kv_a_norm[...], cfg.norm_eps)
         latent = jnp.concatenate([c, latent[..., cfg.kv_lora_rank :]], axis=-1)     # [B, T, kv_lora + r]
         if memory is None:
@@ -98,9 +104,9 @@ class MLALayer(nnx.Module):
             segments = jnp.zeros(x.shape[:2], jnp.int32) if segment_ids is None else segment_ids
             o, new_memory = self._attend_cached(q, latent, memory, segments)
         if cfg.output_gate:
-            gate = project(x, self.g_proj[...], self.dtype)
+            gate = adapted_project(self, "g_proj", x, self.dtype)
             o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(self.dtype)
-        return project(o, self.o_proj[...], self.dtype, contract=2), new_memory
+        return adapted_project(self, "o_proj", o, self.dtype, contract=2), new_memory
 
     def _attend_expanded(self, q, latent, segments):
         """Causal attention among the call's tokens with per-head keys and values expanded from c~
@@ -112,8 +118,9 @@ class MLALayer(nnx.Module):
                        block_size=cfg.attention_block_size)
         if self.context_parallel is not None:
             segments = jnp.zeros(q.shape[:2], jnp.int32) if segments is None else segments
-            return self.context_parallel.attention(q, latent, segments, self.kv_b_proj[...], expand=expand, **options)
-        keys, values = expand(latent, self.kv_b_proj[...])
+            return self.context_parallel.attention(q, latent, segments, adapted_weight(self, "kv_b_proj", self.dtype),
+                                                   expand=expand, **options)
+        keys, values = expand(latent, adapted_weight(self, "kv_b_proj", self.dtype))
         return attention(q, keys, values, query_segments=segments, key_segments=segments, **options)
 
     def _attend_cached(self, q, latent, memory: MLAMemory, segments):
@@ -130,7 +137,7 @@ class MLALayer(nnx.Module):
         key_segments = jnp.where(slots >= memory.document_start[:, None], key_segments, jnp.iinfo(jnp.int32).min)
         positions = memory.length[:, None] + jnp.arange(length)
 
-        kv_b = self.kv_b_proj[...].astype(self.dtype)
+        kv_b = adapted_weight(self, "kv_b_proj", self.dtype)
         key_proj, value_proj = kv_b[..., : cfg.nope_head_dim], kv_b[..., cfg.nope_head_dim :]
         q_latent = jnp.einsum("bthn,chn->bthc", q[..., : cfg.nope_head_dim], key_proj)
         queries = jnp.concatenate([q_latent, q[..., cfg.nope_head_dim :]], axis=-1)   # [B, T, H, kv_lora + r]
@@ -152,6 +159,6 @@ class MLALayer(nnx.Module):
     def _queries(self, x: jax.Array) -> jax.Array:
         """``[B, T, H, n + r]``: W_q x, or W_qb RMSNorm(W_qa x) with q-LoRA."""
         if self.config.q_lora_rank is None:
-            return project(x, self.q_proj[...], self.dtype)
-        q_latent = rms_norm(project(x, self.q_a_proj[...], self.dtype), self.q_a_norm[...], self.config.norm_eps)
-        return project(q_latent, self.q_b_proj[...], self.dtype)
+            return adapted_project(self, "q_proj", x, self.dtype)
+        q_latent = rms_norm(adapted_project(self, "q_a_proj", x, self.dtype), self.q_a_norm[...], self.config.norm_eps)
+        return adapted_project(self, "q_b_proj", q_latent, self.dtype)

@@ -27,6 +27,7 @@ from flax import nnx
 from k3jax.config import MoEConfig
 from k3jax.convert.mxfp4 import BLOCK
 from k3jax.layers.ffn import DenseGLU
+from k3jax.layers.lora import adapted_weight
 from k3jax.layers.params import param, truncated_normal
 from k3jax.ops.moe import (
     EXPERT_MATMULS,
@@ -122,8 +123,13 @@ class RoutedExperts(nnx.Module):
 
     The call is ``k3jax.ops.moe.routed_experts`` (dropless, ``lax.ragged_dot``; MXFP4 decoded per
     tile) or, with ``config.expert_matmul == "dense"``, ``dense_experts`` (the same function, every
-    expert on every token); a ``dispatch`` given to the call replaces both on these weights.
+    expert on every token); a ``dispatch`` given to the call replaces both on these weights. LoRA
+    adapters of dense experts (a shared A, one B per expert) are merged into the weights they are
+    computed with.
     """
+
+    LORA_WEIGHTS = {"w_gate": 1, "w_up": 1, "w_down": 1}   # after the experts axis: {name: input axes}
+    LORA_ROUTED = True
 
     def __init__(self, input_width: int, config: MoEConfig, *, input_axis: str, activation: str,
                  situ_beta: float, situ_beta_linear: float | None, init_std: float, dtype, rngs: nnx.Rngs):
@@ -155,7 +161,7 @@ class RoutedExperts(nnx.Module):
         if self.expert_format == "mxfp4":
             return tuple(Mxfp4Experts(getattr(self, f"{name}_packed")[...], getattr(self, f"{name}_scale")[...],
                                       self.tile, self.implementation) for name in EXPERT_WEIGHTS)
-        return tuple(getattr(self, name)[...].astype(self.dtype) for name in EXPERT_WEIGHTS)
+        return tuple(adapted_weight(self, name, self.dtype) for name in EXPERT_WEIGHTS)
 
     def __call__(self, x: jax.Array, indices: jax.Array, weights: jax.Array,
                  dispatch: ExpertDispatchFn | None = None) -> tuple[jax.Array, jax.Array]:

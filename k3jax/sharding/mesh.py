@@ -164,6 +164,7 @@ class StepShardings(NamedTuple):
     state: Any
     batch: NamedSharding
     replicated: NamedSharding
+    frozen: Any = None        # a LoRA run's frozen base parameters: {path: NamedSharding}
 
 
 def step_shardings(state, param_axes: Mapping[str, Sequence[str]], buffer_axes: Mapping[str, Sequence[str]],

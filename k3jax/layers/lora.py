@@ -1,0 +1,227 @@
+"""LoRA adapters beside a layer's projection weights (low-rank updates of a frozen base).
+
+A weight W whose first c axes are its input (``x [..., in...]`` contracted with ``W [in..., out...]``,
+`k3jax.layers.linear.project`) gets two factors, s = alpha / r:
+
+    y = x W + s * dropout(x) A B          A [in..., r]   kaiming-uniform, bound 1 / sqrt(fan_in)
+                                          B [r, out...]  zeros (the adapted model starts as the base)
+
+A takes W's input axes and B its output axes (their logical names, so the sharding rules place
+them like W; the rank axis "lora_rank" is replicated). Weights stacked over scanned layers keep
+their leading "layers" axis in both factors. Routed experts W [E, in, out] share one A [in, r]
+and have one B [E, r, out] per expert; their adapter is merged into the weight they are computed
+with, W_e + s A B_e (as is MLA's kv_b_proj, which the cached attention absorbs into the queries),
+so dropout does not apply to those two.
+
+Adapters are `Adapter` submodules named ``<weight>_lora`` beside the weight (its path is
+unchanged); their factors are `LoRA` variables, not ``nnx.Param``s. `attach_adapters` adds them
+to a built model; a layer computes an adaptable weight through `adapted_project` /
+`adapted_weight`, which add the adapter's term when there is one. With dropout, each adapter
+holds a `LoRADropoutSeed` slot the training forward fills with per-step keys (`dropout_keys`).
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+from typing import Iterator, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.layers.linear import project
+from k3jax.layers.params import logical_axes
+
+RANK_AXIS, STACK_AXIS, EXPERT_AXIS = "lora_rank", "layers", "experts"
+ADAPTER_SUFFIX = "_lora"
+
+
+class LoRA(nnx.Variable):
+    """A trainable LoRA factor (A or B) of an `Adapter`."""
+
+
+class LoRADropoutSeed(nnx.Variable):
+    """The key data (uint32 [..., 2], one key per stacked layer) of an adapter's dropout: a slot that
+    every training forward fills with keys of its own (`dropout_keys`); never trained or saved."""
+
+
+def kaiming_uniform(key: jax.Array, shape, fan_in: int, dtype=jnp.float32) -> jax.Array:
+    """U(-b, b) with b = sqrt(6 / ((1 + a^2) fan_in)), a = sqrt(5): b = 1 / sqrt(fan_in)
+    (PyTorch's Linear default, the usual LoRA A init)."""
+    bound = 1.0 / math.sqrt(fan_in)
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    """Inverted dropout: x / (1 - rate) where a Bernoulli(1 - rate) draw keeps it, else 0 (identity
+    without a key or at rate 0)."""
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, scale: float, dtype, contract: int = 1) -> jax.Array:
+    """``s (x A) B``: x [..., in...] (the last ``contract`` axes), A [in..., r], B [r, out...] ->
+    [..., out...] in ``dtype``."""
+    return (scale * project(project(x, a, dtype, contract), b, dtype)).astype(dtype)
+
+
+def merged_weight(weight: jax.Array, a: jax.Array, b: jax.Array, scale: float, routed: bool = False) -> jax.Array:
+    """``W + s A B`` in fp32: W [in..., out...] with A [in..., r], B [r, out...]; ``routed`` experts
+    W [E, in, out] with a shared A [in, r] and B [E, r, out] give W_e + s A B_e."""
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    delta = jnp.einsum("ir,ero->eio", a, b) if routed else jnp.tensordot(a, b, axes=1)
+    return weight.astype(jnp.float32) + scale * delta
+
+
+class Adapter(nnx.Module):
+    """The factors ``a`` and ``b`` (`LoRA`) of one weight's adapter, its scale s = alpha / r, its
+    dropout rate, (with dropout) its ``seed`` (`LoRADropoutSeed`) and whether it adapts routed
+    experts (a shared A). ``dropout_rate`` is static:
+    `set_adapter_dropout` turns dropout off for evaluation."""
+
+    def __init__(self, a: jax.Array, b: jax.Array, a_axes, b_axes, scale: float, dropout_rate: float,
+                 seed: jax.Array | None, routed: bool = False):
+        self.a = LoRA(a, logical_axes=tuple(a_axes))
+        self.b = LoRA(b, logical_axes=tuple(b_axes))
+        self.scale = scale
+        self.routed = routed
+        self.dropout_rate = dropout_rate
+        self.seed = None if seed is None else LoRADropoutSeed(seed, logical_axes=(*a_axes[:_stacked(a_axes)], None))
+
+    def __call__(self, x: jax.Array, dtype, contract: int = 1) -> jax.Array:
+        """``s dropout(x) A B`` in ``dtype``."""
+        key = None if self.seed is None or not self.dropout_rate else jax.random.wrap_key_data(self.seed[...])
+        return lora_delta(dropout(x, self.dropout_rate, key), self.a[...], self.b[...], self.scale, dtype, contract)
+
+
+def _stacked(axes) -> int:
+    """1 when the leading axis is the scanned "layers" axis, else 0."""
+    return int(bool(axes) and axes[0] == STACK_AXIS)
+
+
+def adapted_project(module: nnx.Module, name: str, x: jax.Array, dtype, contract: int = 1) -> jax.Array:
+    """``x W + s dropout(x) A B`` for the weight ``module.<name>`` (just ``x W`` without an adapter)."""
+    y = project(x, getattr(module, name)[...], dtype, contract)
+    adapter = getattr(module, name + ADAPTER_SUFFIX, None)
+    return y if adapter is None else y + adapter(x, dtype, contract)
+
+
+def adapted_weight(module: nnx.Module, name: str, dtype) -> jax.Array:
+    """The weight ``module.<name>`` in ``dtype``, with its adapter merged in (``W + s A B``) if it has one."""
+    weight = getattr(module, name)[...]
+    adapter = getattr(module, name + ADAPTER_SUFFIX, None)
+    if adapter is None:
+        return weight.astype(dtype)
+    return merged_weight(weight, adapter.a[...], adapter.b[...], adapter.scale, adapter.routed).astype(dtype)
+
+
+# --- choosing and attaching adapters ------------------------------------------------------------
+
+
+class AdaptableWeight(NamedTuple):
+    """A weight a layer computes through `adapted_project` / `adapted_weight`."""
+
+    path: str               # "body/layers/0/mixer/q_proj"
+    module: nnx.Module
+    name: str               # the attribute ("q_proj")
+    input_dims: int         # leading (after any "layers" / "experts" axis) axes contracted with the input
+    routed: bool            # routed experts: a shared A, one B per expert
+
+
+def adaptable_weights(model: nnx.Module) -> Iterator[AdaptableWeight]:
+    """Every weight of ``model`` whose layer can adapt it: the modules' ``LORA_WEIGHTS``
+    (``{attribute: input dims}``) that exist, in graph order; routed experts are the modules with
+    ``LORA_ROUTED = True``."""
+    for path, module in nnx.iter_modules(model):
+        for name, input_dims in getattr(type(module), "LORA_WEIGHTS", {}).items():
+            if isinstance(getattr(module, name, None), nnx.Param):
+                yield AdaptableWeight("/".join(map(str, (*path, name))), module, name, input_dims,
+                                      getattr(type(module), "LORA_ROUTED", False))
+
+
+def target_matches(target: str, path: str, axes: tuple) -> bool:
+    """A ``lora_targets`` entry against a weight: ``axis:NAME`` when NAME is one of its logical axes,
+    else a glob over its path matched whole or at any depth (``mixer/q_proj`` matches
+    ``body/layers/0/mixer/q_proj``)."""
+    if target.startswith("axis:"):
+        return target[len("axis:"):] in axes
+    return fnmatch.fnmatchcase(path, target) or fnmatch.fnmatchcase(path, "*/" + target)
+
+
+def select_weights(model: nnx.Module, targets: tuple[str, ...], routed_experts: bool) -> list[AdaptableWeight]:
+    """The adaptable weights ``targets`` select (routed experts only with ``routed_experts``, and then
+    all of them). Raises ValueError naming a target that selects nothing."""
+    candidates = list(adaptable_weights(model))
+    plain = [w for w in candidates if not w.routed]
+    for target in targets:
+        if not any(target_matches(target, w.path, logical_axes(getattr(w.module, w.name))) for w in plain):
+            raise ValueError(f"finetune.lora_targets: {target!r} selects no adaptable weight (adaptable: e.g. "
+                             f"{', '.join(sorted({w.path.rsplit('/', 2)[-2] + '/' + w.name for w in plain})[:8])})")
+    chosen = [w for w in plain if any(target_matches(t, w.path, logical_axes(getattr(w.module, w.name)))
+                                      for t in targets)]
+    routed = [w for w in candidates if w.routed]
+    if routed_experts and not routed:
+        raise ValueError("finetune.lora_routed_experts: the model has no dense routed experts to adapt "
+                         "(MXFP4 experts are frozen codes: use model.moe.expert_format=dense)")
+    return chosen + (routed if routed_experts else [])
+
+
+def adapter_factors(weight: nnx.Variable, input_dims: int, routed: bool, rank: int, key: jax.Array):
+    """``(A, B, A axes, B axes)`` of a new adapter for ``weight`` (fp32; B zero)."""
+    axes, shape = logical_axes(weight), tuple(weight.shape)
+    stack = _stacked(axes)
+    lead = stack + int(routed)                              # stacked layers, then experts
+    in_shape, in_axes = shape[lead:lead + input_dims], axes[lead:lead + input_dims]
+    out_shape, out_axes = shape[lead + input_dims:], axes[lead + input_dims:]
+    a_shape = (*shape[:stack], *in_shape, rank)
+    a = kaiming_uniform(key, a_shape, math.prod(in_shape))
+    b = jnp.zeros((*shape[:lead], rank, *out_shape), jnp.float32)
+    return a, b, (*axes[:stack], *in_axes, RANK_AXIS), (*axes[:lead], RANK_AXIS, *out_axes)
+
+
+def attach_adapters(model: nnx.Module, *, rank: int, alpha: float, dropout_rate: float, targets: tuple[str, ...],
+                    routed_experts: bool, seed: int) -> list[str]:
+    """Add an `Adapter` beside every weight ``targets`` select (in place); returns their weight paths.
+    The factors depend on ``seed`` and the weight's path only (the model's own initialisation is
+    untouched), so the same call on another copy of the base gives the same adapters."""
+    if rank <= 0:
+        raise ValueError(f"LoRA rank must be positive, got {rank}")
+    chosen = select_weights(model, targets, routed_experts)
+    root = jax.random.key(seed)
+    for item in chosen:
+        weight = getattr(item.module, item.name)
+        key = jax.random.fold_in(root, _path_hash(item.path))
+        a, b, a_axes, b_axes = adapter_factors(weight, item.input_dims, item.routed, rank, key)
+        stack = a.shape[:_stacked(a_axes)]
+        slot = jnp.zeros((*stack, 2), jnp.uint32) if dropout_rate and not item.routed else None
+        setattr(item.module, item.name + ADAPTER_SUFFIX,
+                Adapter(a, b, a_axes, b_axes, alpha / rank, dropout_rate, slot, item.routed))
+    return [item.path for item in chosen]
+
+
+def _path_hash(path: str) -> int:
+    """A 31-bit number of a path (FNV-1a), stable across processes (Python's ``hash`` is salted)."""
+    h = 0x811C9DC5
+    for byte in path.encode():
+        h = ((h ^ byte) * 0x01000193) % 2**32
+    return h % 2**31
+
+
+def dropout_keys(slots: dict, key: jax.Array | None) -> dict:
+    """Fill the dropout slots ``{path: uint32 [..., 2]}`` (arrays or shapes) with key data drawn
+    from ``key`` (one step's key) and each slot's path; zeros without a key (no dropout)."""
+    def fill(path, slot):
+        if key is None:
+            return jnp.zeros(slot.shape, jnp.uint32)
+        own = jax.random.fold_in(key, _path_hash(path))
+        return jax.random.key_data(jax.random.split(own, slot.shape[:-1]) if len(slot.shape) > 1 else own)
+    return {path: fill(path, slot) for path, slot in slots.items()}
+
+
+def set_adapter_dropout(model: nnx.Module, rate: float) -> None:
+    """Set the dropout rate of every adapter of ``model`` (0: evaluation, nothing dropped)."""
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, Adapter):
+            module.dropout_rate = rate
