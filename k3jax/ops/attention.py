@@ -173,7 +173,8 @@ def _any_visible(q_pos, k_pos) -> jax.Array:
 
 
 def _forward_blocks(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block_size):
-    """Output ``[B, T, H, Dv]`` and log-sum-exp in blocks ``[nq, B, G, M, bq]`` (fp32)."""
+    """Output ``[B, T, H, Dv]``, log-sum-exp in blocks ``[nq, B, G, M, bq]`` (fp32, 0 where no key is
+    visible) and where some key is visible (bool, in the same blocks)."""
     batch, length, heads, dim = q.shape
     groups, value_dim = k.shape[2], v.shape[-1]
     bq, bk = min(block_size, length), min(block_size, k.shape[1])
@@ -205,10 +206,10 @@ def _forward_blocks(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block_size):
         seen = l > 0
         o = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
-        return jnp.einsum("bgmqd->bqgmd", o).astype(v.dtype), lse
+        return jnp.einsum("bgmqd->bqgmd", o).astype(v.dtype), lse, seen
 
-    o_blocks, lse = jax.lax.map(one_query_block, query_blocks)
-    return _from_blocks(o_blocks, length).reshape(batch, length, heads, value_dim), lse
+    o_blocks, lse, seen = jax.lax.map(one_query_block, query_blocks)
+    return _from_blocks(o_blocks, length).reshape(batch, length, heads, value_dim), lse, seen
 
 
 def _backward_blocks(q, k, v, q_pos, k_pos, q_seg, k_seg, o, lse, d_o, scale, block_size):
@@ -260,12 +261,13 @@ def _backward_blocks(q, k, v, q_pos, k_pos, q_seg, k_seg, o, lse, d_o, scale, bl
 def blockwise_attention(q, k, v, query_positions, key_positions, query_segments, key_segments, scale, block_size):
     """The ``xla`` implementation: arguments as ``attention`` with explicit int32 positions and
     segments; memory O(T * block_size), a backward that recomputes blocks."""
-    o, _ = _forward_blocks(q, k, v, query_positions, key_positions, query_segments, key_segments, scale, block_size)
+    o, _, _ = _forward_blocks(q, k, v, query_positions, key_positions, query_segments, key_segments, scale,
+                              block_size)
     return o
 
 
 def _blockwise_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block_size):
-    o, lse = _forward_blocks(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block_size)
+    o, lse, _ = _forward_blocks(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block_size)
     return o, (q, k, v, q_pos, k_pos, q_seg, k_seg, o, lse)
 
 
@@ -276,6 +278,19 @@ def _blockwise_backward(scale, block_size, residuals, d_o):
 
 
 blockwise_attention.defvjp(_blockwise_forward, _blockwise_backward)
+
+
+def blockwise_attention_with_lse(q, k, v, query_positions, key_positions, query_segments, key_segments, *,
+                                 scale: float, block_size: int = 512):
+    """The ``xla`` forward with its softmax statistics, for merging attention over key parts:
+    ``(o [B, T, H, Dv], lse [B, T, H] fp32, seen [B, T, H] bool)``, lse = log sum_j e^(s_j) over
+    the visible keys where ``seen`` (0 elsewhere, o = 0 there). Arguments as `blockwise_attention`;
+    differentiated by plain autodiff (it keeps each block's intermediates for the backward)."""
+    batch, length, heads, _ = q.shape
+    o, lse, seen = _forward_blocks(q, k, v, query_positions, key_positions, query_segments, key_segments, scale,
+                                   block_size)
+    per_token = lambda x: jnp.moveaxis(x, -1, 2).swapaxes(0, 1).reshape(batch, -1, heads)[:, :length]  # noqa: E731
+    return o, per_token(lse), per_token(seen)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -18,7 +18,9 @@ token's document, zeroed when this shard starts a new document.
 MLA: each shard all-gathers the compact latent [c~ | k_r] (kv_lora + r values per token, 576 in
 K3) rather than the expanded keys and values (H (n + r + V) per token), expands it locally and
 runs the blockwise attention from its queries' global positions; causal block skipping limits
-shard i to the key blocks before its end (no zig-zag load balance).
+shard i to the key blocks before its end (no zig-zag load balance). The ring form passes each
+shard's latent around the axis instead (P - 1 one-hop steps, the same bytes), holding one shard's
+keys at a time, and merges the partial attentions by their log-sum-exp.
 
 The ``*_across_shards`` functions run inside ``shard_map`` over ``axis_name`` on per-shard
 ``[B, T/P, ...]`` arrays; `ContextParallel` wraps them for global arrays.
@@ -32,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from k3jax.ops.attention import attention
+from k3jax.ops.attention import attention, blockwise_attention_with_lse
 from k3jax.ops.conv import causal_depthwise_conv
 from k3jax.ops.kda import kda
 
@@ -119,6 +121,54 @@ def attention_across_shards(q, latent, segment_ids, expand_weight, *, expand, ax
                      block_size=block_size)
 
 
+def _merge_attention(part_a, part_b):
+    """Softmax attention over the union of two disjoint key sets from each one's ``(o, lse, seen)``:
+    lse = log(e^lse_a + e^lse_b), o = e^(lse_a - lse) o_a + e^(lse_b - lse) o_b (unseen parts weigh 0)."""
+    (o_a, lse_a, seen_a), (o_b, lse_b, seen_b) = part_a, part_b
+    top = jnp.maximum(jnp.where(seen_a, lse_a, -jnp.inf), jnp.where(seen_b, lse_b, -jnp.inf))
+    seen = seen_a | seen_b
+    top = jnp.where(seen, top, 0.0)
+    w_a = jnp.where(seen_a, jnp.exp(jnp.where(seen_a, lse_a, top) - top), 0.0)
+    w_b = jnp.where(seen_b, jnp.exp(jnp.where(seen_b, lse_b, top) - top), 0.0)
+    total = jnp.where(seen, w_a + w_b, 1.0)
+    o = (w_a[..., None] * o_a.astype(jnp.float32) + w_b[..., None] * o_b.astype(jnp.float32)) / total[..., None]
+    return o, jnp.where(seen, top + jnp.log(total), 0.0), seen
+
+
+def _ring_shift(x: jax.Array, axis_name: str) -> jax.Array:
+    """Shard i's ``x`` moved to shard i + 1 (the last shard's to shard 0)."""
+    size = jax.lax.axis_size(axis_name)
+    return jax.lax.ppermute(x, axis_name, [(i, (i + 1) % size) for i in range(size)])
+
+
+def ring_attention_across_shards(q, latent, segment_ids, expand_weight, *, expand, axis_name: str, scale: float,
+                                 implementation: str | None = None, block_size: int = 512) -> jax.Array:
+    """`attention_across_shards` by ring passing instead of one all-gather: in P steps every shard's
+    compact latent visits every shard (a one-hop ``ppermute`` per step), is expanded there and
+    attended to; the partial results merge by their log-sum-exp (`_merge_attention`). The same bytes
+    cross the axis, but a shard holds one shard's latent and expanded keys at a time (memory
+    O(T/P) instead of O(T)). ``implementation`` is ignored (always blockwise)."""
+    del implementation
+    batch, local = segment_ids.shape
+    shards, shard = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+    offsets = jnp.arange(local, dtype=jnp.int32)
+    query_positions = jnp.broadcast_to(shard * local + offsets, (batch, local))
+    merged, block, block_segments = None, latent, segment_ids
+    for step in range(shards):
+        source = (shard - step) % shards
+        keys, values = expand(block, expand_weight)
+        part = blockwise_attention_with_lse(q, keys, values, query_positions,
+                                            jnp.broadcast_to(source * local + offsets, (batch, local)),
+                                            segment_ids, block_segments, scale=scale, block_size=block_size)
+        merged = part if merged is None else _merge_attention(merged, part)
+        if step < shards - 1:
+            block, block_segments = _ring_shift(block, axis_name), _ring_shift(block_segments, axis_name)
+    return merged[0].astype(q.dtype)
+
+
+CONTEXT_ATTENTION = {"all_gather": attention_across_shards, "ring": ring_attention_across_shards}
+
+
 @dataclasses.dataclass(frozen=True)
 class ContextParallel:
     """The sequence (dim 1 of ``[B, T, ...]`` activations) split over ``mesh`` axis ``axis``; set on
@@ -128,6 +178,7 @@ class ContextParallel:
 
     mesh: Mesh
     axis: str = "context"
+    attention_method: str = "all_gather"     # a key of CONTEXT_ATTENTION
 
     def _run(self, fn, args, out_specs):
         sequence = PartitionSpec(None, self.axis)
@@ -148,7 +199,7 @@ class ContextParallel:
                          (PartitionSpec(None, self.axis), PartitionSpec()))
 
     def attention(self, q, latent, segment_ids, expand_weight, **kwargs):
-        """`attention_across_shards`: ``[B, T, H, Dv]``."""
-        fn = functools.partial(attention_across_shards, axis_name=self.axis, **kwargs)
+        """`attention_across_shards` (or its ring form, as ``attention_method`` says): ``[B, T, H, Dv]``."""
+        fn = functools.partial(CONTEXT_ATTENTION[self.attention_method], axis_name=self.axis, **kwargs)
         return self._run(fn, [(q, 1), (latent, 1), (segment_ids, 1), (expand_weight, None)],
                          PartitionSpec(None, self.axis))
