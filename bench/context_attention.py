@@ -13,7 +13,6 @@ so times compare the two methods' compute and copies, not a network). Writes JSO
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 
 import k3jax  # noqa: F401  (XLA:CPU workaround before JAX starts)
@@ -27,7 +26,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
-from bench.common import interleaved_times, table, write_json  # noqa: E402
+from bench.common import interleaved_times, table  # noqa: E402
+from bench.context_memory import mib, write_result  # noqa: E402
 from k3jax.config import ConfigError, load_config  # noqa: E402
 from k3jax.layers.mla import MLALayer  # noqa: E402
 from k3jax.sharding.context import CONTEXT_ATTENTION, ContextParallel  # noqa: E402
@@ -85,15 +85,12 @@ def main() -> int:
             row[method]["median_s"] = float(np.median(column))
         rows.append(row)
         print(row, flush=True)
-    mib = lambda n: f"{n / 2**20:.2f}"  # noqa: E731
     lines = [[r["contexts"], *(mib(r[m]["total_bytes"]) for m in CONTEXT_ATTENTION),
               *(mib(r[m]["temp_bytes"]) for m in CONTEXT_ATTENTION),
               *(f"{r[m]['median_s']:.3f}" for m in CONTEXT_ATTENTION)] for r in rows]
     print(table(["context", "all-gather MiB moved", "ring MiB moved", "all-gather temp MiB", "ring temp MiB",
                  "all-gather s", "ring s"], lines))
-    result = {"config": args.config, "length": args.length, "batch": 1, "jax": jax.__version__,
-              "machine": platform.machine(), "rows": rows}
-    print(f"wrote {write_json(args.out, result)}")
+    write_result(args.out, rows, config=args.config, length=args.length)
     return 0
 
 

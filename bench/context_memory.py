@@ -72,6 +72,12 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
+def write_result(path: str, rows: list, **fields) -> None:
+    """``{**fields, batch, jax, machine, rows}`` as JSON at ``path`` (atomically), and say so."""
+    result = {**fields, "batch": 1, "jax": jax.__version__, "machine": platform.machine(), "rows": rows}
+    print(f"wrote {write_json(path, result)}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/tiny.yaml")
@@ -108,9 +114,7 @@ def main() -> int:
               *(mib(r["context"][str(p)]["temp_bytes"]) for p in args.contexts),
               *(mib(sum(r["context"][str(p)]["collective_bytes"].values())) for p in args.contexts)] for r in rows]
     print(table(headers, lines))
-    result = {"config": args.config, "block_size": args.block_size, "batch": 1, "jax": jax.__version__,
-              "machine": platform.machine(), "rows": rows}
-    print(f"wrote {write_json(args.out, result)}")
+    write_result(args.out, rows, config=args.config, block_size=args.block_size)
     return 0
 
 

@@ -122,17 +122,18 @@ def attention_across_shards(q, latent, segment_ids, expand_weight, *, expand, ax
 
 
 def _merge_attention(part_a, part_b):
-    """Softmax attention over the union of two disjoint key sets from each one's ``(o, lse, seen)``:
-    lse = log(e^lse_a + e^lse_b), o = e^(lse_a - lse) o_a + e^(lse_b - lse) o_b (unseen parts weigh 0)."""
-    (o_a, lse_a, seen_a), (o_b, lse_b, seen_b) = part_a, part_b
-    top = jnp.maximum(jnp.where(seen_a, lse_a, -jnp.inf), jnp.where(seen_b, lse_b, -jnp.inf))
+    """Softmax attention over the union of two disjoint key sets from each one's ``(o, lse)``
+    (lse -inf where no key is visible): lse = log(e^lse_a + e^lse_b),
+    o = e^(lse_a - lse) o_a + e^(lse_b - lse) o_b."""
+    (o_a, lse_a), (o_b, lse_b) = part_a, part_b
+    seen_a, seen_b = jnp.isfinite(lse_a), jnp.isfinite(lse_b)
     seen = seen_a | seen_b
-    top = jnp.where(seen, top, 0.0)
+    top = jnp.where(seen, jnp.maximum(lse_a, lse_b), 0.0)
     w_a = jnp.where(seen_a, jnp.exp(jnp.where(seen_a, lse_a, top) - top), 0.0)
     w_b = jnp.where(seen_b, jnp.exp(jnp.where(seen_b, lse_b, top) - top), 0.0)
     total = jnp.where(seen, w_a + w_b, 1.0)
     o = (w_a[..., None] * o_a.astype(jnp.float32) + w_b[..., None] * o_b.astype(jnp.float32)) / total[..., None]
-    return o, jnp.where(seen, top + jnp.log(total), 0.0), seen
+    return o, jnp.where(seen, top + jnp.log(total), -jnp.inf)
 
 
 def _ring_shift(x: jax.Array, axis_name: str) -> jax.Array:
@@ -146,26 +147,32 @@ def ring_attention_across_shards(q, latent, segment_ids, expand_weight, *, expan
     """`attention_across_shards` by ring passing instead of one all-gather: in P steps every shard's
     compact latent visits every shard (a one-hop ``ppermute`` per step), is expanded there and
     attended to; the partial results merge by their log-sum-exp (`_merge_attention`). The same bytes
-    cross the axis, but a shard holds one shard's latent and expanded keys at a time (memory
-    O(T/P) instead of O(T)). ``implementation`` is ignored (always blockwise)."""
+    cross the axis, but a shard holds one shard's expanded keys and values at a time (O(T/P)
+    instead of O(T); the backward keeps the P latents, recomputing each step's expansion).
+    ``implementation`` is ignored (always blockwise)."""
     del implementation
     batch, local = segment_ids.shape
     shards, shard = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
     offsets = jnp.arange(local, dtype=jnp.int32)
     query_positions = jnp.broadcast_to(shard * local + offsets, (batch, local))
+
+    @jax.checkpoint   # the backward keeps each step's latent, not its expanded keys and values
+    def attend(q, block, block_segments, expand_weight, source):
+        keys, values = expand(block, expand_weight)
+        key_positions = jnp.broadcast_to(source * local + offsets, (batch, local))
+        return blockwise_attention_with_lse(q, keys, values, query_positions, key_positions, segment_ids,
+                                            block_segments, scale, block_size)
+
     merged, block, block_segments = None, latent, segment_ids
     for step in range(shards):
-        source = (shard - step) % shards
-        keys, values = expand(block, expand_weight)
-        part = blockwise_attention_with_lse(q, keys, values, query_positions,
-                                            jnp.broadcast_to(source * local + offsets, (batch, local)),
-                                            segment_ids, block_segments, scale=scale, block_size=block_size)
+        part = attend(q, block, block_segments, expand_weight, (shard - step) % shards)
         merged = part if merged is None else _merge_attention(merged, part)
         if step < shards - 1:
             block, block_segments = _ring_shift(block, axis_name), _ring_shift(block_segments, axis_name)
     return merged[0].astype(q.dtype)
 
 
+CONTEXT_SCOPE = "context_parallel"    # the name scope of every context-parallel region
 CONTEXT_ATTENTION = {"all_gather": attention_across_shards, "ring": ring_attention_across_shards}
 
 
@@ -183,8 +190,9 @@ class ContextParallel:
     def _run(self, fn, args, out_specs):
         sequence = PartitionSpec(None, self.axis)
         specs = tuple(PartitionSpec() if spec is None else sequence for spec in (a[1] for a in args))
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=specs, out_specs=out_specs, axis_names={self.axis},
-                             check_vma=False)(*(a[0] for a in args))
+        with jax.named_scope(CONTEXT_SCOPE):      # names its collectives for `train.plan`
+            return jax.shard_map(fn, mesh=self.mesh, in_specs=specs, out_specs=out_specs, axis_names={self.axis},
+                                 check_vma=False)(*(a[0] for a in args))
 
     def conv(self, x, weight, segment_ids):
         """`conv_across_shards` of x ``[B, T, C]``."""

@@ -23,17 +23,20 @@ def test_attention_over_three_key_parts_merged_by_lse_equals_numpy_over_all_keys
     def merged(q, k, v):
         parts = [blockwise_attention_with_lse(q, k[:, s:s + 8], v[:, s:s + 8], query_positions,
                                               key_positions[:, s:s + 8], query_segments,
-                                              key_segments[:, s:s + 8], scale=scale, block_size=4)
+                                              key_segments[:, s:s + 8], scale, 4)
                  for s in (0, 8, 16)]
         out = parts[0]
         for part in parts[1:]:
             out = _merge_attention(out, part)
         return jnp.sum(out[0] * d_o), out
 
-    (_, (o, _, seen)), grads = jax.jit(jax.value_and_grad(merged, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    (_, (o, lse)), grads = jax.jit(jax.value_and_grad(merged, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     # the padding queries (segment 0 at positions 22, 23) see only themselves and earlier padding
     expected = numpy_attention(q, k, v, scale, query_positions, key_positions, query_segments, key_segments, d_o)
-    assert bool(jnp.all(seen))
+    assert bool(jnp.all(jnp.isfinite(lse)))
+    _, first_part_lse = blockwise_attention_with_lse(q, k[:, :8], v[:, :8], query_positions, key_positions[:, :8],
+                                                     query_segments, key_segments[:, :8], scale, 4)
+    assert not bool(jnp.all(jnp.isfinite(first_part_lse)))      # document 2 sees no key of part 0
     for got, want in zip((o, *grads), expected):
         assert rel(got, want) <= 1e-5
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)

@@ -8,8 +8,9 @@ parameters and batch on one device without a mesh. Prints, per mesh, the relativ
 loss and of the gradients (the largest over parameters), whether every mixer got a
 `ContextParallel` and whether the compiled step passes the conv halo (collective-permute).
 """
+import sys
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -79,6 +80,7 @@ def main():
             "batch_spec": str(args[2]["tokens"].sharding.spec),
             "finite": bool(np.isfinite(mesh_loss)),
         }
+        print(name, results[name], file=sys.stderr, flush=True)
     results["reference_loss"] = float(loss)
     emit(results)
 
