@@ -5,8 +5,9 @@
 
 For each context size P it compiles the forward + backward of one `k3jax.layers.mla.MLALayer`
 (the tiny model's MLA shapes, batch 1, packed documents) with ``ContextParallel(attention_method=
-"all_gather" | "ring")`` and reports, per device: the result bytes of its collectives in the
-optimized HLO (`train.plan.collective_bytes`), the compiled temporaries, and the wall time
+"all_gather" | "ring")`` and reports, per device: the result bytes of the context region's
+collectives in the optimized HLO (`train.plan.collective_bytes`; an all-gather's result includes
+the shard's own part), the compiled temporaries, and the wall time
 (interleaved rounds, `bench.common.interleaved_times`; the 8 "devices" share this machine's cores,
 so times compare the two methods' compute and copies, not a network). Writes JSON atomically.
 """
@@ -31,7 +32,7 @@ from bench.context_memory import mib, write_result  # noqa: E402
 from k3jax.config import ConfigError, load_config  # noqa: E402
 from k3jax.layers.mla import MLALayer  # noqa: E402
 from k3jax.sharding.context import CONTEXT_ATTENTION, ContextParallel  # noqa: E402
-from train.plan import collective_bytes  # noqa: E402
+from train.plan import CONTEXT_AXIS, collective_bytes  # noqa: E402
 
 
 def loss_and_grads(layer: MLALayer, segments: jax.Array):
@@ -77,7 +78,7 @@ def main() -> int:
             compiled = loss_and_grads(layer, segments).lower(state, x).compile()
             moved = collective_bytes(compiled.as_text())
             row[method] = {"collective_bytes": {k: v for k, v in moved.items() if v},
-                           "total_bytes": sum(moved.values()) - moved.get("all-to-all in shard_map", 0.0),
+                           "total_bytes": moved[CONTEXT_AXIS],
                            "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes)}
             functions.append(compiled)
         times = interleaved_times(functions, (state, x), args.rounds)
