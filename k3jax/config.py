@@ -417,7 +417,8 @@ class FinetuneConfig:
         return self.lora_alpha / self.lora_rank
 
 
-MeshAxis = Literal["data", "fsdp", "expert", "tensor"]
+MESH_AXIS_NAMES = ("data", "fsdp", "expert", "context", "tensor")   # the mesh's axes, outermost first
+MeshAxis = Literal["data", "fsdp", "expert", "context", "tensor"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,9 +427,11 @@ class AxisRules:
     -> the mesh axes it is split over, in order. A mesh axis already used by an earlier dimension
     of the same array, or one whose size does not divide the dimension, is skipped. By default
     the expert axis also shards the model width of every non-expert weight (FSDP over
-    fsdp x expert), and the batch splits over data x fsdp x expert."""
+    fsdp x expert), the batch splits over data x fsdp x expert and the sequence (the second
+    dimension of batches and activations) over context."""
 
     batch: tuple[MeshAxis, ...] = ("data", "fsdp", "expert")
+    sequence: tuple[MeshAxis, ...] = ("context",)
     vocab: tuple[MeshAxis, ...] = ("tensor",)
     embed: tuple[MeshAxis, ...] = ("fsdp", "expert")
     heads: tuple[MeshAxis, ...] = ("tensor",)
@@ -454,11 +457,14 @@ class AxisRules:
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """The device mesh (`k3jax.sharding`): one size per axis, -1 (at most one axis) for the devices
-    left over; the sizes must multiply to the device count. ``rules`` place the model on it."""
+    left over; the sizes must multiply to the device count. ``rules`` place the model on it.
+    ``context`` > 1 splits each sequence over that many devices (`k3jax.sharding.context`: KDA
+    state passing and the conv halo, MLA over the all-gathered compact latent)."""
 
     data: int = -1
     fsdp: int = 1
     expert: int = 1
+    context: int = 1
     tensor: int = 1
     rules: AxisRules = AxisRules()
     # How MoE layers reach experts split over the rules' "experts" axes (`k3jax.sharding.expert_parallel`):
@@ -468,9 +474,12 @@ class MeshConfig:
     moe_dispatch: Literal["local", "capacity", "ragged"] = "local"
     capacity_factor: float = 1.25         # capacity: C = ceil(factor * n k / E) rows per expert and
                                           # source device (n its tokens); factor >= E / k never drops
+    # How MLA layers see the keys of other context shards (`k3jax.sharding.context`): "all_gather"
+    # the compact latent once per layer, or pass it around a "ring" (same bytes, O(T / context) keys held).
+    context_attention: Literal["all_gather", "ring"] = "all_gather"
 
     def __post_init__(self):
-        for name in ("data", "fsdp", "expert", "tensor"):
+        for name in MESH_AXIS_NAMES:
             size = getattr(self, name)
             _require(size == -1 or size > 0, name, f"must be positive or -1 (the rest of the devices), got {size}")
         _positive(self, "capacity_factor")
@@ -478,7 +487,7 @@ class MeshConfig:
 
     @property
     def sizes(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in ("data", "fsdp", "expert", "tensor")}
+        return {name: getattr(self, name) for name in MESH_AXIS_NAMES}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,8 +40,9 @@ from k3jax.memory import Memory, check_memory
 from k3jax.ops.moe import MoEStats, updated_router_bias
 from k3jax.ops.norms import rms_norm
 
-# The residual stream [B, T, d] splits over the batch only (`k3jax.sharding.parallelize` maps the names).
-ACTIVATION_AXES = ("batch", None, None)
+# The residual stream [B, T, d] splits over the batch and the sequence, never the model width
+# (`k3jax.sharding.parallelize` maps the names).
+ACTIVATION_AXES = ("batch", "sequence", None)
 # What the backward pass keeps of each scanned period (`ModelConfig.remat`); the rest is recomputed.
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,

@@ -19,7 +19,9 @@ optimizer state and batches are abstract arrays carrying their shardings) and re
                                   gradient accumulation); the all-to-alls of the expert-parallel
                                   shard_map regions (the MoE dispatch) are also counted apart, and
                                   expert all-to-all bytes per token = their per-device bytes *
-                                  devices / tokens per step
+                                  devices / tokens per step; the collectives of the context-parallel
+                                  regions (KDA state passing, conv halo, MLA latent all-gather or
+                                  ring, and their backward) are counted apart as "context axis"
 
 A LoRA run (``finetune.lora_rank > 0``) also shows its frozen base: the parameters held without
 optimizer state; "parameters" and "optimizer state" are then the adapters' (and their Adam
@@ -42,6 +44,8 @@ from typing import NamedTuple
 
 COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute")
 EXPERT_ALL_TO_ALL = "all-to-all in shard_map"    # the expert dispatch (k3jax.sharding.expert_parallel)
+CONTEXT_AXIS = "context axis"                    # k3jax.sharding.context's regions (its name scope)
+CONTEXT_SCOPE = "context_parallel"               # = k3jax.sharding.context.CONTEXT_SCOPE (not imported: no JAX yet)
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _COMPUTATION = re.compile(r"^(ENTRY )?%(\S+) .*\{\s*$")
@@ -98,7 +102,8 @@ def _parse_hlo(text: str) -> tuple[dict[str, list[_Instruction]], str]:
 def collective_bytes(hlo_text: str) -> dict[str, float]:
     """Result bytes per device of each collective kind in one execution of an optimized HLO module,
     counting an instruction inside a loop once per trip (``known_trip_count``); all-to-alls that
-    come from shard_map regions are also summed under ``EXPERT_ALL_TO_ALL``."""
+    come from shard_map regions are also summed under ``EXPERT_ALL_TO_ALL``, and every collective of
+    the context-parallel regions under ``CONTEXT_AXIS``."""
     computations, entry = _parse_hlo(hlo_text)
     runs: dict[str, float] = defaultdict(float)
 
@@ -109,7 +114,7 @@ def collective_bytes(hlo_text: str) -> dict[str, float]:
                 visit(callee, times * repeats)
 
     visit(entry, 1.0)
-    totals = dict.fromkeys((*COLLECTIVES, EXPERT_ALL_TO_ALL), 0.0)
+    totals = dict.fromkeys((*COLLECTIVES, EXPERT_ALL_TO_ALL, CONTEXT_AXIS), 0.0)
     for name, instructions in computations.items():
         for instruction in instructions:
             if instruction.opcode not in COLLECTIVES:
@@ -118,6 +123,8 @@ def collective_bytes(hlo_text: str) -> dict[str, float]:
             totals[instruction.opcode] += moved
             if instruction.opcode.endswith("all-to-all") and "shard_map" in instruction.op_name:
                 totals[EXPERT_ALL_TO_ALL] += moved
+            if CONTEXT_SCOPE in instruction.op_name:
+                totals[CONTEXT_AXIS] += moved
     return totals
 
 
@@ -150,6 +157,11 @@ class Plan(NamedTuple):
     def resident(self) -> float:
         """Parameters, frozen base, optimizer state and buffers: the bytes a device holds between steps."""
         return self.parameters + self.frozen_parameters + self.optimizer_state + self.buffers
+
+    @property
+    def context_bytes_per_token(self) -> float:
+        """Bytes the context-parallel regions move per token of the step, over all devices."""
+        return self.collectives[CONTEXT_AXIS] * self.devices / self.tokens_per_step
 
     @property
     def all_to_all_bytes_per_token(self) -> float:
@@ -232,7 +244,8 @@ def report(plan: Plan, config) -> str:
     rows = [
         f"train step on {plan.devices} devices ({mesh}), batch {config.train.batch_size} x {config.data.seq_len} "
         f"tokens, grad_accum {config.train.grad_accum}, moe_dispatch {config.mesh.moe_dispatch}"
-        + (f" (capacity_factor {config.mesh.capacity_factor})" if config.mesh.moe_dispatch == "capacity" else ""),
+        + (f" (capacity_factor {config.mesh.capacity_factor})" if config.mesh.moe_dispatch == "capacity" else "")
+        + (f", context attention {config.mesh.context_attention}" if plan.mesh.get("context", 1) > 1 else ""),
         f"model: {config.model.num_layers} layers, d {config.model.d_model}, {moe.num_experts} experts "
         f"top-{moe.top_k} ({moe.expert_format}), latent {moe.latent_dim or 'none (plain MoE)'}, "
         f"{config.model.compute_dtype} compute, {config.optimizer.name}; {tuning}",
@@ -254,6 +267,7 @@ def report(plan: Plan, config) -> str:
         "  collectives per step (result bytes):",
         *(f"    {name:<30}{_bytes(value)}" for name, value in plan.collectives.items() if value),
         f"expert all-to-all bytes per token (all devices): {plan.all_to_all_bytes_per_token:,.0f}",
+        f"context axis bytes per token (all devices): {plan.context_bytes_per_token:,.0f}",
         f"compiled in {plan.compile_seconds:.0f} s",
     ]
     return "\n".join(rows)
@@ -291,7 +305,8 @@ def main(argv=None) -> int:
         return 2
     if args.json:
         print(json.dumps({**plan._asdict(), "peak": plan.peak, "resident": plan.resident,
-                          "all_to_all_bytes_per_token": plan.all_to_all_bytes_per_token if plan.collectives else None}))
+                          "all_to_all_bytes_per_token": plan.all_to_all_bytes_per_token if plan.collectives else None,
+                          "context_bytes_per_token": plan.context_bytes_per_token if plan.collectives else None}))
     else:
         print(report(plan, config))
     return 0

@@ -173,7 +173,8 @@ def _any_visible(q_pos, k_pos) -> jax.Array:
 
 
 def _forward_blocks(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block_size):
-    """Output ``[B, T, H, Dv]`` and log-sum-exp in blocks ``[nq, B, G, M, bq]`` (fp32)."""
+    """Output ``[B, T, H, Dv]``, log-sum-exp in blocks ``[nq, B, G, M, bq]`` (fp32, 0 where no key is
+    visible) and where some key is visible (bool, in the same blocks)."""
     batch, length, heads, dim = q.shape
     groups, value_dim = k.shape[2], v.shape[-1]
     bq, bk = min(block_size, length), min(block_size, k.shape[1])
@@ -205,20 +206,23 @@ def _forward_blocks(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block_size):
         seen = l > 0
         o = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
-        return jnp.einsum("bgmqd->bqgmd", o).astype(v.dtype), lse
+        return jnp.einsum("bgmqd->bqgmd", o).astype(v.dtype), lse, seen
 
-    o_blocks, lse = jax.lax.map(one_query_block, query_blocks)
-    return _from_blocks(o_blocks, length).reshape(batch, length, heads, value_dim), lse
+    o_blocks, lse, seen = jax.lax.map(one_query_block, query_blocks)
+    return _from_blocks(o_blocks, length).reshape(batch, length, heads, value_dim), lse, seen
 
 
-def _backward_blocks(q, k, v, q_pos, k_pos, q_seg, k_seg, o, lse, d_o, scale, block_size):
-    """dq, dk, dv (fp32) by recomputing each block's probabilities p = exp(s - lse)."""
+def _backward_blocks(q, k, v, q_pos, k_pos, q_seg, k_seg, o, lse, d_o, scale, block_size, d_lse=None):
+    """dq, dk, dv (fp32) by recomputing each block's probabilities p = exp(s - lse); ``d_lse``
+    ``[B, T, H]``: the cotangent of lse too, when it is an output."""
     batch, length, heads, dim = q.shape
     groups, source = k.shape[2], k.shape[1]
     per_group = heads // groups
     bq, bk = min(block_size, length), min(block_size, source)
     grouped = lambda x: x.reshape(batch, length, groups, per_group, x.shape[-1])
     delta = jnp.einsum("bqgmd,bqgmd->bgmq", grouped(d_o).astype(jnp.float32), grouped(o).astype(jnp.float32))
+    if d_lse is not None:
+        delta = delta - jnp.einsum("bqgm->bgmq", d_lse.reshape(batch, length, groups, per_group).astype(jnp.float32))
     delta_blocks = jnp.moveaxis(_to_blocks(jnp.moveaxis(delta, 3, 1), bq, 0), 2, -1)   # [nq, B, G, M, bq]
     queries = (_to_blocks(grouped(q), bq, 0), _to_blocks(grouped(d_o), bq, 0), lse, delta_blocks,
                _to_blocks(q_pos, bq, -1), _to_blocks(q_seg, bq, 0))
@@ -260,12 +264,13 @@ def _backward_blocks(q, k, v, q_pos, k_pos, q_seg, k_seg, o, lse, d_o, scale, bl
 def blockwise_attention(q, k, v, query_positions, key_positions, query_segments, key_segments, scale, block_size):
     """The ``xla`` implementation: arguments as ``attention`` with explicit int32 positions and
     segments; memory O(T * block_size), a backward that recomputes blocks."""
-    o, _ = _forward_blocks(q, k, v, query_positions, key_positions, query_segments, key_segments, scale, block_size)
+    o, _, _ = _forward_blocks(q, k, v, query_positions, key_positions, query_segments, key_segments, scale,
+                              block_size)
     return o
 
 
 def _blockwise_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block_size):
-    o, lse = _forward_blocks(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block_size)
+    o, lse, _ = _forward_blocks(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block_size)
     return o, (q, k, v, q_pos, k_pos, q_seg, k_seg, o, lse)
 
 
@@ -276,6 +281,34 @@ def _blockwise_backward(scale, block_size, residuals, d_o):
 
 
 blockwise_attention.defvjp(_blockwise_forward, _blockwise_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def blockwise_attention_with_lse(q, k, v, query_positions, key_positions, query_segments, key_segments, scale,
+                                 block_size):
+    """The ``xla`` implementation with its softmax statistics, for merging attention over key parts:
+    ``(o [B, T, H, Dv], lse [B, T, H] fp32)``, lse = log sum_j e^(s_j) over the visible keys (-inf
+    where none is, o = 0 there). Arguments as `blockwise_attention`. The backward recomputes blocks
+    as `blockwise_attention`'s does; lse's cotangent enters as ds_j += p_j dlse, i.e. D -> D - dlse."""
+    return _lse_forward(q, k, v, query_positions, key_positions, query_segments, key_segments, scale,
+                        block_size)[0]
+
+
+def _lse_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block_size):
+    batch, length, heads, _ = q.shape
+    o, lse, seen = _forward_blocks(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block_size)
+    per_token = jnp.moveaxis(jnp.where(seen, lse, -jnp.inf), -1, 2).swapaxes(0, 1)     # [B, nq, bq, G, M]
+    return (o, per_token.reshape(batch, -1, heads)[:, :length]), (q, k, v, q_pos, k_pos, q_seg, k_seg, o, lse)
+
+
+def _lse_backward(scale, block_size, residuals, cotangents):
+    d_o, d_lse = cotangents
+    q, k, v, q_pos, k_pos, q_seg, k_seg, o, lse = residuals
+    dq, dk, dv = _backward_blocks(q, k, v, q_pos, k_pos, q_seg, k_seg, o, lse, d_o, scale, block_size, d_lse)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+
+
+blockwise_attention_with_lse.defvjp(_lse_forward, _lse_backward)
 
 
 # ----------------------------------------------------------------------------------------------

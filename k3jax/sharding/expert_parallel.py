@@ -77,9 +77,10 @@ def expert_placement(mesh: AnyMesh, config: MeshConfig, num_tokens: int, expert_
     reaches experts split over the rules' "experts" axes of ``mesh`` with ``config``'s dispatch.
 
     Token rows split over the expert axes (each device ships its own rows) and those of the
-    rules' batch axes that still divide them, in the batch rule's order (the batch's own layout);
-    the hidden width over the rules' expert_mlp axes that divide it into whole ``hidden_block``s
-    (MXFP4 experts: 32, W_down's scale blocks run along it) and split neither tokens nor experts.
+    rules' batch and sequence axes that still divide them, in the rules' order (the layout of the
+    flattened ``[B, T]`` rows); the hidden width over the rules' expert_mlp axes that divide it into
+    whole ``hidden_block``s (MXFP4 experts: 32, W_down's scale blocks run along it) and split neither
+    tokens nor experts.
     """
     rules = config.rules
     experts = tuple(axis for axis in rules.experts if mesh.shape[axis] > 1)
@@ -87,11 +88,12 @@ def expert_placement(mesh: AnyMesh, config: MeshConfig, num_tokens: int, expert_
         raise ValueError(f"{num_tokens} token rows do not split over the expert axes {experts} "
                          f"({axes_size(mesh, experts)} devices); expert parallelism needs them to")
     chosen = set(experts)
-    for axis in rules.batch:
+    row_axes = (*rules.batch, *rules.sequence)
+    for axis in row_axes:
         if (axis not in chosen and mesh.shape[axis] > 1
                 and num_tokens % (axes_size(mesh, chosen) * mesh.shape[axis]) == 0):
             chosen.add(axis)
-    tokens = tuple(axis for axis in dict.fromkeys((*rules.batch, *experts)) if axis in chosen)
+    tokens = tuple(axis for axis in dict.fromkeys((*row_axes, *experts)) if axis in chosen)
     hidden: list[str] = []
     for axis in rules.expert_mlp:
         if (axis not in tokens and axis not in experts and mesh.shape[axis] > 1

@@ -1,6 +1,6 @@
 """Device meshes and the placement of parameters, optimizer state and batches on them.
 
-    mesh = make_mesh(config.mesh)                    # axes data, fsdp, expert, tensor (Auto)
+    mesh = make_mesh(config.mesh)                    # axes data, fsdp, expert, context, tensor (Auto)
     check_run_fits(config, mesh)                     # one-line ConfigErrors
     parts, params, buffers = abstract_model(config.model, mesh, config.mesh)   # k3jax.training:
                                                      # shapes only, the model parallelized
@@ -16,7 +16,8 @@ Every parameter carries logical axis names (`k3jax.layers.params`); the rules ta
 (`k3jax.config.AxisRules`) maps each name to mesh axes. An array dimension takes, in order, the
 rule's axes that are not used by an earlier dimension of the same array and whose sizes divide
 it -- so any mesh runs any model, a dimension that does not divide staying replicated. The
-optimizer state follows its parameter; batches split their first dimension over ``rules.batch``.
+optimizer state follows its parameter; batches ``[B, T]`` split their rows over ``rules.batch``
+and their sequence over ``rules.sequence`` (the context axis).
 What the model computes on the mesh (activation layouts, the expert dispatch) is set by
 `k3jax.sharding.parallelize`.
 """
@@ -31,9 +32,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from k3jax.config import AxisRules, Config, ConfigError, MeshConfig
+from k3jax.config import MESH_AXIS_NAMES, AxisRules, Config, ConfigError, MeshConfig
+from k3jax.ops.kda.blocks import chunk_length
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = MESH_AXIS_NAMES
 AnyMesh = Mesh | AbstractMesh   # shardings are computed alike for concrete and abstract meshes
 
 
@@ -69,7 +71,8 @@ def axes_size(mesh: AnyMesh, axes: Sequence[str]) -> int:
 
 def check_run_fits(config: Config, mesh: Mesh) -> None:
     """One-line ConfigErrors for a run the mesh cannot execute: experts that do not split over the
-    expert axes, batches that do not split over the batch axes, a dispatch the platform lacks."""
+    expert axes, batches that do not split over the batch axes, sequences that do not split into
+    whole KDA chunks on every context shard, a dispatch the platform lacks."""
     rules, dispatch = config.mesh.rules, config.mesh.moe_dispatch
     experts = axes_size(mesh, rules.experts)
     if dispatch != "local" and config.model.moe.num_experts % experts:
@@ -83,6 +86,12 @@ def check_run_fits(config: Config, mesh: Mesh) -> None:
     if micro_batch % shards:
         raise ConfigError("train.batch_size", f"micro-batches of {micro_batch} sequences (batch_size / grad_accum) "
                                               f"do not split over the {shards} devices of mesh.rules.batch")
+    context, length = axes_size(mesh, rules.sequence), config.data.seq_len
+    chunk = chunk_length(max(length // context, 1), config.model.kda.chunk_size)
+    if context > 1 and (length % (context * chunk) or length // context < config.model.kda.conv_size - 1):
+        raise ConfigError("data.seq_len", f"{length} does not split into whole KDA chunks of {chunk} tokens on "
+                                          f"each of the {context} devices of mesh.rules.sequence (needs a "
+                                          f"multiple of {context * chunk}, or model.kda.chunk_size smaller)")
 
 
 # --- logical axes -> shardings -------------------------------------------------------------------
@@ -151,9 +160,11 @@ def state_shardings(state, param_axes: Mapping[str, Sequence[str]], buffer_axes:
 
 
 def batch_sharding(mesh: Mesh, rules: AxisRules) -> NamedSharding:
-    """Batches split their first (sequence) dimension over the rules' batch axes."""
-    axes = tuple(axis for axis in rules.batch if mesh.shape[axis] > 1)
-    return NamedSharding(mesh, P(axes or None))
+    """Batches ``[B, T]`` split their rows over the rules' batch axes and, with a context axis, their
+    sequence over the sequence axes."""
+    rows = tuple(axis for axis in rules.batch if mesh.shape[axis] > 1)
+    sequence = tuple(axis for axis in rules.sequence if mesh.shape[axis] > 1 and axis not in rows)
+    return NamedSharding(mesh, P(rows or None, *([sequence] if sequence else [])))
 
 
 class StepShardings(NamedTuple):
@@ -182,12 +193,19 @@ def abstract(tree: Any, shardings: Any) -> Any:
 # --- data movement -------------------------------------------------------------------------------
 
 
+def _spec_entry_size(mesh: AnyMesh, entry) -> int:
+    """How many devices a PartitionSpec entry (None, an axis name or a tuple of them) splits over."""
+    return axes_size(mesh, (entry,) if isinstance(entry, str) else entry or ())
+
+
 def process_rows(sharding: NamedSharding, global_rows: int) -> tuple[int, int]:
     """This process's rows of a batch laid out by ``sharding``, as ``(index, count)``: the rows
     are block ``index`` of ``count`` equal blocks (the ``process_index`` / ``process_count`` the
     datasets take). Processes whose devices hold the same rows read the same block."""
+    # the later dimensions (the sequence) stand in at the size that splits exactly as the spec says
+    shape = (global_rows, *(_spec_entry_size(sharding.mesh, entry) for entry in sharding.spec[1:]))
     blocks = sorted({index[0].indices(global_rows)[:2] for index in
-                     sharding.addressable_devices_indices_map((global_rows,)).values()})
+                     sharding.addressable_devices_indices_map(shape).values()})
     start, stop = blocks[0][0], blocks[-1][1]
     size = stop - start
     contiguous = all(end == next_start for (_, end), (next_start, _) in zip(blocks, blocks[1:]))

@@ -11,7 +11,9 @@ reuses a program traced for another mesh or dispatch):
     expert_dispatch     on each MoE layer: the `ExpertDispatch` of ``mesh_config.moe_dispatch``
                         (None for "local": experts computed where the tokens are)
     context_parallel    on each KDA and MLA layer, when ``mesh`` has a ``context`` axis of size > 1:
-                        a `ContextParallel` splitting the sequence over it (None otherwise)
+                        a `ContextParallel` splitting the sequence over it, MLA by
+                        ``mesh_config.context_attention`` (None otherwise); batches and the residual
+                        stream then split their sequence over it too (the "sequence" rule)
 
 Parameters are not moved: their placement comes from the same rules (`step_shardings`).
 """
@@ -54,7 +56,8 @@ def parallelize(model: nnx.Module, mesh: Mesh, mesh_config: MeshConfig) -> nnx.M
         raise ValueError(f"parallelize needs a concrete jax.sharding.Mesh, got {type(mesh).__name__}")
     layout = MeshLayout(mesh, mesh_config.rules)
     dispatch = expert_dispatch(mesh, mesh_config)
-    context = ContextParallel(mesh) if mesh.shape.get("context", 1) > 1 else None
+    context = (ContextParallel(mesh, attention_method=mesh_config.context_attention)
+               if mesh.shape.get("context", 1) > 1 else None)
     for _, module in nnx.iter_modules(model):
         if isinstance(module, (K3Model, DecoderLayer)):
             module.activation_layout = layout

@@ -179,7 +179,7 @@ def test_meshes_a_run_cannot_use_are_one_line_config_errors(moe_dispatch):
     assert errors["ragged on cpu"].startswith("mesh.moe_dispatch: 'ragged' needs ragged_all_to_all")
     assert errors["experts do not split"].startswith("mesh.rules.experts: model.moe.num_experts = 4")
     assert errors["batch does not split"].startswith("train.batch_size:")
-    assert errors["mesh is not the device count"] == ("mesh: data=2 x fsdp=1 x expert=2 x tensor=1 is 4 devices, "
+    assert errors["mesh is not the device count"] == ("mesh: data=2 x fsdp=1 x expert=2 x context=1 x tensor=1 is 4 devices, "
                                                       "but there are 8")
 
 

@@ -21,8 +21,8 @@ from train import plan
 RULES = MeshConfig().rules
 
 
-def abstract_mesh(data=1, fsdp=1, expert=1, tensor=1):
-    return AbstractMesh((data, fsdp, expert, tensor), MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+def abstract_mesh(data=1, fsdp=1, expert=1, tensor=1, context=1):
+    return AbstractMesh((data, fsdp, expert, context, tensor), MESH_AXES, axis_types=(AxisType.Auto,) * 5)
 
 
 MESH = abstract_mesh(data=2, fsdp=2, expert=4, tensor=2)
@@ -56,9 +56,11 @@ def test_rules_from_config_remap_axes():
 
 
 def test_mesh_shape_fills_one_axis_and_names_bad_sizes():
-    assert mesh_shape(MeshConfig(data=-1, expert=4), 32) == {"data": 8, "fsdp": 1, "expert": 4, "tensor": 1}
+    assert mesh_shape(MeshConfig(data=-1, expert=4), 32) == {"data": 8, "fsdp": 1, "expert": 4, "context": 1,
+                                                              "tensor": 1}
     assert mesh_shape(MeshConfig(data=2, fsdp=2, expert=2, tensor=1), 8) == {"data": 2, "fsdp": 2, "expert": 2,
-                                                                             "tensor": 1}
+                                                                             "context": 1, "tensor": 1}
+    assert mesh_shape(MeshConfig(data=-1, context=4), 8)["data"] == 2
     with pytest.raises(ConfigError, match="^mesh: 6 devices do not split over data=-1 x fsdp=1 x expert=4"):
         mesh_shape(MeshConfig(expert=4), 6)
     with pytest.raises(ConfigError, match="^mesh: at most one mesh axis may be -1"):
@@ -89,9 +91,12 @@ def test_optimizer_state_follows_its_parameter(name):
     assert shardings.step.spec == P() and shardings.skipped.spec == P()
 
 
-def test_batches_split_over_the_batch_axes_of_size_above_one():
+def test_batches_split_over_the_batch_axes_of_size_above_one_and_the_sequence_over_context():
     assert batch_sharding(abstract_mesh(data=2, expert=4), RULES).spec == P(("data", "expert"))
     assert batch_sharding(abstract_mesh(), RULES).spec == P(None)
+    assert batch_sharding(abstract_mesh(data=2, context=4), RULES).spec == P(("data",), ("context",))
+    assert partition_spec(("batch", "sequence", None), (4, 64, 32), RULES,
+                          abstract_mesh(data=2, context=4)) == P("data", "context", None)
 
 
 def test_expert_placement_splits_tokens_over_expert_then_batch_axes_and_the_hidden_width_over_the_rest():
@@ -104,6 +109,8 @@ def test_expert_placement_splits_tokens_over_expert_then_batch_axes_and_the_hidd
     assert expert_placement(MESH, config, 8, 3).hidden == ()                   # 2 does not divide 3
     with pytest.raises(ValueError, match="do not split over the expert axes"):
         expert_placement(MESH, config, 6, 32)
+    with_context = abstract_mesh(data=2, expert=2, context=2)   # flattened [B, T] rows: batch, then sequence
+    assert expert_placement(with_context, config, 64, 32).tokens == ("data", "expert", "context")
 
 
 def numpy_slots(indices, num_experts, capacity):

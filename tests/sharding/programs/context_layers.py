@@ -1,6 +1,7 @@
 """KDA and MLA layers with `ContextParallel` over a 4-device `context` axis against the same layers
 on one device: outputs and gradients (input and parameters), documents crossing shard boundaries
-and one starting exactly at one. Prints JSON {"kda": rel, "mla": rel}."""
+and one starting exactly at one; MLA both by all-gather and by ring passing. Prints JSON
+{"kda": rel, "mla": rel, "mla_ring": rel}."""
 import json
 import sys
 
@@ -23,7 +24,8 @@ def rel(a, b):
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
-def compare(layer, mesh, x, segments):
+def compare(layer, context, x, segments):
+    layer.context_parallel = None
     graphdef, state = nnx.split(layer)
 
     def loss(state, x):
@@ -31,7 +33,7 @@ def compare(layer, mesh, x, segments):
         return jnp.sum(y * jnp.cos(y))
 
     expected = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(state, x)
-    layer.context_parallel = ContextParallel(mesh)
+    layer.context_parallel = context
     graphdef, state = nnx.split(layer)
     got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(state, x)
     return max(rel(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)))
@@ -46,7 +48,9 @@ def main():
     mla_layer = MLALayer(D, MLAConfig(num_heads=2, q_lora_rank=8, kv_lora_rank=8, nope_head_dim=4, rope_head_dim=4,
                                       value_head_dim=4, output_gate=True, attention_block_size=8),
                          init_std=0.3, rngs=nnx.Rngs(2))
-    print(json.dumps({"kda": compare(kda_layer, mesh, x, segments), "mla": compare(mla_layer, mesh, x, segments)}))
+    print(json.dumps({"kda": compare(kda_layer, ContextParallel(mesh), x, segments),
+                      "mla": compare(mla_layer, ContextParallel(mesh), x, segments),
+                      "mla_ring": compare(mla_layer, ContextParallel(mesh, attention_method="ring"), x, segments)}))
     return 0
 
 
