@@ -37,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from k3jax.memory import PoolKernel
+from k3jax.ops.kda.decode_pool import resolve_implementation
 from k3jax.sessions import paged
 from k3jax.sessions.tiers import HostValue, RefCounts, read_npz, write_npz_atomically
 
@@ -110,8 +112,9 @@ class SessionStore:
     None = no disk tier. See the module docstring."""
 
     def __init__(self, model, device_bytes: int | None = None, host_bytes: int | None = None,
-                 disk_dir: str | os.PathLike | None = None):
+                 disk_dir: str | os.PathLike | None = None, *, decode_kernel: PoolKernel | None = PoolKernel()):
         config = model.config
+        self.decode_kernel = decode_kernel   # the batched decode's pool kernels; None: gather/decode/scatter
         self.model, self.config = model, config
         self._graphdef, self._params = nnx.split(model)
         self.page_size = config.kda.chunk_size
@@ -414,7 +417,7 @@ class SessionStore:
         batch = paged.next_power_of_two(len(values))
         pages = paged.next_power_of_two(max(math.ceil((v.length + 1) / self.page_size) for v in values))
         pad = batch - len(values)
-        slots = np.asarray([v.slot for v in values] + [self._slots.capacity] * pad, np.int32)
+        slots = np.asarray([v.slot for v in values] + self._scratch_slots(pad), np.int32)
         tables = np.stack([self._table(v.pages, pages) for v in values] + [self._table([], pages)] * pad)
         lengths = np.asarray([v.length for v in values] + [0] * pad, np.int32)
         logits = np.stack([np.asarray(v.logits, np.float32) for v in values]
@@ -422,7 +425,7 @@ class SessionStore:
         tokens, logits, self._pools = paged.decode_step(
             self._graphdef, self._params, self._pools, jnp.asarray(slots), jnp.asarray(tables),
             jnp.asarray(lengths), jnp.asarray(logits), jnp.uint32(seed),
-            jnp.asarray(list(sids) + [0] * pad, jnp.uint32), sampling)
+            jnp.asarray(list(sids) + [0] * pad, jnp.uint32), sampling, kernel=self.decode_kernel)
         tokens, logits = np.asarray(tokens), np.asarray(logits)
         for index, (sid, value) in enumerate(zip(sids, values)):
             value.tokens.append(int(tokens[index]))
@@ -502,6 +505,16 @@ class SessionStore:
             if not candidates:
                 raise _NoRoom()
             self._to_host(min(candidates, key=lambda v: v.used), pinned)
+        self._grow(slots, pages)
+
+    def _scratch_slots(self, count: int) -> list[int]:
+        """``count`` distinct free slots (not allocated) for a batch's padding rows to write into;
+        the pools grow when fewer are free (scratch does not count against the device budget)."""
+        self._grow(count, 0)
+        return self._slots.free[len(self._slots.free) - count:]
+
+    def _grow(self, slots: int, pages: int) -> None:
+        """Grow the pools (doubling) until ``slots`` slots and ``pages`` pages are free."""
         slot_capacity, page_capacity = self._slots.capacity, self._pages.capacity
         while len(self._slots.free) + (slot_capacity - self._slots.capacity) < slots:
             slot_capacity *= 2
