@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 import yaml
+from jax.sharding import AbstractMesh, AxisType
 
 from k3jax.config import ConfigError, config_from_dict, to_dict
 from k3jax.convert.errors import ConvertError, atomic_directory, require_new
@@ -36,6 +37,7 @@ from k3jax.convert.mxfp4 import decode_mxfp4
 from k3jax.convert.orbax_stream import LeafSpec, StreamedStateWriter
 from k3jax.convert.safetensors_io import SafetensorsCheckpoint, TensorInfo
 from k3jax.data.tokenizers import BPE_FILE_NAME, TOKENIZER_CONFIG_NAME
+from k3jax.sharding.mesh import MESH_AXES, axes_size, partition_spec
 from k3jax.training import abstract_model
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -115,6 +117,31 @@ def _leaf_specs(abstract: dict, maps: list[TensorMap], packed: set[str]) -> dict
     return leaves
 
 
+def target_mesh(mesh_config) -> AbstractMesh:
+    """The abstract mesh (no devices) the ``mesh.*`` sizes describe; the -1 axis counts as 1 (with
+    the default rules it is the data axis, which no parameter is split over)."""
+    sizes = tuple(max(size, 1) for size in mesh_config.sizes.values())
+    return AbstractMesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def with_shard_chunks(leaves: dict[str, dict[str, LeafSpec]], axes: dict[str, dict[str, tuple]],
+                      mesh_config) -> dict[str, dict[str, LeafSpec]]:
+    """``leaves`` with each array's chunks cut to its shard on the target mesh (`target_mesh`,
+    PartitionSpecs from ``mesh_config.rules`` and the arrays' logical ``axes`` per top-level
+    item), so every device of that mesh restores its shard from whole chunks."""
+    mesh = target_mesh(mesh_config)
+    resized = {top: dict(specs) for top, specs in leaves.items()}
+    for top, top_axes in axes.items():
+        for key, names in top_axes.items():
+            spec = leaves[top][key]
+            partition = partition_spec(names, spec.shape, mesh_config.rules, mesh)
+            parts = [axes_size(mesh, entry if isinstance(entry, tuple) else (entry,)) if entry else 1
+                     for entry in partition]
+            chunks = tuple(min(chunk, size // count) for chunk, size, count in zip(spec.chunks, spec.shape, parts))
+            resized[top][key] = spec._replace(chunks=chunks)
+    return resized
+
+
 def _copy_tokenizer(hf_dir: pathlib.Path, target: pathlib.Path) -> pathlib.Path | None:
     """Copy K3's ``tiktoken.model`` (and ``tokenizer_config.json``) into ``target``; its path, or None."""
     if not (hf_dir / BPE_FILE_NAME).is_file():
@@ -181,14 +208,15 @@ def import_checkpoint(hf_dir, out_dir, overrides: Sequence[str] = (), log: Calla
     packed, vision = plan_import(maps, checkpoint.manifest)
     if vision:
         log(f"skipping {vision} vision tensors (k3jax imports the text model)")
-    _, params, buffers = abstract_model(config.model)
+    parts, params, buffers = abstract_model(config.model)
     abstract = {"params": params, "buffers": buffers}
     uncovered = sorted((set(params) | set(buffers)) - {spec.key for spec in maps})
     if uncovered:
         raise ConvertError(f"no HF tensor fills k3jax parameter {uncovered[0]} ({len(uncovered)} in all)")
 
     with atomic_directory(out_dir) as temporary:
-        leaves = _leaf_specs(abstract, maps, packed)
+        leaves = with_shard_chunks(_leaf_specs(abstract, maps, packed),
+                                   {"params": parts.params.axes(), "buffers": parts.buffers.axes()}, config.mesh)
         writer = StreamedStateWriter(temporary / "checkpoints" / "0", leaves)
         for count, spec in enumerate(maps, 1):
             if spec.hf_name in packed:

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from k3jax.checkpoint import region_checksum, sealed_with_checksums
 from k3jax.convert.errors import ConvertError
 
 STATE, META = "state", "meta"
@@ -48,6 +49,9 @@ class StreamedStateWriter:
     ``leaves``: ``{top-level name: {leaf key: LeafSpec}}`` (e.g. ``{"params": {...}, "buffers": {...}}``).
     Writes run in the background while the caller prepares the next region; at most
     ``pending_bytes`` (at least one region) are in flight, which bounds the memory they hold.
+    Each region's part of its array's checksum (`k3jax.checkpoint.region_checksum`) is added up
+    as it is written, and `finish` seals ``meta`` with the sums, so restores verify the arrays
+    like a trainer checkpoint's (every element must have been written exactly once).
     """
 
     def __init__(self, step_dir: pathlib.Path, leaves: dict[str, dict[str, LeafSpec]], pending_bytes: int = 2**26):
@@ -67,6 +71,7 @@ class StreamedStateWriter:
                     {"driver": "zarr", "kvstore": {**_kvstore(self.state_dir), "path": _array_name(top, key)},
                      "metadata": metadata}, create=True, context=self._context)
         self._arrays: dict[tuple[str, str], Any] = {name: future.result() for name, future in opening.items()}
+        self._checksums = dict.fromkeys(self._arrays, 0)
 
     def write(self, top: str, key: str, index: tuple[int, ...], value: np.ndarray) -> None:
         """Start ``array[index] = value`` for the leaf ``top/key`` (``value`` is cast to the leaf dtype)."""
@@ -75,10 +80,23 @@ class StreamedStateWriter:
         if tuple(value.shape) != expected:
             raise ConvertError(f"{top}/{key}{list(index)}: got shape {list(value.shape)}, expected {list(expected)}")
         value = np.asarray(value, spec.dtype)
+        self._add_checksum(top, key, index, value)
         while self._pending and self._pending_bytes + value.nbytes > self._budget:
             self._wait_oldest()
         self._pending.append((self._arrays[top, key][index].write(value), value.nbytes))
         self._pending_bytes += value.nbytes
+
+    def _add_checksum(self, top: str, key: str, index: tuple[int, ...], value: np.ndarray) -> None:
+        """Add the checksum part of ``array[index] = value`` (a block of whole trailing rows)."""
+        shape = self.leaves[top][key].shape
+        offset = int(np.ravel_multi_index(index, shape[: len(index)])) * value.size if index else 0
+        self._checksums[top, key] = (self._checksums[top, key] + region_checksum(value, offset)) % 2**32
+
+    def checksums(self) -> dict[str, int]:
+        """``{path: checksum}`` of the arrays so far, named as `k3jax.checkpoint.tree_checksums`
+        names the restored ``{top: {key: array}}``."""
+        return {jax.tree_util.keystr((jax.tree_util.DictKey(top), jax.tree_util.DictKey(key))): total
+                for (top, key), total in self._checksums.items()}
 
     def _wait_oldest(self) -> None:
         future, nbytes = self._pending.popleft()
@@ -91,8 +109,8 @@ class StreamedStateWriter:
             self._wait_oldest()
 
     def finish(self, meta: dict) -> None:
-        """Finish the writes, then write Orbax's metadata for the state item, the meta item and the
-        step's commit markers."""
+        """Finish the writes, then write Orbax's metadata for the state item, the meta item (``meta``
+        sealed with the checksums) and the step's commit markers."""
         self.flush()
         device = jax.devices()[0]
         sharding = json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": f"{device.platform}:{device.id}"})
@@ -109,7 +127,7 @@ class StreamedStateWriter:
             "store_array_data_equal_to_fill_value": True, "custom_metadata": None}))
         (self.state_dir / "_sharding").write_text(json.dumps(shardings))
         (self.step_dir / META).mkdir()
-        (self.step_dir / META / "metadata").write_text(json.dumps(meta))
+        (self.step_dir / META / "metadata").write_text(json.dumps(sealed_with_checksums(meta, self.checksums())))
         now = time.time_ns()
         (self.step_dir / "_CHECKPOINT_METADATA").write_text(json.dumps({
             "item_handlers": _HANDLERS, "metrics": {}, "performance_metrics": {},
