@@ -1,7 +1,9 @@
 """Session-store throughput, measured side by side in one run (`k3jax.sessions.SessionStore`):
 
     decode   64 sessions of different lengths step together (one batched jitted step per token)
-             vs the same 64 sessions decoded one at a time: tokens/s of each and their ratio
+             vs the same 64 sessions decoded one at a time: tokens/s of each and their ratio; and
+             the batched step over the pools (pool kernels, in place) vs the reference step that
+             gathers a contiguous bank, decodes and scatters it back (``decode_kernel=None``)
     prefix   opening a session whose prompt starts with a cached 4K-token prefix (prefill only
              the suffix) vs a cold prefill of the same prompt in a store without the cache
 
@@ -46,16 +48,20 @@ def decode_trials(store: SessionStore, sids, handles, new_tokens: int, trials: i
         for sid, handle in zip(sids, handles):
             store.rollback(sid, handle)
 
-    modes = {"batched": lambda: store.generate(sids, new_tokens),
-             "one_at_a_time": lambda: [store.generate([sid], new_tokens) for sid in sids]}
+    kernel = store.decode_kernel
+    modes = {"batched": (kernel, lambda: store.generate(sids, new_tokens)),
+             "batched_gathered": (None, lambda: store.generate(sids, new_tokens)),
+             "one_at_a_time": (kernel, lambda: [store.generate([sid], new_tokens) for sid in sids])}
     seconds = {name: [] for name in modes}
     for trial in range(trials + WARMUP_TRIALS):
         order = list(modes) if trial % 2 == 0 else list(modes)[::-1]
         for name in order:
             reset()
-            elapsed = timed(modes[name])
+            store.decode_kernel = modes[name][0]
+            elapsed = timed(modes[name][1])
             if trial >= WARMUP_TRIALS:
                 seconds[name].append(elapsed)
+    store.decode_kernel = kernel
     return seconds
 
 
@@ -132,6 +138,9 @@ def main(argv=None) -> int:
         "batched_tokens_per_s": tokens / median["batched"],
         "one_at_a_time_tokens_per_s": tokens / median["one_at_a_time"],
         "batched_speedup": median["one_at_a_time"] / median["batched"],
+        "batched_gathered_tokens_per_s": tokens / median["batched_gathered"],
+        "pooled_vs_gathered_speedup": median["batched_gathered"] / median["batched"],
+        "decode_kernel": store.stats()["decode_kernel"],
         "cold_prefill_s": median["cold_prefill"], "prefix_hit_s": median["prefix_hit"],
         "prefix_speedup": median["cold_prefill"] / median["prefix_hit"],
         "prefix_hit_max_logit_difference": difference,
@@ -140,6 +149,9 @@ def main(argv=None) -> int:
     print(f"{'batched decode, tokens/s':<44}{result['batched_tokens_per_s']:>14.1f}")
     print(f"{'one-at-a-time decode, tokens/s':<44}{result['one_at_a_time_tokens_per_s']:>14.1f}")
     print(f"{'  ratio (batched / one at a time)':<44}{result['batched_speedup']:>14.2f}")
+    print(f"{'batched, gather/decode/scatter, tokens/s':<44}{result['batched_gathered_tokens_per_s']:>14.1f}")
+    print(f"{'  ratio (pooled ' + result['decode_kernel'] + ' / gathered)':<44}"
+          f"{result['pooled_vs_gathered_speedup']:>14.2f}")
     print(f"{f'cold prefill of {args.prefix}+16 tokens, s':<44}{result['cold_prefill_s']:>14.3f}")
     print(f"{'prefix-cache hit (prefill 16 tokens), s':<44}{result['prefix_hit_s']:>14.3f}")
     print(f"{'  ratio (cold / hit)':<44}{result['prefix_speedup']:>14.2f}")

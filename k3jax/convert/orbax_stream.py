@@ -7,9 +7,16 @@ layout up front and fills it region by region — e.g. one expert of one scanned
 so converting a model never holds more than one tensor; `k3jax.checkpoint.RunCheckpoints`,
 `restore_subtree` and `k3jax.training.restore_model` read the result like any trainer checkpoint.
 `StateReader` reads regions of the arrays of any such checkpoint (the trainer's included).
+
+Several processes can write one checkpoint (each a share of the regions) the way Orbax writes
+multi-host checkpoints: process i writes into its own OCDBT store ``state/ocdbt.process_i/``
+(process 0 creates every array's zarr metadata, the others write chunks only), and after all
+have finished the primary merges the stores into the root one (`merge_process_stores`, Orbax's
+merge: the root store references the per-process data files, which stay).
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import collections
 import json
@@ -20,6 +27,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 import tensorstore as ts
+from etils import epath
+from orbax.checkpoint._src.serialization import ocdbt_utils
+from orbax.checkpoint._src.serialization import tensorstore_utils
 
 from k3jax.checkpoint import region_checksum, sealed_with_checksums
 from k3jax.convert.errors import ConvertError
@@ -54,10 +64,12 @@ class StreamedStateWriter:
     like a trainer checkpoint's (every element must have been written exactly once).
     """
 
-    def __init__(self, step_dir: pathlib.Path, leaves: dict[str, dict[str, LeafSpec]], pending_bytes: int = 2**26):
+    def __init__(self, step_dir: pathlib.Path, leaves: dict[str, dict[str, LeafSpec]], pending_bytes: int = 2**26,
+                 process: int = 0, num_processes: int = 1):
         self.step_dir = step_dir
         self.state_dir = step_dir / STATE
-        self.state_dir.mkdir(parents=True)
+        self.state_dir.mkdir(parents=True, exist_ok=num_processes > 1)
+        store_dir = self.state_dir if num_processes == 1 else self.state_dir / f"ocdbt.process_{process}"
         self.leaves = leaves
         self._context = ts.Context()
         self._pending: collections.deque = collections.deque()
@@ -68,8 +80,8 @@ class StreamedStateWriter:
                 metadata = {"shape": list(spec.shape), "chunks": list(spec.chunks), "dtype": np.dtype(spec.dtype).str,
                             "compressor": {"id": "zstd", "level": 1}}
                 opening[top, key] = ts.open(
-                    {"driver": "zarr", "kvstore": {**_kvstore(self.state_dir), "path": _array_name(top, key)},
-                     "metadata": metadata}, create=True, context=self._context)
+                    {"driver": "zarr", "kvstore": {**_kvstore(store_dir), "path": _array_name(top, key)},
+                     "metadata": metadata, "assume_metadata": process > 0}, create=True, context=self._context)
         self._arrays: dict[tuple[str, str], Any] = {name: future.result() for name, future in opening.items()}
         self._checksums = dict.fromkeys(self._arrays, 0)
 
@@ -108,9 +120,10 @@ class StreamedStateWriter:
         while self._pending:
             self._wait_oldest()
 
-    def finish(self, meta: dict) -> None:
+    def finish(self, meta: dict, checksums: dict[str, int]) -> None:
         """Finish the writes, then write Orbax's metadata for the state item, the meta item (``meta``
-        sealed with the checksums) and the step's commit markers."""
+        sealed with ``checksums``: this writer's `checksums`, or every process's summed) and the
+        step's commit markers."""
         self.flush()
         device = jax.devices()[0]
         sharding = json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": f"{device.platform}:{device.id}"})
@@ -127,11 +140,26 @@ class StreamedStateWriter:
             "store_array_data_equal_to_fill_value": True, "custom_metadata": None}))
         (self.state_dir / "_sharding").write_text(json.dumps(shardings))
         (self.step_dir / META).mkdir()
-        (self.step_dir / META / "metadata").write_text(json.dumps(sealed_with_checksums(meta, self.checksums())))
+        (self.step_dir / META / "metadata").write_text(json.dumps(sealed_with_checksums(meta, checksums)))
         now = time.time_ns()
         (self.step_dir / "_CHECKPOINT_METADATA").write_text(json.dumps({
             "item_handlers": _HANDLERS, "metrics": {}, "performance_metrics": {},
             "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}}))
+
+
+def merge_process_stores(state_dir: pathlib.Path) -> None:
+    """Merge the per-process OCDBT stores ``state_dir/ocdbt.process_*`` into the root store
+    (Orbax's multi-host merge, one atomic transaction; it checks every array has data)."""
+    context = tensorstore_utils.get_ts_context(use_ocdbt=True)
+    try:
+        asyncio.run(ocdbt_utils.merge_ocdbt_per_process_files(epath.Path(state_dir), ts_context=context, use_zarr3=False))
+    except ValueError as error:
+        raise ConvertError(f"{state_dir}: merging the processes' stores failed ({' '.join(str(error).split())[:200]})") from None
+
+
+def summed_checksums(parts: list[dict[str, int]]) -> dict[str, int]:
+    """Per-array checksums from the parts several writers summed (the sums add mod 2^32)."""
+    return {name: sum(part.get(name, 0) for part in parts) % 2**32 for name in parts[0]}
 
 
 class StateReader:

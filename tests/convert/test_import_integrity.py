@@ -1,7 +1,8 @@
 """Imported checkpoints are sealed like the trainer's: every array's checksum, summed region by
 region while streaming, equals the whole-array checksum of what restores, and a bit flipped in
 an imported array is refused on restore."""
-import jax
+import shutil
+
 import numpy as np
 import pytest
 import tensorstore as ts
@@ -40,7 +41,6 @@ def test_imported_meta_holds_the_checksum_of_every_array(imported):
 
 
 def test_a_flipped_bit_in_an_imported_array_is_refused(imported, tmp_path):
-    import shutil
     run = tmp_path / "run"
     shutil.copytree(imported, run)
     store = StateReader(run / "checkpoints" / "0")
