@@ -565,14 +565,14 @@ class SessionStore:
         value.slot, value.pages = slot, pages
 
     def _arrays(self, value: _Value) -> HostValue:
-        """The value's memory (rows cut to its length), wherever it is: device arrays when it is
-        on the device, else its host-tier arrays or what its file holds."""
+        """The value's memory (rows cut to its length, on the host), wherever it is: state and conv
+        tails as device arrays when it is on the device, else its host-tier arrays or its file's."""
         if value.slot is None:
             return value.host if value.host is not None else self._read_disk(value)
         bucket = paged.next_power_of_two(len(value.pages)) if value.pages else 0
         state, conv, rows = paged.read_value(self._pools, jnp.int32(value.slot),
                                              jnp.asarray(self._table(value.pages, bucket)))
-        return HostValue(state, conv, rows[:, : value.length])
+        return HostValue(state, conv, np.asarray(rows)[:, : value.length])
 
     def _to_host(self, value: _Value, pinned: set[int]) -> None:
         host = self._host_tier.put(self._arrays(value))

@@ -13,8 +13,10 @@ from k3jax.model import K3Model, layer_groups
 from k3jax.sessions import SessionStore, paged
 from tests.sessions.conftest import random_tokens, tiny_config
 
-PALLAS = [pytest.param(PoolKernel("pallas", "gpu", True), id="pallas-gpu", marks=pytest.mark.slow),
-          pytest.param(PoolKernel("pallas", "tpu", True), id="pallas-tpu", marks=pytest.mark.slow)]
+# Slow: each compiles the 6-layer model's decode twice (the store tests run the pooled step by default).
+pytestmark = pytest.mark.slow
+KERNELS = [pytest.param(PoolKernel("xla"), id="xla"), pytest.param(PoolKernel("pallas", "gpu", True), id="pallas-gpu"),
+           pytest.param(PoolKernel("pallas", "tpu", True), id="pallas-tpu")]
 SLOTS, PAGES, PAGE = 6, 8, 16
 LENGTHS = [5, 17, 33, 0]                                   # the last row pads the batch of 4
 
@@ -46,7 +48,7 @@ def run_step(model, pools, inputs, kernel):
     return paged.decode_step(*nnx.split(model), copy, *inputs, kernel=kernel)
 
 
-@pytest.mark.parametrize("kernel", [pytest.param(PoolKernel("xla"), id="xla"), *PALLAS])
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_pooled_step_equals_the_gather_decode_scatter_step(deep_model, kernel):
     pools, inputs = random_step(deep_model.config)
     tokens_ref, logits_ref, pools_ref = run_step(deep_model, pools, inputs, None)
