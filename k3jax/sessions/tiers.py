@@ -55,7 +55,10 @@ class HostTier:
         return HostValue(*jax.device_put(tuple(value), sharding))
 
     def to_device(self, array):
-        """One array of a held value copied to the device's default memory."""
+        """One array of a held value ready for the device: a pinned array copied to the device's
+        default memory (numpy arrays are uploaded by the program that takes them)."""
+        if self.kind == "numpy":
+            return array
         return jax.device_put(array, jax.sharding.SingleDeviceSharding(self.device))
 
 
