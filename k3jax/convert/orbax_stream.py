@@ -35,6 +35,7 @@ from k3jax.checkpoint import region_checksum, sealed_with_checksums
 from k3jax.convert.errors import ConvertError
 
 STATE, META = "state", "meta"
+_CHECKSUM_PIECE = 2**22      # elements per checksum call (16 MiB of fp32)
 _HANDLERS = {META: "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler",
              STATE: "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"}
 
@@ -102,7 +103,10 @@ class StreamedStateWriter:
         """Add the checksum part of ``array[index] = value`` (a block of whole trailing rows)."""
         shape = self.leaves[top][key].shape
         offset = int(np.ravel_multi_index(index, shape[: len(index)])) * value.size if index else 0
-        self._checksums[top, key] = (self._checksums[top, key] + region_checksum(value, offset)) % 2**32
+        flat = value.reshape(-1)
+        for start in range(0, flat.size, _CHECKSUM_PIECE):   # bounded pieces: bounded transient memory
+            part = region_checksum(flat[start : start + _CHECKSUM_PIECE], offset + start)
+            self._checksums[top, key] = (self._checksums[top, key] + part) % 2**32
 
     def checksums(self) -> dict[str, int]:
         """``{path: checksum}`` of the arrays so far, named as `k3jax.checkpoint.tree_checksums`
