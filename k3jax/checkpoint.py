@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 STATE, META = "state", "meta"
@@ -81,10 +82,11 @@ def _fmix32(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
-def _array_checksum(x: jax.Array) -> jax.Array:
-    """``sum_i fmix32(w_i xor (i * 0x9E3779B9)) mod 2^32`` over the words w of ``x`` (row-major index i)."""
+def _array_checksum(x: jax.Array, offset=0) -> jax.Array:
+    """``sum_i fmix32(w_i xor (i * 0x9E3779B9)) mod 2^32`` over the words w of ``x`` (row-major index
+    i, counted from ``offset``: a region of a larger array starting at its flat index ``offset``)."""
     words = _words(x)
-    index = jnp.zeros(words.shape, jnp.uint32)
+    index = jnp.full(words.shape, offset, jnp.uint32)
     stride = 1
     for axis in reversed(range(words.ndim)):
         index = index + jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis) * jnp.uint32(stride % 2**32)
@@ -93,6 +95,14 @@ def _array_checksum(x: jax.Array) -> jax.Array:
 
 
 _tree_checksums = jax.jit(lambda tree: jax.tree.map(_array_checksum, tree))
+_region_checksum = jax.jit(_array_checksum)
+
+
+def region_checksum(region, offset: int) -> int:
+    """The part of an array's checksum that its region ``region`` contributes, the region holding
+    the elements at flat (row-major) indices ``offset, offset + 1, ...`` of the array. The array's
+    checksum is the sum mod 2^32 of its disjoint regions' parts (so it can be streamed)."""
+    return int(_region_checksum(region, np.uint32(offset % 2**32)))
 
 
 def tree_checksums(tree: Any) -> dict[str, int]:
@@ -113,7 +123,12 @@ def _meta_digest(meta: dict) -> str:
 
 def sealed_meta(meta: dict, state: Any) -> dict:
     """``meta`` with the checksums of ``state``'s arrays and the digest of the whole."""
-    sealed = {**meta, CHECKSUMS: tree_checksums(_named(state))}
+    return sealed_with_checksums(meta, tree_checksums(_named(state)))
+
+
+def sealed_with_checksums(meta: dict, checksums: dict[str, int]) -> dict:
+    """``meta`` with ``{path: checksum}`` (paths as `tree_checksums` names them) and the digest."""
+    sealed = {**meta, CHECKSUMS: checksums}
     return {**sealed, META_DIGEST: _meta_digest(sealed)}
 
 

@@ -16,10 +16,24 @@ the last document on. The conv tails and latent caches are stored in the config'
 types without the leading layer axis. Training calls pass ``memory=None``; prefill and decode
 pass a bank from `init_memory` (or a saved one) and get the updated bank back.
 
+Pooled decode (one token per sequence, memory kept in pools shared by many sequences and updated
+in place, as `k3jax.sessions` keeps it): the bank is a `Memory` of
+
+      kda: KDAPool     state [N, HV, K, V] fp32, conv [N, W-1, C]: pools of rows shared by every
+                       KDA layer; rows [N_kda, B] int32: the row of each (layer, sequence), distinct
+                       within a layer (`k3jax.ops.kda.decode_pool`); kernel: its options
+      mla: MLAPages    latent [N, page, kv_lora + r]: a pool of pages shared by every MLA layer;
+                       tables [N_mla, B, P] int32: each sequence's pages in order (entries >= N
+                       read as zeros and drop writes); length [N_mla, B] int32: tokens so far
+
+A layer sees its own rows ``[B]`` / tables ``[B, P]`` and length ``[B]`` with the whole pools; the
+model threads the pools through its layers (`split_pools`, `join_pools`).
+
     python -m k3jax.memory configs/k3.yaml [configs/tiny.yaml ...]     # bytes per sequence vs context
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import NamedTuple
 
@@ -43,6 +57,69 @@ class MLAMemory(NamedTuple):
 class Memory(NamedTuple):
     kda: KDAMemory
     mla: MLAMemory
+
+
+class PoolKernel(NamedTuple):
+    """Options of the pool decode kernels (`k3jax.ops.kda.decode_pool`): implementation None picks
+    "pallas" on GPU/TPU and "xla" elsewhere; backend / interpret force a Pallas family (tests)."""
+
+    implementation: str | None = None
+    backend: str | None = None
+    interpret: bool = False
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KDAPool:
+    state: jax.Array
+    conv: jax.Array
+    rows: jax.Array
+    kernel: PoolKernel = dataclasses.field(default=PoolKernel(), metadata=dict(static=True))
+
+
+class MLAPages(NamedTuple):
+    latent: jax.Array
+    tables: jax.Array
+    length: jax.Array
+
+
+class SharedPools(NamedTuple):
+    """The arrays of a pooled bank that every layer of a kind reads and writes (None when absent)."""
+
+    kda_state: jax.Array | None = None
+    kda_conv: jax.Array | None = None
+    mla_latent: jax.Array | None = None
+
+
+def split_pools(memory):
+    """``(memory without its shared pool arrays, SharedPools)`` for a bank or one layer's memory;
+    memories without pools come back unchanged with empty pools."""
+    if isinstance(memory, Memory):
+        kda, kda_pools = split_pools(memory.kda)
+        mla, mla_pools = split_pools(memory.mla)
+        return Memory(kda, mla), SharedPools(kda_pools.kda_state, kda_pools.kda_conv, mla_pools.mla_latent)
+    if isinstance(memory, KDAPool):
+        return dataclasses.replace(memory, state=None, conv=None), SharedPools(memory.state, memory.conv, None)
+    if isinstance(memory, MLAPages):
+        return memory._replace(latent=None), SharedPools(mla_latent=memory.latent)
+    return memory, SharedPools()
+
+
+def join_pools(memory, pools: SharedPools):
+    """Inverse of `split_pools`: put the shared pool arrays back into ``memory``."""
+    if isinstance(memory, Memory):
+        return Memory(join_pools(memory.kda, pools), join_pools(memory.mla, pools))
+    if isinstance(memory, KDAPool):
+        return dataclasses.replace(memory, state=pools.kda_state, conv=pools.kda_conv)
+    if isinstance(memory, MLAPages):
+        return memory._replace(latent=pools.mla_latent)
+    return memory
+
+
+def updated_pools(pools: SharedPools, layer_memory) -> SharedPools:
+    """``pools`` with the arrays one layer's memory returned (unchanged for memories without pools)."""
+    _, new = split_pools(layer_memory)
+    return SharedPools(*(old if fresh is None else fresh for old, fresh in zip(pools, new)))
 
 
 def init_memory(config: ModelConfig, batch_size: int, max_length: int) -> Memory:
@@ -70,6 +147,9 @@ def check_memory(config: ModelConfig, memory: Memory, batch_size: int, new_token
     each (checked when its lengths are concrete, i.e. outside jit)."""
     if not isinstance(memory, Memory):
         raise ValueError(f"memory must be a k3jax.memory.Memory (from init_memory), got {type(memory).__name__}")
+    if isinstance(memory.kda, KDAPool) or isinstance(memory.mla, MLAPages):
+        _check_pooled_memory(config, memory, batch_size, new_tokens)
+        return
     capacity = memory.mla.latent.shape[2] if memory.mla.latent.ndim == 4 else 0
     expected = jax.eval_shape(lambda: init_memory(config, batch_size, capacity))
     for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree.leaves(memory)):
@@ -82,6 +162,31 @@ def check_memory(config: ModelConfig, memory: Memory, batch_size: int, new_token
         if used + new_tokens > capacity:
             raise ValueError(f"the memory bank holds {capacity} tokens per sequence; {used} are used and "
                              f"{new_tokens} more do not fit (init_memory's max_length)")
+
+
+def _check_pooled_memory(config: ModelConfig, memory: Memory, batch_size: int, new_tokens: int) -> None:
+    """Raise ValueError unless ``memory`` is a pooled bank (module docstring) of ``config`` for one
+    decode token of ``batch_size`` sequences."""
+    kda, mla = config.kda, config.mla
+    num_mla = len(config.mla_layer_indices)
+    dtype = jnp.dtype(config.compute_dtype)
+    if not (isinstance(memory.kda, KDAPool) and isinstance(memory.mla, MLAPages)) or new_tokens != 1:
+        raise ValueError("a pooled bank needs both KDAPool and MLAPages and decodes one token per call; got "
+                         f"{type(memory.kda).__name__}, {type(memory.mla).__name__} and {new_tokens} tokens")
+    tables = memory.mla.tables
+    expected = {
+        "kda.state": (memory.kda.state, (kda.num_value_heads, kda.head_dim, kda.head_dim), jnp.float32, 1),
+        "kda.conv": (memory.kda.conv, (kda.conv_size - 1, kda.conv_width), dtype, 1),
+        "kda.rows": (memory.kda.rows, (config.num_layers - num_mla, batch_size), jnp.int32, 0),
+        "mla.latent": (memory.mla.latent, (mla.latent_width,), dtype, 2),
+        "mla.tables": (tables, (num_mla, batch_size), jnp.int32, None),
+        "mla.length": (memory.mla.length, (num_mla, batch_size), jnp.int32, 0),
+    }
+    for name, (array, shape, want_dtype, skip) in expected.items():
+        got = tuple(array.shape)[skip:] if skip is not None else tuple(array.shape)[:2]
+        if got != shape or jnp.dtype(array.dtype) != jnp.dtype(want_dtype) or (name == "mla.tables" and array.ndim != 3):
+            raise ValueError(f"pooled memory {name} is {array.dtype}{list(array.shape)}; this model "
+                             f"({batch_size} sequences) needs {jnp.dtype(want_dtype)} with shape ...{list(shape)}")
 
 
 def _nbytes(tree) -> int:

@@ -36,7 +36,7 @@ from k3jax.layers.linear import project
 from k3jax.layers.mla import MLALayer
 from k3jax.layers.moe import ExpertCodes, MoE
 from k3jax.layers.params import logical_axes, param, truncated_normal
-from k3jax.memory import Memory, check_memory
+from k3jax.memory import Memory, SharedPools, check_memory, join_pools, split_pools, updated_pools
 from k3jax.ops.moe import MoEStats, updated_router_bias
 from k3jax.ops.norms import rms_norm
 
@@ -133,9 +133,10 @@ class LayerStack(nnx.Module):
     def __init__(self, config: ModelConfig, indices: tuple[int, ...], *, rngs: nnx.Rngs):
         self.layers = nnx.List([DecoderLayer(config, index, rngs=rngs) for index in indices])
 
-    def __call__(self, stream: ResidualStream, memory: Memory | None, segment_ids):
-        """memory: this stack's slice of the bank (``[n_kda, ...]``, ``[n_mla, ...]``) or None.
-        -> (stream, updated slice or None, stacked MoEStats or None)."""
+    def __call__(self, stream: ResidualStream, memory: Memory | None, pools: SharedPools, segment_ids):
+        """memory: this stack's slice of the bank (``[n_kda, ...]``, ``[n_mla, ...]``) or None,
+        without its shared pools, which each layer reads and updates in turn (`k3jax.memory`).
+        -> (stream, updated slice or None, updated pools, stacked MoEStats or None)."""
         new = {True: [], False: []}  # uses_mla -> per-layer memories
         stats = []
         for layer in self.layers:
@@ -143,14 +144,15 @@ class LayerStack(nnx.Module):
                 layer_memory = None
             else:
                 bank = memory.mla if layer.uses_mla else memory.kda
-                layer_memory = jax.tree.map(lambda a, i=len(new[layer.uses_mla]): a[i], bank)
+                layer_memory = join_pools(jax.tree.map(lambda a, i=len(new[layer.uses_mla]): a[i], bank), pools)
             stream, layer_memory, layer_stats = layer(stream, layer_memory, segment_ids)
-            new[layer.uses_mla].append(layer_memory)
+            pools = updated_pools(pools, layer_memory)
+            new[layer.uses_mla].append(split_pools(layer_memory)[0])
             if layer_stats is not None:
                 stats.append(layer_stats)
         if memory is not None:
             memory = Memory(kda=_stack_trees(new[False], memory.kda), mla=_stack_trees(new[True], memory.mla))
-        return stream, memory, _stack_trees(stats, None)
+        return stream, memory, pools, _stack_trees(stats, None)
 
 
 class LayerGroups(NamedTuple):
@@ -254,43 +256,47 @@ class K3Model(nnx.Module):
 
         kda_split, mla_split, moe_split = (self._split(kind) for kind in ("kda", "mla", "moe"))
         prefix_memory = body_memory = suffix_memory = None
+        pools = SharedPools()
         if memory is not None:
+            memory, pools = split_pools(memory)
             kda_parts = _split_layers(memory.kda, kda_split, self.groups.repeats)
             mla_parts = _split_layers(memory.mla, mla_split, self.groups.repeats)
             prefix_memory, body_memory, suffix_memory = (Memory(k, m) for k, m in zip(kda_parts, mla_parts))
 
-        stream, prefix_memory, prefix_stats = self.prefix(stream, prefix_memory, segment_ids)
+        stream, prefix_memory, pools, prefix_stats = self.prefix(stream, prefix_memory, pools, segment_ids)
         body_stats = None
         if self.body is not None:
-            stream, body_memory, body_stats = self._scan_body(stream, body_memory, segment_ids)
-        stream, suffix_memory, suffix_stats = self.suffix(stream, suffix_memory, segment_ids)
+            stream, body_memory, pools, body_stats = self._scan_body(stream, body_memory, pools, segment_ids)
+        stream, suffix_memory, pools, suffix_stats = self.suffix(stream, suffix_memory, pools, segment_ids)
 
         out = self.output_res(stream) if cfg.attn_res.kind == "block" else stream.partial
         out = rms_norm(out, self.final_norm[...], cfg.norm_eps)
         head = self.embedding[...].T if cfg.tie_embeddings else self.lm_head[...]
         logits = project(out, head, jnp.dtype(cfg.compute_dtype)).astype(jnp.float32)
         if memory is not None:
-            memory = Memory(
+            memory = join_pools(Memory(
                 kda=_join_layers(*(m.kda for m in (prefix_memory, body_memory, suffix_memory))),
                 mla=_join_layers(*(m.mla for m in (prefix_memory, body_memory, suffix_memory))),
-            )
+            ), pools)
         return ModelOutput(logits, memory, _join_layers(prefix_stats, body_stats, suffix_stats))
 
-    def _scan_body(self, stream, memory, segment_ids):
+    def _scan_body(self, stream, memory, pools, segment_ids):
         """Run the stacked body period ``repeats`` times with `lax.scan`, each period checkpointed
-        as ``config.remat`` says."""
+        as ``config.remat`` says; shared pools travel in the carry (updated in place)."""
         graphdef, state = nnx.split(self.body)
 
-        def period(stream, per_period):
+        def period(carry, per_period):
+            stream, pools = carry
             state, memory = per_period
-            stream, memory, stats = nnx.merge(graphdef, state)(stream, memory, segment_ids)
-            return stream, (memory, stats)
+            stream, memory, pools, stats = nnx.merge(graphdef, state)(stream, memory, pools, segment_ids)
+            return (stream, pools), (memory, stats)
 
         if self.config.remat != "none":
             period = jax.checkpoint(period, policy=REMAT_POLICIES[self.config.remat], prevent_cse=False)
         # A single period is unrolled: a one-trip loop only adds copies of the carried stream.
-        stream, (memory, stats) = jax.lax.scan(period, stream, (state, memory), unroll=self.groups.repeats == 1)
-        return stream, memory, stats
+        (stream, pools), (memory, stats) = jax.lax.scan(period, (stream, pools), (state, memory),
+                                                        unroll=self.groups.repeats == 1)
+        return stream, memory, pools, stats
 
     def _split(self, kind: str) -> _Split:
         """How many layers of ``kind`` ("kda", "mla" or "moe") each group holds."""

@@ -1,6 +1,7 @@
 """``python -m k3jax.convert`` / ``k3jax-convert``: Hugging Face checkpoints in and out of k3jax.
 
     python -m k3jax.convert import HF_DIR OUT_DIR [key=value ...]     HF -> a k3jax run directory
+        [--num-processes N --process-id I]     run once per process, each writing every N-th tensor
     python -m k3jax.convert export RUN_DIR HF_DIR [--mxfp4] [--float32]   a k3jax run -> HF safetensors
                                                                       (a LoRA run: adapters merged)
     python -m k3jax.convert config CONFIG_JSON OUT_YAML [key=value ...]  the run config an import would use
@@ -28,7 +29,10 @@ def _parser() -> argparse.ArgumentParser:
     importing.add_argument("hf_dir")
     importing.add_argument("out_dir")
     importing.add_argument("overrides", nargs="*", metavar="key=value", help="trainer config overrides, e.g. "
-                           "model.moe.expert_format=dense (decode MXFP4 experts) data.path=notes.txt")
+                           "model.moe.expert_format=dense (decode MXFP4 experts) data.path=notes.txt mesh.fsdp=8 "
+                           "(chunks follow the mesh's shards)")
+    importing.add_argument("--num-processes", type=int, default=1, help="processes sharing the import (default 1)")
+    importing.add_argument("--process-id", type=int, default=0, help="this process, 0 … N-1 (0 finalises)")
     exporting = commands.add_parser("export", help="a k3jax run directory -> a HF checkpoint directory")
     exporting.add_argument("run_dir")
     exporting.add_argument("hf_dir")
@@ -49,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "import":
             from k3jax.convert.importer import import_checkpoint
-            import_checkpoint(args.hf_dir, args.out_dir, args.overrides, log=log)
+            if args.num_processes < 1:
+                raise ConvertError(f"--num-processes must be at least 1, got {args.num_processes}")
+            import_checkpoint(args.hf_dir, args.out_dir, args.overrides, log=log, process=args.process_id,
+                              num_processes=args.num_processes)
         elif args.command == "config":
             from k3jax.convert.importer import write_run_config
             write_run_config(args.config_json, args.out_yaml, args.overrides)

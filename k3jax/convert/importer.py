@@ -24,22 +24,26 @@ temporary name and renamed at the end: a failed import leaves nothing that looks
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
+import time
 from typing import Callable, Sequence
 
 import jax
 import numpy as np
 import yaml
+from jax.sharding import AbstractMesh, AxisType
 
 from k3jax.config import ConfigError, config_from_dict, to_dict
 from k3jax.convert.errors import ConvertError, atomic_directory, require_new
 from k3jax.convert.hf_config import HFConfigError, checkpoint_flavour, model_config_from_hf
 from k3jax.convert.keymap import TensorMap, is_vision, model_maps, mxfp4_names
 from k3jax.convert.mxfp4 import decode_mxfp4
-from k3jax.convert.orbax_stream import LeafSpec, StreamedStateWriter
+from k3jax.convert.orbax_stream import LeafSpec, StreamedStateWriter, merge_process_stores, summed_checksums
 from k3jax.convert.safetensors_io import SafetensorsCheckpoint, TensorInfo
 from k3jax.data.tokenizers import BPE_FILE_NAME, TOKENIZER_CONFIG_NAME
+from k3jax.sharding.mesh import MESH_AXES, axes_size, partition_spec
 from k3jax.training import abstract_model
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -123,6 +127,101 @@ def _leaf_specs(abstract: dict, maps: list[TensorMap], packed: set[str]) -> dict
     return leaves
 
 
+def target_mesh(mesh_config) -> AbstractMesh:
+    """The abstract mesh (no devices) the ``mesh.*`` sizes describe; the -1 axis counts as 1 (with
+    the default rules it is the data axis, which no parameter is split over)."""
+    sizes = tuple(max(size, 1) for size in mesh_config.sizes.values())
+    return AbstractMesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def with_shard_chunks(leaves: dict[str, dict[str, LeafSpec]], axes: dict[str, dict[str, tuple]],
+                      mesh_config) -> dict[str, dict[str, LeafSpec]]:
+    """``leaves`` with each array's chunks cut to its shard on the target mesh (`target_mesh`,
+    PartitionSpecs from ``mesh_config.rules`` and the arrays' logical ``axes`` per top-level
+    item), so every device of that mesh restores its shard from whole chunks."""
+    mesh = target_mesh(mesh_config)
+    resized = {top: dict(specs) for top, specs in leaves.items()}
+    for top, top_axes in axes.items():
+        for key, names in top_axes.items():
+            spec = leaves[top][key]
+            partition = partition_spec(names, spec.shape, mesh_config.rules, mesh)
+            parts = [axes_size(mesh, entry if isinstance(entry, tuple) else (entry,)) if entry else 1
+                     for entry in partition]
+            chunks = tuple(min(chunk, size // count) for chunk, size, count in zip(spec.chunks, spec.shape, parts))
+            resized[top][key] = spec._replace(chunks=chunks)
+    return resized
+
+
+def process_share(maps: list[TensorMap], process: int, num_processes: int) -> list[TensorMap]:
+    """The tensors process ``process`` of ``num_processes`` imports: every N-th in checkpoint order
+    (neighbouring layers' tensors go to different processes)."""
+    return maps[process::num_processes]
+
+
+def _write_tensors(writer: StreamedStateWriter, maps: list[TensorMap], checkpoint: SafetensorsCheckpoint,
+                   packed: set[str], log: Callable[[str], None]) -> None:
+    """Read each tensor of ``maps`` once and write it (MXFP4 experts decoded, their scales kept)."""
+    for count, spec in enumerate(maps, 1):
+        if spec.hf_name in packed:
+            packed_name, scale_name = mxfp4_names(spec.hf_name)
+            scale = checkpoint.read(scale_name)
+            value = decode_mxfp4(checkpoint.read(packed_name), scale)
+            writer.write(SCALES, spec.key, spec.index, scale)
+        else:
+            value = checkpoint.read(spec.hf_name)
+        if spec.layout == "narrow" and np.any(np.asarray(value, np.float32).reshape(-1)[spec.shape[0]:]):
+            log(f"warning: {spec.hf_name} has non-zero entries past its {spec.shape[0]} heads; they are "
+                f"dropped (export writes zeros there)")
+        writer.write(spec.top, spec.key, spec.index, to_k3jax(value, spec))
+        del value
+        if count % 1000 == 0:
+            log(f"  {count}/{len(maps)} tensors")
+    writer.flush()
+
+
+def import_share_in_process(out_dir: pathlib.Path, leaves, share: list[TensorMap], checkpoint, packed: set[str],
+                            log, process: int, num_processes: int, finish, wait_seconds: float = 3600.0) -> None:
+    """One process's part of a multi-process import into the shared temporary directory
+    ``.<name>.partial-import`` beside ``out_dir``: write ``share`` into this process's store, then
+    leave a marker holding its checksum sums (or the error that stopped it). The primary waits for
+    every marker, merges the stores (`merge_process_stores`), calls ``finish(temporary, writer,
+    checksums)`` with the summed checksums and renames the directory to ``out_dir``."""
+    temporary = out_dir.parent / f".{out_dir.name}.partial-import"
+    temporary.mkdir(parents=True, exist_ok=True)
+    marker = lambda index, kind: temporary / f".process-{index}.{kind}"  # noqa: E731
+    try:
+        writer = StreamedStateWriter(temporary / "checkpoints" / "0", leaves, process=process,
+                                     num_processes=num_processes)
+        _write_tensors(writer, share, checkpoint, packed, log)
+        _write_atomically(marker(process, "done"), json.dumps(writer.checksums()))
+    except BaseException as error:
+        _write_atomically(marker(process, "failed"), " ".join(str(error).split()) or type(error).__name__)
+        raise
+    if process != 0:
+        return
+    deadline = time.monotonic() + wait_seconds
+    while not all(marker(i, "done").exists() for i in range(num_processes)):
+        failed = [i for i in range(num_processes) if marker(i, "failed").exists()]
+        if failed:
+            raise ConvertError(f"import process {failed[0]} failed: {marker(failed[0], 'failed').read_text()}")
+        if time.monotonic() > deadline:
+            raise ConvertError(f"import processes did not all finish within {wait_seconds:.0f} s")
+        time.sleep(0.2)
+    checksums = summed_checksums([json.loads(marker(i, "done").read_text()) for i in range(num_processes)])
+    merge_process_stores(writer.state_dir)
+    finish(temporary, writer, checksums)
+    for index in range(num_processes):
+        marker(index, "done").unlink()
+    require_new(out_dir)
+    temporary.rename(out_dir)
+
+
+def _write_atomically(path: pathlib.Path, text: str) -> None:
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 def _copy_tokenizer(hf_dir: pathlib.Path, target: pathlib.Path) -> pathlib.Path | None:
     """Copy K3's ``tiktoken.model`` (and ``tokenizer_config.json``) into ``target``; its path, or None."""
     if not (hf_dir / BPE_FILE_NAME).is_file():
@@ -181,9 +280,16 @@ def write_run_config(hf_config_path, out_yaml, overrides: Sequence[str] = ()) ->
     out_yaml.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
 
 
-def import_checkpoint(hf_dir, out_dir, overrides: Sequence[str] = (), log: Callable[[str], None] = print) -> dict:
-    """Convert ``hf_dir`` into the run directory ``out_dir`` (which must not exist); returns a summary."""
+def import_checkpoint(hf_dir, out_dir, overrides: Sequence[str] = (), log: Callable[[str], None] = print,
+                      process: int = 0, num_processes: int = 1, wait_seconds: float = 3600.0) -> dict:
+    """Convert ``hf_dir`` into the run directory ``out_dir`` (which must not exist); returns a summary.
+
+    With ``num_processes`` > 1, run once per process (``process`` 0 … N-1, in parallel, sharing
+    the filesystem): each writes its share of the tensors (`process_share`) and the primary
+    (process 0) waits up to ``wait_seconds`` for the others, then finalises (`import_share_in_process`)."""
     hf_dir, out_dir = pathlib.Path(hf_dir), pathlib.Path(out_dir).expanduser().resolve()
+    if not 0 <= process < num_processes:
+        raise ConvertError(f"--process-id must be in [0, {num_processes}), got {process}")
     require_new(out_dir)
     if not hf_dir.is_dir():
         raise ConvertError(f"{hf_dir}: no such directory")
@@ -198,30 +304,19 @@ def import_checkpoint(hf_dir, out_dir, overrides: Sequence[str] = (), log: Calla
     packed, vision = plan_import(maps, checkpoint.manifest)
     if vision:
         log(f"skipping {vision} vision tensors (k3jax imports the text model)")
-    _, params, buffers = abstract_model(config.model)
+    parts, params, buffers = abstract_model(config.model)
     abstract = {"params": params, "buffers": buffers}
     uncovered = sorted((set(params) | set(buffers)) - {spec.key for spec in maps})
     if uncovered:
         raise ConvertError(f"no HF tensor fills k3jax parameter {uncovered[0]} ({len(uncovered)} in all)")
 
-    with atomic_directory(out_dir) as temporary:
-        leaves = _leaf_specs(abstract, maps, packed)
-        writer = StreamedStateWriter(temporary / "checkpoints" / "0", leaves)
-        for count, spec in enumerate(maps, 1):
-            if spec.hf_name in packed:
-                packed_name, scale_name = mxfp4_names(spec.hf_name)
-                scale = checkpoint.read(scale_name)
-                value = decode_mxfp4(checkpoint.read(packed_name), scale)
-                writer.write(SCALES, spec.key, spec.index, scale)
-            else:
-                value = checkpoint.read(spec.hf_name)
-            if spec.layout == "narrow" and np.any(np.asarray(value, np.float32).reshape(-1)[spec.shape[0]:]):
-                log(f"warning: {spec.hf_name} has non-zero entries past its {spec.shape[0]} heads; they are "
-                    f"dropped (export writes zeros there)")
-            writer.write(spec.top, spec.key, spec.index, to_k3jax(value, spec))
-            del value
-            if count % 1000 == 0:
-                log(f"  {count}/{len(maps)} tensors")
+    leaves = with_shard_chunks(_leaf_specs(abstract, maps, packed),
+                               {"params": parts.params.axes(), "buffers": parts.buffers.axes()}, config.mesh)
+    meta = {"config": to_dict(config), "data_position": 0, "optimizer_step": 0, "jax_version": jax.__version__,
+            "imported_from": str(hf_dir.resolve())}
+    share = process_share(maps, process, num_processes)
+
+    def finish_run_directory(temporary: pathlib.Path) -> None:
         _copy_tokenizer(hf_dir, temporary / TOKENIZER_DIR)
         (temporary / SOURCE_DIR).mkdir()
         shutil.copyfile(hf_config_path, temporary / SOURCE_DIR / "config.json")
@@ -229,8 +324,19 @@ def import_checkpoint(hf_dir, out_dir, overrides: Sequence[str] = (), log: Calla
                     if not is_vision(name)}
         (temporary / SOURCE_DIR / "tensors.json").write_text(json.dumps(manifest))
         (temporary / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-        writer.finish({"config": to_dict(config), "data_position": 0, "optimizer_step": 0,
-                       "jax_version": jax.__version__, "imported_from": str(hf_dir.resolve())})
+
+    if num_processes == 1:
+        with atomic_directory(out_dir) as temporary:
+            writer = StreamedStateWriter(temporary / "checkpoints" / "0", leaves)
+            _write_tensors(writer, share, checkpoint, packed, log)
+            finish_run_directory(temporary)
+            writer.finish(meta, writer.checksums())
+    else:
+        def finish(temporary, writer, checksums):
+            finish_run_directory(temporary)
+            writer.finish(meta, checksums)
+        import_share_in_process(out_dir, leaves, share, checkpoint, packed, log, process, num_processes, finish,
+                                wait_seconds)
     kept = sum(spec.layout == "packed" for spec in maps) // 2
     summary = {"run_dir": str(out_dir), "flavour": flavour, "tensors": len(checkpoint.manifest) - vision,
                "mxfp4_experts": len(packed) + kept, "mxfp4_kept_packed": kept > 0, "vision_skipped": vision,

@@ -7,9 +7,16 @@ layout up front and fills it region by region — e.g. one expert of one scanned
 so converting a model never holds more than one tensor; `k3jax.checkpoint.RunCheckpoints`,
 `restore_subtree` and `k3jax.training.restore_model` read the result like any trainer checkpoint.
 `StateReader` reads regions of the arrays of any such checkpoint (the trainer's included).
+
+Several processes can write one checkpoint (each a share of the regions) the way Orbax writes
+multi-host checkpoints: process i writes into its own OCDBT store ``state/ocdbt.process_i/``
+(process 0 creates every array's zarr metadata, the others write chunks only), and after all
+have finished the primary merges the stores into the root one (`merge_process_stores`, Orbax's
+merge: the root store references the per-process data files, which stay).
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import collections
 import json
@@ -20,10 +27,15 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 import tensorstore as ts
+from etils import epath
+from orbax.checkpoint._src.serialization import ocdbt_utils
+from orbax.checkpoint._src.serialization import tensorstore_utils
 
+from k3jax.checkpoint import region_checksum, sealed_with_checksums
 from k3jax.convert.errors import ConvertError
 
 STATE, META = "state", "meta"
+_CHECKSUM_PIECE = 2**22      # elements per checksum call (16 MiB of fp32)
 _HANDLERS = {META: "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler",
              STATE: "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"}
 
@@ -48,12 +60,17 @@ class StreamedStateWriter:
     ``leaves``: ``{top-level name: {leaf key: LeafSpec}}`` (e.g. ``{"params": {...}, "buffers": {...}}``).
     Writes run in the background while the caller prepares the next region; at most
     ``pending_bytes`` (at least one region) are in flight, which bounds the memory they hold.
+    Each region's part of its array's checksum (`k3jax.checkpoint.region_checksum`) is added up
+    as it is written, and `finish` seals ``meta`` with the sums, so restores verify the arrays
+    like a trainer checkpoint's (every element must have been written exactly once).
     """
 
-    def __init__(self, step_dir: pathlib.Path, leaves: dict[str, dict[str, LeafSpec]], pending_bytes: int = 2**26):
+    def __init__(self, step_dir: pathlib.Path, leaves: dict[str, dict[str, LeafSpec]], pending_bytes: int = 2**26,
+                 process: int = 0, num_processes: int = 1):
         self.step_dir = step_dir
         self.state_dir = step_dir / STATE
-        self.state_dir.mkdir(parents=True)
+        self.state_dir.mkdir(parents=True, exist_ok=num_processes > 1)
+        store_dir = self.state_dir if num_processes == 1 else self.state_dir / f"ocdbt.process_{process}"
         self.leaves = leaves
         self._context = ts.Context()
         self._pending: collections.deque = collections.deque()
@@ -64,9 +81,10 @@ class StreamedStateWriter:
                 metadata = {"shape": list(spec.shape), "chunks": list(spec.chunks), "dtype": np.dtype(spec.dtype).str,
                             "compressor": {"id": "zstd", "level": 1}}
                 opening[top, key] = ts.open(
-                    {"driver": "zarr", "kvstore": {**_kvstore(self.state_dir), "path": _array_name(top, key)},
-                     "metadata": metadata}, create=True, context=self._context)
+                    {"driver": "zarr", "kvstore": {**_kvstore(store_dir), "path": _array_name(top, key)},
+                     "metadata": metadata, "assume_metadata": process > 0}, create=True, context=self._context)
         self._arrays: dict[tuple[str, str], Any] = {name: future.result() for name, future in opening.items()}
+        self._checksums = dict.fromkeys(self._arrays, 0)
 
     def write(self, top: str, key: str, index: tuple[int, ...], value: np.ndarray) -> None:
         """Start ``array[index] = value`` for the leaf ``top/key`` (``value`` is cast to the leaf dtype)."""
@@ -75,10 +93,26 @@ class StreamedStateWriter:
         if tuple(value.shape) != expected:
             raise ConvertError(f"{top}/{key}{list(index)}: got shape {list(value.shape)}, expected {list(expected)}")
         value = np.asarray(value, spec.dtype)
+        self._add_checksum(top, key, index, value)
         while self._pending and self._pending_bytes + value.nbytes > self._budget:
             self._wait_oldest()
         self._pending.append((self._arrays[top, key][index].write(value), value.nbytes))
         self._pending_bytes += value.nbytes
+
+    def _add_checksum(self, top: str, key: str, index: tuple[int, ...], value: np.ndarray) -> None:
+        """Add the checksum part of ``array[index] = value`` (a block of whole trailing rows)."""
+        shape = self.leaves[top][key].shape
+        offset = int(np.ravel_multi_index(index, shape[: len(index)])) * value.size if index else 0
+        flat = value.reshape(-1)
+        for start in range(0, flat.size, _CHECKSUM_PIECE):   # bounded pieces: bounded transient memory
+            part = region_checksum(flat[start : start + _CHECKSUM_PIECE], offset + start)
+            self._checksums[top, key] = (self._checksums[top, key] + part) % 2**32
+
+    def checksums(self) -> dict[str, int]:
+        """``{path: checksum}`` of the arrays so far, named as `k3jax.checkpoint.tree_checksums`
+        names the restored ``{top: {key: array}}``."""
+        return {jax.tree_util.keystr((jax.tree_util.DictKey(top), jax.tree_util.DictKey(key))): total
+                for (top, key), total in self._checksums.items()}
 
     def _wait_oldest(self) -> None:
         future, nbytes = self._pending.popleft()
@@ -90,8 +124,9 @@ class StreamedStateWriter:
         while self._pending:
             self._wait_oldest()
 
-    def finish(self, meta: dict) -> None:
-        """Finish the writes, then write Orbax's metadata for the state item, the meta item and the
+    def finish(self, meta: dict, checksums: dict[str, int]) -> None:
+        """Finish the writes, then write Orbax's metadata for the state item, the meta item (``meta``
+        sealed with ``checksums``: this writer's `checksums`, or every process's summed) and the
         step's commit markers."""
         self.flush()
         device = jax.devices()[0]
@@ -109,11 +144,26 @@ class StreamedStateWriter:
             "store_array_data_equal_to_fill_value": True, "custom_metadata": None}))
         (self.state_dir / "_sharding").write_text(json.dumps(shardings))
         (self.step_dir / META).mkdir()
-        (self.step_dir / META / "metadata").write_text(json.dumps(meta))
+        (self.step_dir / META / "metadata").write_text(json.dumps(sealed_with_checksums(meta, checksums)))
         now = time.time_ns()
         (self.step_dir / "_CHECKPOINT_METADATA").write_text(json.dumps({
             "item_handlers": _HANDLERS, "metrics": {}, "performance_metrics": {},
             "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}}))
+
+
+def merge_process_stores(state_dir: pathlib.Path) -> None:
+    """Merge the per-process OCDBT stores ``state_dir/ocdbt.process_*`` into the root store
+    (Orbax's multi-host merge, one atomic transaction; it checks every array has data)."""
+    context = tensorstore_utils.get_ts_context(use_ocdbt=True)
+    try:
+        asyncio.run(ocdbt_utils.merge_ocdbt_per_process_files(epath.Path(state_dir), ts_context=context, use_zarr3=False))
+    except ValueError as error:
+        raise ConvertError(f"{state_dir}: merging the processes' stores failed ({' '.join(str(error).split())[:200]})") from None
+
+
+def summed_checksums(parts: list[dict[str, int]]) -> dict[str, int]:
+    """Per-array checksums from the parts several writers summed (the sums add mod 2^32)."""
+    return {name: sum(part.get(name, 0) for part in parts) % 2**32 for name in parts[0]}
 
 
 class StateReader:

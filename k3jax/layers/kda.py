@@ -15,6 +15,7 @@ optimizers and head sharding see the head axis.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -25,9 +26,10 @@ from flax import nnx
 from k3jax.config import KDAConfig
 from k3jax.layers.lora import adapted_project
 from k3jax.layers.params import param, truncated_normal
-from k3jax.memory import KDAMemory
+from k3jax.memory import KDAMemory, KDAPool
 from k3jax.ops.conv import causal_depthwise_conv
 from k3jax.ops.kda import kda, kda_gate, kda_step, l2_normalize
+from k3jax.ops.kda.decode_pool import conv_pool_step, kda_pool_step
 from k3jax.ops.norms import rms_norm
 
 
@@ -88,21 +90,20 @@ class KDALayer(nnx.Module):
         self.context_parallel = None     # a `k3jax.sharding.context.ContextParallel`, set by parallelize
 
     def __call__(
-        self, x: jax.Array, memory: KDAMemory | None = None, segment_ids: jax.Array | None = None
-    ) -> tuple[jax.Array, KDAMemory]:
+        self, x: jax.Array, memory: KDAMemory | KDAPool | None = None, segment_ids: jax.Array | None = None
+    ) -> tuple[jax.Array, KDAMemory | KDAPool]:
         """x ``[B, T, d]`` -> ``(y [B, T, d] in dtype, updated KDAMemory)``.
 
         ``memory`` (state ``[B, HV, K, V]``, conv ``[B, W-1, C]``) continues a sequence; None
         starts from zeros. ``segment_ids [B, T]`` restarts state and conv window at boundaries.
+        A `KDAPool` (T = 1, no segments) decodes from and into its pools (`decode_pooled`).
         """
+        if isinstance(memory, KDAPool):
+            return self.decode_pooled(x, memory)
         cfg = self.config
         batch, length, _ = x.shape
-        heads, value_heads, dim = cfg.num_heads, cfg.num_value_heads, cfg.head_dim
-        projected = jnp.concatenate(
-            [adapted_project(self, name, x, self.dtype).reshape(batch, length, -1) for name in ("q_proj", "k_proj", "v_proj")],
-            axis=-1,
-        )
-        conv_weight = jnp.concatenate([w[...].reshape(-1, cfg.conv_size) for w in (self.q_conv, self.k_conv, self.v_conv)])
+        projected = self._projections(x)
+        conv_weight = self._conv_weight()
         conv_state = None if memory is None else memory.conv
         split = self.context_parallel is not None and memory is None
         segments = jnp.zeros((batch, length), jnp.int32) if split and segment_ids is None else segment_ids
@@ -110,16 +111,8 @@ class KDALayer(nnx.Module):
             mixed, conv_tail = self.context_parallel.conv(projected, conv_weight, segments), None
         else:
             mixed, conv_tail = causal_depthwise_conv(projected, conv_weight, conv_state, segment_ids)
-        mixed = jax.nn.silu(mixed)
-        q, k, v = jnp.split(mixed, [cfg.key_width, 2 * cfg.key_width], axis=-1)
-        q = l2_normalize(q.reshape(batch, length, heads, dim).astype(jnp.float32))
-        k = l2_normalize(k.reshape(batch, length, heads, dim).astype(jnp.float32))
-        v = v.reshape(batch, length, value_heads, dim)
-
-        raw_gate = adapted_project(self, "f_b_proj", adapted_project(self, "f_a_proj", x, self.dtype), self.dtype)
-        lower_bound = cfg.lower_bound if cfg.gate == "lower_bound" else None
-        g = kda_gate(raw_gate, self.A_log[...], self.dt_bias[...], lower_bound=lower_bound)
-        beta = jax.nn.sigmoid(adapted_project(self, "b_proj", x, self.dtype).astype(jnp.float32))
+        q, k, v = self._heads(mixed)
+        g, beta = self._gates(x)
 
         state = None if memory is None else memory.state
         if length == 1 and state is not None:
@@ -131,13 +124,58 @@ class KDALayer(nnx.Module):
         else:
             o, state = kda(q, k, v, g, beta, initial_state=state, segment_ids=segment_ids,
                            chunk_size=cfg.chunk_size, implementation=cfg.implementation)
-
-        o = rms_norm(o.astype(jnp.float32), self.o_norm[...], self.config.output_norm_eps)
-        o = o * jax.nn.sigmoid(self._output_gate(x).astype(jnp.float32))
-        y = adapted_project(self, "o_proj", o, self.dtype, contract=2)
         if memory is not None:
             conv_tail = conv_tail.astype(memory.conv.dtype)
-        return y, KDAMemory(state=state, conv=conv_tail)
+        return self._output(o, x), KDAMemory(state=state, conv=conv_tail)
+
+    def decode_pooled(self, x: jax.Array, memory: KDAPool) -> tuple[jax.Array, KDAPool]:
+        """One token per sequence, x ``[B, 1, d]``, whose state and conv tail are rows
+        ``memory.rows [B]`` of the pools: `conv_pool_step` and `kda_pool_step` read and write only
+        those rows (in place when the pools are donated). -> ``(y [B, 1, d], KDAPool with the
+        updated pools)``; the same numbers as ``__call__`` on the gathered rows."""
+        if x.shape[1] != 1:
+            raise ValueError(f"pooled KDA decode takes one token per sequence, got x {x.shape}")
+        kernel = memory.kernel._asdict()
+        mixed, conv = conv_pool_step(memory.conv, memory.rows, self._projections(x)[:, 0], self._conv_weight(), **kernel)
+        q, k, v = self._heads(mixed[:, None])
+        g, beta = self._gates(x)
+        o, state = kda_pool_step(memory.state, memory.rows, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], **kernel)
+        return self._output(o[:, None], x), dataclasses.replace(memory, state=state, conv=conv)
+
+    def _projections(self, x: jax.Array) -> jax.Array:
+        """The conv inputs ``[W_q x | W_k x | W_v x]`` ``[B, T, C]``."""
+        batch, length, _ = x.shape
+        return jnp.concatenate(
+            [adapted_project(self, name, x, self.dtype).reshape(batch, length, -1) for name in ("q_proj", "k_proj", "v_proj")],
+            axis=-1,
+        )
+
+    def _conv_weight(self) -> jax.Array:
+        """The q|k|v conv taps ``[C, W]``."""
+        return jnp.concatenate([w[...].reshape(-1, self.config.conv_size) for w in (self.q_conv, self.k_conv, self.v_conv)])
+
+    def _heads(self, mixed: jax.Array):
+        """Conv outputs ``[B, T, C]`` -> SiLU, split, L2-normalised q, k ``[B, T, H, K]`` fp32 and v ``[B, T, HV, V]``."""
+        cfg = self.config
+        batch, length, _ = mixed.shape
+        q, k, v = jnp.split(jax.nn.silu(mixed), [cfg.key_width, 2 * cfg.key_width], axis=-1)
+        q = l2_normalize(q.reshape(batch, length, cfg.num_heads, cfg.head_dim).astype(jnp.float32))
+        k = l2_normalize(k.reshape(batch, length, cfg.num_heads, cfg.head_dim).astype(jnp.float32))
+        return q, k, v.reshape(batch, length, cfg.num_value_heads, cfg.head_dim)
+
+    def _gates(self, x: jax.Array):
+        """Forget gate g ``[B, T, HV, K]`` and beta ``[B, T, HV]``, fp32."""
+        cfg = self.config
+        raw_gate = adapted_project(self, "f_b_proj", adapted_project(self, "f_a_proj", x, self.dtype), self.dtype)
+        lower_bound = cfg.lower_bound if cfg.gate == "lower_bound" else None
+        g = kda_gate(raw_gate, self.A_log[...], self.dt_bias[...], lower_bound=lower_bound)
+        return g, jax.nn.sigmoid(adapted_project(self, "b_proj", x, self.dtype).astype(jnp.float32))
+
+    def _output(self, o: jax.Array, x: jax.Array) -> jax.Array:
+        """y = W_o [RMSNorm_V(o) * sigmoid(gate(x))] ``[B, T, d]``."""
+        o = rms_norm(o.astype(jnp.float32), self.o_norm[...], self.config.output_norm_eps)
+        o = o * jax.nn.sigmoid(self._output_gate(x).astype(jnp.float32))
+        return adapted_project(self, "o_proj", o, self.dtype, contract=2)
 
     def _output_gate(self, x: jax.Array) -> jax.Array:
         """Gate pre-activation ``[B, T, HV, V]``: W_g x (full rank) or W_gb W_ga x (rank K)."""

@@ -25,7 +25,7 @@ from k3jax.config import MLAConfig
 from k3jax.layers.linear import project
 from k3jax.layers.lora import adapted_project, adapted_weight
 from k3jax.layers.params import param, truncated_normal
-from k3jax.memory import MLAMemory
+from k3jax.memory import MLAMemory, MLAPages
 from k3jax.ops.attention import attention
 from k3jax.ops.norms import rms_norm
 
@@ -88,8 +88,8 @@ class MLALayer(nnx.Module):
     ) -> tuple[jax.Array, MLAMemory | None]:
         """x ``[B, T, d]`` -> ``(y [B, T, d] in dtype, updated MLAMemory or None)``.
 
-        ``memory`` (latent ``[B, S, kv_lora + r]``, length and document_start ``[B]``) holds
-        earlier tokens; the call writes its T tokens at slots [length, length + T), which must
+        ``memory`` (latent ``[B, S, kv_lora + r]``, length and document_start ``[B]``; or
+        `MLAPages`, see `_attend_paged`) holds earlier tokens; the call writes its T tokens at slots [length, length + T), which must
         fit in S. The call's first segment continues the cached document (slots from
         document_start on); a later segment sees only its own tokens.
         """
@@ -100,6 +100,8 @@ class MLALayer(nnx.Module):
         latent = jnp.concatenate([c, latent[..., cfg.kv_lora_rank :]], axis=-1)     # [B, T, kv_lora + r]
         if memory is None:
             o, new_memory = self._attend_expanded(q, latent, segment_ids), None
+        elif isinstance(memory, MLAPages):
+            o, new_memory = self._attend_paged(q, latent, memory)
         else:
             segments = jnp.zeros(x.shape[:2], jnp.int32) if segment_ids is None else segment_ids
             o, new_memory = self._attend_cached(q, latent, memory, segments)
@@ -122,6 +124,22 @@ class MLALayer(nnx.Module):
                                                    expand=expand, **options)
         keys, values = expand(latent, adapted_weight(self, "kv_b_proj", self.dtype))
         return attention(q, keys, values, query_segments=segments, key_segments=segments, **options)
+
+    def _attend_paged(self, q, latent, memory: MLAPages):
+        """The cached attention over a paged cache (one document per sequence): each sequence's
+        pages ``tables [B, P]`` are gathered from the pool into its contiguous cache for
+        `_attend_cached`, and the call's rows are written into the pool at positions
+        [length, length + T) (page tables[t // page], row t % page; ids outside the pool drop)."""
+        pool, tables = memory.latent, memory.tables
+        num_pages, page = pool.shape[:2]
+        cache = pool.at[tables].get(mode="fill", fill_value=0).reshape(tables.shape[0], -1, pool.shape[-1])
+        segments = jnp.zeros(q.shape[:2], jnp.int32)
+        o, cached = self._attend_cached(q, latent, MLAMemory(cache, memory.length, jnp.zeros_like(memory.length)),
+                                        segments)
+        positions = memory.length[:, None] + jnp.arange(q.shape[1])                            # [B, T]
+        pages = jnp.take_along_axis(tables, positions // page, axis=1, mode="fill", fill_value=num_pages)
+        pool = pool.at[pages, positions % page].set(latent.astype(pool.dtype), mode="drop")
+        return o, MLAPages(pool, tables, cached.length)
 
     def _attend_cached(self, q, latent, memory: MLAMemory, segments):
         """Write the call's [c~ | k_r] into the cache, attend over it in the absorbed form (blockwise

@@ -6,11 +6,16 @@
       latent  [N_mla, N_pages, page, kv_lora + r]  the paged MLA latent cache
 
 A sequence b on device is (slot[b], page table[b] [P], length[b]); token position t lives at
-page table[b][t // page], row t % page. A program gathers the selected sequences into the
+page table[b][t // page], row t % page. The batched decode step runs the model over the pools
+themselves (`pooled_bank`: the pools reshaped to rows, KDA row slot * N_kda + layer and MLA page
+layer * N_pages + page, so every layer's kernels read and write only the rows and pages of the
+batch, in place in the donated pools). Prefill (and the reference decode, ``kernel=None``)
+gathers the selected sequences into the
 contiguous bank of `k3jax.memory` (capacity P * page; pages past the table are index N_pages,
 read as zeros), runs the model, and scatters back what changed: the KDA states and conv tails
 of the slots and the latent rows at positions [length, length + T). Padding rows of a batch use
-slot N_slots and page N_pages: their reads are zeros and their writes are dropped. The gathered
+page N_pages (reads are zeros, writes are dropped) and, for decode, a free slot of their own
+(its contents are garbage until the slot is next allocated, which overwrites it). The gathered
 bank equals the contiguous bank exactly on slots [0, length); later slots are masked by the
 causal mask, so the paged result is the contiguous one.
 
@@ -27,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.generate import sample_logits
-from k3jax.memory import KDAMemory, Memory, MLAMemory
+from k3jax.memory import KDAMemory, KDAPool, Memory, MLAMemory, MLAPages, PoolKernel
 
 
 class Pools(NamedTuple):
@@ -108,18 +113,47 @@ def prefill_piece(graphdef, params, pools: Pools, slot, table, length, tokens):
     return out.logits[0], scatter_bank(pools, slots, tables, lengths, out.memory, tokens.shape[0])
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
-def decode_step(graphdef, params, pools: Pools, slots, tables, lengths, logits, seed, row_ids, sampling):
+def pooled_bank(pools: Pools, slots: jax.Array, tables: jax.Array, lengths: jax.Array, kernel: PoolKernel) -> Memory:
+    """The pooled bank (`k3jax.memory`) of B sequences: the pools reshaped to rows (no copy),
+    KDA rows ``slot * N_kda + layer`` ``[N_kda, B]`` and MLA pages ``layer * N_pages + page``
+    ``[N_mla, B, P]`` (table entries N_pages become N_mla * N_pages, outside the pool)."""
+    num_kda, num_mla, num_pages = pools.state.shape[1], pools.latent.shape[0], pools.latent.shape[1]
+    rows = slots[None, :] * num_kda + jnp.arange(num_kda, dtype=slots.dtype)[:, None]
+    layer_pages = jnp.arange(num_mla, dtype=tables.dtype)[:, None, None] * num_pages + tables
+    layer_pages = jnp.where(tables < num_pages, layer_pages, num_mla * num_pages)
+    return Memory(
+        kda=KDAPool(pools.state.reshape(-1, *pools.state.shape[2:]), pools.conv.reshape(-1, *pools.conv.shape[2:]),
+                    rows, kernel),
+        mla=MLAPages(pools.latent.reshape(-1, *pools.latent.shape[2:]), layer_pages,
+                     jnp.broadcast_to(lengths, (num_mla, slots.shape[0]))),
+    )
+
+
+def pools_of(bank: Memory, like: Pools) -> Pools:
+    """The `Pools` (shaped as ``like``) behind a pooled bank the model returned."""
+    return Pools(bank.kda.state.reshape(like.state.shape), bank.kda.conv.reshape(like.conv.shape),
+                 bank.mla.latent.reshape(like.latent.shape))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "kernel"), donate_argnames=("pools",))
+def decode_step(graphdef, params, pools: Pools, slots, tables, lengths, logits, seed, row_ids, sampling,
+                kernel: PoolKernel | None = PoolKernel()):
     """Every row samples its next token from ``logits [B, vocab]`` (`k3jax.generate.sample_logits`
     with the key fold_in(fold_in(key(seed), row_id), length)) and feeds it: -> (tokens [B], their
-    logits [B, vocab] fp32, pools). One program for every subset of sessions of a batch bucket
-    and page bucket."""
+    logits [B, vocab] fp32, pools). Slots must be distinct (padding rows: free slots). The model
+    decodes over `pooled_bank` with the pool kernels ``kernel``; None runs the reference instead:
+    gather the contiguous bank, decode, scatter back. One program for every subset of sessions
+    of a batch bucket and page bucket."""
     def sample_row(row_logits, row_id, length):
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), row_id), length)
         return sample_logits(row_logits[None], key, *sampling)[0]
     tokens = jax.vmap(sample_row)(logits, row_ids, lengths)
-    out = nnx.merge(graphdef, params)(tokens[:, None], memory=gather_bank(pools, slots, tables, lengths))
-    return tokens, out.logits[:, 0], scatter_bank(pools, slots, tables, lengths, out.memory, 1)
+    model = nnx.merge(graphdef, params)
+    if kernel is None:
+        out = model(tokens[:, None], memory=gather_bank(pools, slots, tables, lengths))
+        return tokens, out.logits[:, 0], scatter_bank(pools, slots, tables, lengths, out.memory, 1)
+    out = model(tokens[:, None], memory=pooled_bank(pools, slots, tables, lengths, kernel))
+    return tokens, out.logits[:, 0], pools_of(out.memory, pools)
 
 
 @functools.partial(jax.jit, donate_argnames=("pools",))

@@ -37,8 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from k3jax.memory import PoolKernel
+from k3jax.ops.kda.decode_pool import resolve_implementation
 from k3jax.sessions import paged
-from k3jax.sessions.tiers import HostValue, RefCounts, read_npz, write_npz_atomically
+from k3jax.sessions.tiers import HostTier, HostValue, RefCounts, read_npz, write_npz_atomically
 
 FORMAT_VERSION = 1
 MAX_PREFIX_ENTRIES = 4096
@@ -110,8 +112,9 @@ class SessionStore:
     None = no disk tier. See the module docstring."""
 
     def __init__(self, model, device_bytes: int | None = None, host_bytes: int | None = None,
-                 disk_dir: str | os.PathLike | None = None):
+                 disk_dir: str | os.PathLike | None = None, *, decode_kernel: PoolKernel | None = PoolKernel()):
         config = model.config
+        self.decode_kernel = decode_kernel   # the batched decode's pool kernels; None: gather/decode/scatter
         self.model, self.config = model, config
         self._graphdef, self._params = nnx.split(model)
         self.page_size = config.kda.chunk_size
@@ -128,6 +131,7 @@ class SessionStore:
         if self.disk_dir is not None:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
         self._pools = paged.empty_pools(config, _INITIAL_SLOTS, _INITIAL_PAGES, self.page_size)
+        self._host_tier = HostTier(next(iter(self._pools.state.devices())))
         self._slots, self._pages = RefCounts(_INITIAL_SLOTS), RefCounts(_INITIAL_PAGES)
         self._sessions: dict[int, _Value] = {}
         self._snapshots: dict[tuple[int, int], _Value] = {}
@@ -316,7 +320,7 @@ class SessionStore:
             raise ValueError(f"{directory}: unreadable session file ({error})") from None
         for key, arrays in values.items():
             value = _Value([int(t) for t in arrays["tokens"]], arrays["logits"])
-            store._set_host(value, HostValue(arrays["state"], arrays["conv"], arrays["rows"]))
+            store._set_host(value, store._host_tier.put(HostValue(arrays["state"], arrays["conv"], arrays["rows"])))
             if key[0] == "session":
                 store._sessions[key[1]] = value
             else:
@@ -339,6 +343,9 @@ class SessionStore:
             "device_bytes": self._device_used(), "host_bytes": self._host_used, "disk_bytes": self._disk_used,
             "device_pool_bytes": sum(a.nbytes for a in self._pools),
             "slot_bytes": self.slot_bytes, "page_bytes": self.page_bytes, "page_size": self.page_size,
+            "host_memory": self._host_tier.kind,
+            "decode_kernel": "gather" if self.decode_kernel is None else
+                             f"pool-{resolve_implementation(self.decode_kernel.implementation)}",
         }
 
     # ------------------------------------------------------------------ checks
@@ -414,7 +421,7 @@ class SessionStore:
         batch = paged.next_power_of_two(len(values))
         pages = paged.next_power_of_two(max(math.ceil((v.length + 1) / self.page_size) for v in values))
         pad = batch - len(values)
-        slots = np.asarray([v.slot for v in values] + [self._slots.capacity] * pad, np.int32)
+        slots = np.asarray([v.slot for v in values] + self._scratch_slots(pad), np.int32)
         tables = np.stack([self._table(v.pages, pages) for v in values] + [self._table([], pages)] * pad)
         lengths = np.asarray([v.length for v in values] + [0] * pad, np.int32)
         logits = np.stack([np.asarray(v.logits, np.float32) for v in values]
@@ -422,7 +429,7 @@ class SessionStore:
         tokens, logits, self._pools = paged.decode_step(
             self._graphdef, self._params, self._pools, jnp.asarray(slots), jnp.asarray(tables),
             jnp.asarray(lengths), jnp.asarray(logits), jnp.uint32(seed),
-            jnp.asarray(list(sids) + [0] * pad, jnp.uint32), sampling)
+            jnp.asarray(list(sids) + [0] * pad, jnp.uint32), sampling, kernel=self.decode_kernel)
         tokens, logits = np.asarray(tokens), np.asarray(logits)
         for index, (sid, value) in enumerate(zip(sids, values)):
             value.tokens.append(int(tokens[index]))
@@ -502,6 +509,16 @@ class SessionStore:
             if not candidates:
                 raise _NoRoom()
             self._to_host(min(candidates, key=lambda v: v.used), pinned)
+        self._grow(slots, pages)
+
+    def _scratch_slots(self, count: int) -> list[int]:
+        """``count`` distinct free slots (not allocated) for a batch's padding rows to write into;
+        the pools grow when fewer are free (scratch does not count against the device budget)."""
+        self._grow(count, 0)
+        return self._slots.free[len(self._slots.free) - count:]
+
+    def _grow(self, slots: int, pages: int) -> None:
+        """Grow the pools (doubling) until ``slots`` slots and ``pages`` pages are free."""
         slot_capacity, page_capacity = self._slots.capacity, self._pages.capacity
         while len(self._slots.free) + (slot_capacity - self._slots.capacity) < slots:
             slot_capacity *= 2
@@ -538,25 +555,27 @@ class SessionStore:
         self._reserve(1, count, pinned)
         bucket = paged.next_power_of_two(count) if count else 0
         rows = np.zeros((host.rows.shape[0], bucket * self.page_size, host.rows.shape[-1]), host.rows.dtype)
-        rows[:, : value.length] = host.rows
+        rows[:, : value.length] = np.asarray(host.rows)
         slot, pages = self._slots.allocate(), [self._pages.allocate() for _ in range(count)]
-        self._pools = paged.write_value(self._pools, jnp.int32(slot), host.state, host.conv,
+        state, conv = (self._host_tier.to_device(a) for a in (host.state, host.conv))
+        self._pools = paged.write_value(self._pools, jnp.int32(slot), state, conv,
                                         jnp.asarray(self._table(pages, bucket)), rows)
         self._counters["loads_from_host" if value.host is not None else "loads_from_disk"] += 1
         self._clear_off_device(value)
         value.slot, value.pages = slot, pages
 
     def _arrays(self, value: _Value) -> HostValue:
-        """The value's memory as host arrays (rows cut to its length), wherever it is."""
+        """The value's memory (rows cut to its length, on the host), wherever it is: state and conv
+        tails as device arrays when it is on the device, else its host-tier arrays or its file's."""
         if value.slot is None:
             return value.host if value.host is not None else self._read_disk(value)
         bucket = paged.next_power_of_two(len(value.pages)) if value.pages else 0
         state, conv, rows = paged.read_value(self._pools, jnp.int32(value.slot),
                                              jnp.asarray(self._table(value.pages, bucket)))
-        return HostValue(np.asarray(state), np.asarray(conv), np.asarray(rows)[:, : value.length])
+        return HostValue(state, conv, np.asarray(rows)[:, : value.length])
 
     def _to_host(self, value: _Value, pinned: set[int]) -> None:
-        host = self._arrays(value)
+        host = self._host_tier.put(self._arrays(value))
         self._slots.release([value.slot])
         self._pages.release(value.pages)
         value.slot, value.pages = None, []

@@ -41,7 +41,8 @@ def _default_implementation() -> str:
     return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
 
 
-def _check_implementation(implementation):
+def resolve_implementation(implementation: str | None) -> str:
+    """The implementation that ``implementation`` (None: by platform) names; ValueError if unknown."""
     implementation = implementation or _default_implementation()
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
@@ -113,7 +114,7 @@ def kda_pool_step(pool, slots, q, k, v, g, beta, *, scale: float | None = None,
     ``backend``/``interpret`` force a Pallas kernel family ("tpu" or "gpu"; tests run both in
     interpret mode). Returns ``(o [B, HV, V] in v.dtype, updated pool)``.
     """
-    implementation = _check_implementation(implementation)
+    implementation = resolve_implementation(implementation)
     value_heads, key_dim, value_dim = pool.shape[1:]
     batch = slots.shape[0]
     if slots.ndim != 1 or q.shape[0] != batch or v.shape[:2] != (batch, value_heads):
@@ -200,7 +201,7 @@ def conv_pool_step(pool, slots, x, weight, *, implementation: str | None = None,
 
     ``weight`` is ``[C, W]``; returns ``(y [B, C] in x.dtype, updated pool)``.
     """
-    implementation = _check_implementation(implementation)
+    implementation = resolve_implementation(implementation)
     channels, taps = weight.shape
     if pool.shape[1:] != (taps - 1, channels) or x.shape != (slots.shape[0], channels):
         raise ValueError(f"pool must be [N, W-1, C] = [N, {taps - 1}, {channels}] and x [B, C] with B = "

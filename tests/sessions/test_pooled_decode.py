@@ -1,0 +1,80 @@
+"""The batched decode over the pools (`paged.decode_step` with pool kernels) against the reference
+step that gathers the contiguous bank, decodes and scatters back: sessions of different lengths
+in non-contiguous slots and pages of random pools, a 6-layer model whose depth scan runs twice
+(KDA layers before and inside the scanned body), the XLA kernels and both Pallas kernel families
+in interpret mode; and the store's generate on either path."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax.memory import PoolKernel
+from k3jax.model import K3Model, layer_groups
+from k3jax.sessions import SessionStore, paged
+from tests.sessions.conftest import random_tokens, tiny_config
+
+# Slow: each compiles the 6-layer model's decode twice (the store tests run the pooled step by default).
+pytestmark = pytest.mark.slow
+KERNELS = [pytest.param(PoolKernel("xla"), id="xla"), pytest.param(PoolKernel("pallas", "gpu", True), id="pallas-gpu"),
+           pytest.param(PoolKernel("pallas", "tpu", True), id="pallas-tpu")]
+SLOTS, PAGES, PAGE = 6, 8, 16
+LENGTHS = [5, 17, 33, 0]                                   # the last row pads the batch of 4
+
+
+@pytest.fixture(scope="module")
+def deep_model():
+    model = K3Model(tiny_config("model.num_layers=6"), rngs=nnx.Rngs(1))
+    assert layer_groups(model.config).repeats == 2
+    return model
+
+
+def random_step(config, seed=0):
+    """Random pools and one step's inputs: sessions in slots 4, 0, 2 (slot 5 pads the batch) whose
+    pages are scattered over the pool; page id PAGES marks the end of a table."""
+    rng = np.random.default_rng(seed)
+    shapes = paged.empty_pools(config, SLOTS, PAGES, PAGE)
+    pools = paged.Pools(*(jnp.asarray(0.5 * rng.standard_normal(a.shape), a.dtype) for a in shapes))
+    tables = np.full((4, 4), PAGES, np.int32)
+    tables[0, :1], tables[1, :2], tables[2, :3] = [6], [3, 1], [0, 7, 2]
+    logits = rng.standard_normal((4, config.vocab_size)).astype(np.float32)
+    inputs = (jnp.asarray([4, 0, 2, 5], jnp.int32), jnp.asarray(tables), jnp.asarray(LENGTHS, jnp.int32),
+              jnp.asarray(logits), jnp.uint32(0), jnp.arange(4, dtype=jnp.uint32),
+              (jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0)))
+    return pools, inputs
+
+
+def run_step(model, pools, inputs, kernel):
+    copy = paged.Pools(*(jnp.array(a) for a in pools))     # the step donates its pools
+    return paged.decode_step(*nnx.split(model), copy, *inputs, kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_pooled_step_equals_the_gather_decode_scatter_step(deep_model, kernel):
+    pools, inputs = random_step(deep_model.config)
+    tokens_ref, logits_ref, pools_ref = run_step(deep_model, pools, inputs, None)
+    tokens, logits, new_pools = run_step(deep_model, pools, inputs, kernel)
+    np.testing.assert_array_equal(tokens, tokens_ref)
+    np.testing.assert_allclose(logits[:3], logits_ref[:3], rtol=1e-6, atol=1e-6)
+    for name, got, want, before in zip(paged.Pools._fields, new_pools, pools_ref, pools):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=name)
+        assert not np.array_equal(got, before), f"the step wrote nothing into the {name} pool"
+    untouched = [1, 3]                                     # slots of no row of the batch
+    np.testing.assert_array_equal(np.asarray(new_pools.state)[untouched], np.asarray(pools.state)[untouched])
+
+
+def test_generate_is_the_same_on_either_decode_path(model):
+    store = SessionStore(model)
+    sids = [store.open(random_tokens(seed, length)) for seed, length in enumerate((5, 3, 9))]
+    store.close(sids[1])
+    sids = [sids[0], sids[2], store.open(random_tokens(7, 2))]
+    handles = [store.snapshot(sid) for sid in sids]
+    outputs = []
+    for kernel in (None, PoolKernel("xla")):
+        for sid, handle in zip(sids, handles):
+            store.rollback(sid, handle)
+        store.decode_kernel = kernel
+        outputs.append((store.generate(sids, 3), np.stack([store.logits(sid) for sid in sids])))
+    (new_ref, logits_ref), (new, logits) = outputs
+    for a, b in zip(new, new_ref):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(logits, logits_ref, rtol=1e-6, atol=1e-6)
