@@ -18,9 +18,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-BLOCK = 32
-SCALE_BIAS = 127
-E2M1_MAX = 6.0
+from k3jax.ops.mxfp4 import BLOCK, E2M1_MAX, SCALE_BIAS   # the format's constants, one definition
 
 
 def _e2m1_values(codes: np.ndarray) -> np.ndarray:

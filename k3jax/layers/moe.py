@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import MoEConfig
-from k3jax.convert.mxfp4 import BLOCK
 from k3jax.layers.ffn import DenseGLU
 from k3jax.layers.lora import adapted_weight
 from k3jax.layers.params import param, truncated_normal
@@ -39,7 +38,7 @@ from k3jax.ops.moe import (
     router_scores,
     select_experts,
 )
-from k3jax.ops.mxfp4 import Mxfp4Experts, encode, tile_size
+from k3jax.ops.mxfp4 import BLOCK, Mxfp4Experts, encode, tile_size
 from k3jax.ops.norms import rms_norm
 from k3jax.ops.precision import einsum
 

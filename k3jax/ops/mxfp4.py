@@ -34,7 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.convert.mxfp4 import BLOCK, E2M1_MAX, SCALE_BIAS
+BLOCK = 32          # inputs per E8M0 scale
+SCALE_BIAS = 127    # scale = 2^(byte - SCALE_BIAS)
+E2M1_MAX = 6.0      # the largest E2M1 magnitude
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
 MXFP4_BYTES_PER_WEIGHT = 0.5 + 1 / BLOCK
