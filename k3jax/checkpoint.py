@@ -157,17 +157,35 @@ def _is_late_io_callback(report) -> bool:
             and str(report.exc_value) == "Event loop is closed")
 
 
+def _is_abandoned_orbax_task(record: logging.LogRecord) -> bool:
+    message = str(record.msg)
+    return message.startswith("Task exception was never retrieved") and "/orbax/checkpoint/" in message
+
+
+class _DropAbandonedOrbaxTasks(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" report for an Orbax coroutine."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _is_abandoned_orbax_task(record)
+
+
 def quiet_checkpoint_io(absl_level: int = logging.ERROR) -> None:
     """For the command lines: Orbax's absl notices down to ``absl_level``, and no tracebacks from
     I/O that outlives a failed save or restore.
 
-    TensorStore finishes each read and write on its own threads and posts the result to the asyncio
-    loop that awaited it. When one array of an Orbax save or restore fails, Orbax closes that loop
-    while the other arrays' I/O is still in flight; each of them then reports ``RuntimeError: Event
-    loop is closed`` through `sys.unraisablehook` (no object), one traceback per array, after the
-    failure itself has been reported. Those reports are dropped; every other one reaches the hook
-    that was installed before."""
+    When one array of an Orbax save or restore fails, the others are abandoned mid-flight, which
+    Python reports after the failure itself has been reported, one traceback per array:
+    - TensorStore finishes each read and write on its own threads and posts the result to the
+      asyncio loop that awaited it; Orbax closes that loop, and each late result reports
+      ``RuntimeError: Event loop is closed`` through `sys.unraisablehook` (no object);
+    - Orbax gathers the arrays' coroutines without collecting the exceptions after the first; when
+      the other failed tasks are collected, asyncio logs "Task exception was never retrieved" for
+      each (logger ``asyncio``, an Orbax coroutine named in the message).
+    Those reports are dropped; every other one reaches the hook and the handlers installed before."""
     logging.getLogger("absl").setLevel(absl_level)
+    asyncio_logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _DropAbandonedOrbaxTasks) for f in asyncio_logger.filters):
+        asyncio_logger.addFilter(_DropAbandonedOrbaxTasks())
     previous = sys.unraisablehook
     if getattr(previous, "drops_late_io_callbacks", False):
         return

@@ -1,6 +1,9 @@
 """Checkpoint integrity: the per-array checksum against a NumPy reference written from its formula,
 its sensitivity, and save -> corrupt -> restore refusing the altered array or metadata."""
+import asyncio
+import gc
 import json
+import logging
 import subprocess
 import sys
 import types
@@ -113,6 +116,35 @@ def test_quiet_checkpoint_io_drops_only_late_io_callbacks(monkeypatch):
     for report in (late, other_message, with_object, other_type):
         sys.unraisablehook(report)
     assert seen == [other_message, with_object, other_type]
+
+
+def abandon_failed_task(filename: str) -> None:
+    """Let a task whose coroutine is defined in ``filename`` fail and be collected unretrieved, as
+    Orbax's other array reads are after one has failed: asyncio then logs its report."""
+    namespace = {}
+    exec(compile("async def read():\n    raise OSError('truncated')\n", filename, "exec"), namespace)
+    loop = asyncio.new_event_loop()
+    try:
+        task = loop.create_task(namespace["read"]())
+        loop.run_until_complete(asyncio.sleep(0))
+        assert task.done()
+        del task
+        gc.collect()
+    finally:
+        loop.close()
+
+
+def test_quiet_checkpoint_io_drops_only_abandoned_orbax_tasks(monkeypatch, caplog):
+    monkeypatch.setattr(logging.getLogger("asyncio"), "filters", [])
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    checkpoint.quiet_checkpoint_io()
+    checkpoint.quiet_checkpoint_io()                    # idempotent: one filter, not two
+    assert len(logging.getLogger("asyncio").filters) == 1
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        abandon_failed_task("/site-packages/orbax/checkpoint/_src/serialization/serialization.py")
+        abandon_failed_task("/site-packages/mylib/io.py")
+    reports = [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert len(reports) == 1 and "mylib/io.py" in reports[0]
 
 
 LATE_READ = """
