@@ -41,6 +41,34 @@ def median_seconds(fn: Callable, *args, iters: int) -> tuple[float, float]:
     return first, statistics.median(seconds(fn, *args) for _ in range(iters))
 
 
+def median_step_seconds(step: Callable, carry: Any, *args, iters: int) -> tuple[Any, float]:
+    """(last carry, median seconds of ``carry = step(carry, *args)``) over ``iters`` timed steps after
+    one compile-and-warm-up step: for a step whose output is its next input (a state it donates
+    and updates in place, like a decode step)."""
+    carry = jax.block_until_ready(step(carry, *args))
+    times = []
+    for _ in range(iters):
+        carry, elapsed = timed(step, carry, *args)
+        times.append(elapsed)
+    return carry, statistics.median(times)
+
+
+def median_synchronized_seconds(fn: Callable[[], Any], synchronize: Callable[[], None], *, iters: int,
+                                warmup: int = 1) -> float:
+    """Median wall time of ``fn(); synchronize()`` over ``iters`` calls after ``warmup`` untimed ones:
+    for a framework whose work is asynchronous and waited for by a call (torch: ``torch.cuda.synchronize``)."""
+    for _ in range(warmup):
+        fn()
+    synchronize()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def interleaved_times(fns: Sequence[Callable], args: Sequence, rounds: int) -> np.ndarray:
     """Wall times ``[rounds, len(fns)]`` after one compile-and-warm-up run each. Every round runs
     each function once, in turn, so the slow spells of a noisy machine fall on all of them alike

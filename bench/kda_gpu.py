@@ -23,7 +23,6 @@ import functools
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -34,7 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.common import median_seconds, write_json  # noqa: E402
+from bench.common import median_seconds, median_step_seconds, median_synchronized_seconds, write_json  # noqa: E402
 from k3jax.ops.kda import kda, kda_gate  # noqa: E402
 from k3jax.ops.kda.decode_pool import conv_pool_step, kda_pool_step  # noqa: E402
 
@@ -204,15 +203,7 @@ def bench_decode_bandwidth(smoke: bool, iters: int):
                                                                 implementation=implementation)[1],
                        donate_argnums=0)
         pool = jnp.zeros((slots_total, value_heads, dim, dim), jnp.float32)
-        pool = step(pool, slots, token)                                # compile
-        jax.block_until_ready(pool)
-        times = []
-        for _ in range(iters):
-            began = time.perf_counter()
-            pool = step(pool, slots, token)
-            jax.block_until_ready(pool)
-            times.append(time.perf_counter() - began)
-        seconds = statistics.median(times)
+        pool, seconds = median_step_seconds(step, pool, slots, token, iters=iters)
         results[f"{implementation} step ms"] = seconds * 1e3
         results[f"{implementation} GB/s"] = state_bytes / seconds / 1e9
         del pool
@@ -228,13 +219,8 @@ def bench_decode_bandwidth(smoke: bool, iters: int):
     conv = jax.jit(lambda tails, slots, x, weight: conv_pool_step(tails, slots, x, weight,
                                                                   implementation="pallas")[1],
                    donate_argnums=0)
-    tails = conv(tails, slots, x_conv, weight)
-    jax.block_until_ready(tails)
-    began = time.perf_counter()
-    for _ in range(iters):
-        tails = conv(tails, slots, x_conv, weight)
-    jax.block_until_ready(tails)
-    results["pallas conv step ms"] = (time.perf_counter() - began) / iters * 1e3
+    _, conv_seconds = median_step_seconds(conv, tails, slots, x_conv, weight, iters=iters)
+    results["pallas conv step ms"] = conv_seconds * 1e3
     return results
 
 
@@ -280,16 +266,8 @@ def bench_fla(shape, iters):
 
     results = {}
     for name, fn in (("fwd", lambda: torch.no_grad()(forward)()), ("fwd+bwd", forward_backward)):
-        for _ in range(2):  # autotuning and compilation
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(iters):
-            began = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - began)
-        results[f"{name} ms"] = statistics.median(times) * 1e3
+        seconds = median_synchronized_seconds(fn, torch.cuda.synchronize, iters=iters, warmup=2)  # 2: autotuning
+        results[f"{name} ms"] = seconds * 1e3
     del q, k, v, g, beta, d_o
     torch.cuda.empty_cache()
     return results

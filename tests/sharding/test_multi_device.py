@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -44,9 +45,39 @@ def environment(devices: int) -> dict:
     return env
 
 
-def start(args, devices=8):
-    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=environment(devices), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+class Job:
+    """A subprocess whose output goes to temporary files rather than pipes, so that it never blocks
+    on a full pipe that nobody reads yet: the two processes of one distributed run are waited for one
+    after the other, and a second process stuck writing (say, warnings under load) while the first
+    waits at the coordination service's shutdown barrier makes that barrier time out."""
+
+    def __init__(self, args, env):
+        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self._process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=self._out, stderr=self._err, text=True)
+
+    @property
+    def returncode(self):
+        return self._process.returncode
+
+    def poll(self):
+        return self._process.poll()
+
+    def kill(self) -> None:
+        self._process.kill()
+
+    def communicate(self, timeout=None) -> tuple[str, str]:
+        """Wait for the process (``subprocess.TimeoutExpired`` after ``timeout`` s); its stdout and stderr."""
+        self._process.wait(timeout=timeout)
+        return tuple(_read_all(stream) for stream in (self._out, self._err))
+
+
+def _read_all(stream) -> str:
+    stream.seek(0)
+    return stream.read()
+
+
+def start(args, devices=8) -> Job:
+    return Job([sys.executable, *args], environment(devices))
 
 
 def finish(process, timeout=1800) -> str:
