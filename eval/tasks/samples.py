@@ -56,7 +56,9 @@ def text_prompts(tokenizer, texts: tuple[str, ...]) -> PromptSet:
 
 
 def chat_prompts(data_config, texts: tuple[str, ...]) -> PromptSet:
-    """Each text as a user turn, rendered with the run's chat settings and ending in the generation prompt."""
+    """Each text as a user turn, rendered with the run's chat settings and ending in the generation prompt;
+    a sample is shown decoded, without the ids beyond the tokenizer's vocabulary that a model with a
+    larger embedding can sample."""
     tokenizer = load_tokenizer(data_config.tokenizer)
     encoder = ChatEncoder(tokenizer)
     prompts = []
@@ -65,7 +67,10 @@ def chat_prompts(data_config, texts: tuple[str, ...]) -> PromptSet:
                                        thinking_effort=data_config.chat_thinking_effort)
         ids, _ = encoder.encode(segments + generation_prompt(data_config.chat_thinking))
         prompts.append(Prompt(ids, text, None))
-    return PromptSet(prompts, tokenizer.decode, encoder.end_of_message_id, tokenizer.vocab_size)
+    def render(ids: list[int]) -> str:
+        return tokenizer.decode([i for i in ids if i < tokenizer.vocab_size])
+
+    return PromptSet(prompts, render, encoder.end_of_message_id, tokenizer.vocab_size)
 
 
 @dataclasses.dataclass(frozen=True)
