@@ -16,15 +16,15 @@ from k3jax.config import load_config
 from k3jax.data import make_dataset
 from k3jax.model import K3Model
 from tests.data.chat_tokenizer import write_chat_tokenizer
-from tests.train.test_chat_learning import write_conversations
+from tests.train.test_chat_learning import SMALL, write_conversations
 
 MICRO = str(pathlib.Path(__file__).resolve().parents[1] / "train" / "micro.yaml")
 
 
-@pytest.mark.slow   # compiles the micro model's forward and its decode step: ~30 s on 2 cores
+@pytest.mark.slow   # compiles a 2-layer model's forward and its decode step
 def test_perplexity_and_samples_read_chat_records(tmp_path):
     data = write_conversations(tmp_path / "chat.jsonl", 40)
-    config = load_config(MICRO, ["data.kind=chat", f"data.path={data}", "data.seq_len=128",
+    config = load_config(MICRO, SMALL + ["data.kind=chat", f"data.path={data}", "data.seq_len=128",
                                  f"data.tokenizer={write_chat_tokenizer(tmp_path / 'tokenizer')}",
                                  "data.heldout_fraction=0.25", "data.chat_thinking=false",
                                  "data.chat_thinking_effort=null"])

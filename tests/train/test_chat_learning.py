@@ -16,6 +16,7 @@ from tests.data.chat_tokenizer import write_chat_tokenizer
 from train.run import Trainer
 
 MICRO = str(pathlib.Path(__file__).with_name("micro.yaml"))
+SMALL = ["model.num_layers=2", "model.mla_period=2", "model.dense_layers=2"]   # KDA then MLA, dense: fast to compile
 WORDS = ["zero", "one", "two", "three"]
 
 
@@ -38,10 +39,10 @@ def nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return -np.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
 
 
-@pytest.mark.slow   # one trainer: ~30 s of compilation and 80 steps on 2 cores
+@pytest.mark.slow   # one trainer (two compilations) and 80 steps
 def test_assistant_loss_falls_and_user_noise_is_not_counted(tmp_path):
     data = write_conversations(tmp_path / "chat.jsonl", 200)
-    config = load_config(MICRO, [f"run_dir={tmp_path / 'run'}", "data.kind=chat", f"data.path={data}",
+    config = load_config(MICRO, SMALL + [f"run_dir={tmp_path / 'run'}", "data.kind=chat", f"data.path={data}",
                                  f"data.tokenizer={write_chat_tokenizer(tmp_path / 'tokenizer')}",
                                  "data.seq_len=128", "data.heldout_fraction=0.1", "data.chat_thinking=false",
                                  "data.chat_thinking_effort=null", "train.steps=80", "train.batch_size=8",
