@@ -274,10 +274,11 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Training data: the embedded MQAR task (`k3jax.data.MQARDataset`) or local text
-    (`k3jax.data.TextDataset`: a file, a JSONL file or a directory)."""
+    """Training data: the embedded MQAR task (`k3jax.data.MQARDataset`), local text
+    (`k3jax.data.TextDataset`: a file, a JSONL file or a directory) or conversations in K3's chat
+    format (`k3jax.data.ChatDataset`: JSONL ``messages`` records)."""
 
-    kind: Literal["mqar", "text"] = "mqar"
+    kind: Literal["mqar", "text", "chat"] = "mqar"
     seq_len: int = 128
     seed: int = 0
     # mqar
@@ -292,10 +293,16 @@ class DataConfig:
     jsonl_field: str = "text"
     tokenizer: str | None = None          # a tiktoken BPE file (K3's tiktoken.model); None: bytes
     heldout_fraction: float = 0.05
+    # chat (path, tokenizer and heldout_fraction as for text; the tokenizer must name K3's markers)
+    chat_loss: Literal["assistant", "all"] = "assistant"    # which tokens the loss counts
+    chat_overflow: Literal["truncate", "drop"] = "truncate"  # a conversation longer than seq_len + 1
+    chat_thinking: bool = True                              # render the <think> channel (K3's default)
+    chat_thinking_effort: Literal["low", "high", "max"] | None = "max"   # None: no thinking-effort note
 
     def __post_init__(self):
         _positive(self, "seq_len", "num_pairs", "num_keys", "num_values", "num_queries")
-        _require(self.kind != "text" or self.path is not None, "path", "text data needs a path (file or directory)")
+        _require(self.kind == "mqar" or self.path is not None, "path",
+                 f"{self.kind} data needs a path (file or directory)")
         _require(0.0 <= self.heldout_fraction < 1.0, "heldout_fraction", f"must be in [0, 1), got {self.heldout_fraction}")
 
 

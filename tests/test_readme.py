@@ -54,6 +54,8 @@ EXPECTED = {
                                             "runs/default/checkpoints/1600"],
     "python -m train configs/tiny.yaml run_dir=runs/a": ["runs/a/summary.json"],
     "python -m train configs/tiny.yaml run_dir=runs/ft": ["runs/ft/summary.json"],
+    "python -m train configs/tiny.yaml run_dir=runs/chat": ["runs/chat/summary.json"],
+    "python -m eval runs/chat": ["runs/chat/eval/report.json"],
     "XLA_FLAGS": ["runs/sharded/summary.json"],
     "python -m eval runs/default\0": ["runs/default/eval/report.json", "runs/default/eval/report.md"],
     "python -m eval runs/default --step 1200": ["/tmp/eval/report.json"],

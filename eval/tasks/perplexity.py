@@ -9,7 +9,9 @@ a pure function of the data definition), at the run's training sequence length. 
     bits/byte     = sum of masked CE / ln 2 / UTF-8 bytes of the scored target tokens   (text only)
 
 For ``--text`` the whole file is the evaluation set (no held-out cut), tokenized with the run's
-tokenizer. On MQAR data only the answer positions are scored (the run's loss), and bits per
+tokenizer; for a chat run (``data.kind=chat``) it is a JSONL file of conversations rendered in K3's
+chat format with the run's chat settings, and the scored positions are the run's (the assistant's
+output by default). On MQAR data only the answer positions are scored (the run's loss), and bits per
 byte does not apply.
 """
 from __future__ import annotations
@@ -18,15 +20,17 @@ import dataclasses
 import math
 from typing import ClassVar
 
-from k3jax.data import DataError, TextDataset, make_dataset
+from k3jax.data import ChatDataset, DataError, TextDataset, make_dataset
 from k3jax.data.byte_metrics import bits_per_byte, scored_bytes, token_byte_lengths
 from ..stats import t_interval
 from .common import TaskOutput, TaskSkipped, canonical_json, require_vocabulary, sha256_text
 
 
-def open_text_dataset(path: str, config) -> TextDataset:
+def open_text_dataset(path: str, config) -> TextDataset | ChatDataset:
     """A whole text file (or directory) as one evaluation split ("train", no held-out cut), with the
-    run's tokenizer and training sequence length."""
+    run's tokenizer and training sequence length; conversations for a chat run."""
+    if config.data.kind == "chat":
+        return make_dataset(dataclasses.replace(config.data, path=path, heldout_fraction=0.0))
     return TextDataset(path, config.data.seq_len, heldout_fraction=0.0, tokenizer_path=config.data.tokenizer)
 
 
@@ -50,7 +54,7 @@ class PerplexityTask:
     def run(self, context, cost, progress) -> TaskOutput:
         dataset, split, label = self._source(context)
         require_vocabulary(context.config.model.vocab_size, dataset.vocab_size, label)
-        byte_lengths = token_byte_lengths(dataset.tokenizer) if isinstance(dataset, TextDataset) else None
+        byte_lengths = token_byte_lengths(dataset.tokenizer) if isinstance(dataset, (TextDataset, ChatDataset)) else None
         progress.reset(total=len(context.seeds) * self.batches_per_seed)
         losses, bytes_scored, tokens_scored = [], [], []
         for seed in context.seeds:

@@ -1,7 +1,8 @@
 """Samples from fixed prompts (`k3jax.generate.generate`), one set per seed.
 
 Prompts follow the run's data: for text runs the fixed `TEXT_PROMPTS` in the run's tokenizer (EOS
-ends a sample); for MQAR runs the first ``mqar_prompts`` held-out rows cut just after their first
+ends a sample); for chat runs the same texts as one user turn each in K3's chat format, followed by
+the generation prompt (``<|end_of_msg|>`` ends a sample); for MQAR runs the first ``mqar_prompts`` held-out rows cut just after their first
 query key, so the right continuation is the value bound to that key. Sampling: temperature and
 top-p of the definition, the seed as the sampling seed. Per seed the task reports the mean sample
 length, the fraction of distinct tokens in a sample and, for MQAR prompts, how often the first
@@ -15,6 +16,7 @@ from typing import Callable, ClassVar, NamedTuple
 import numpy as np
 
 from k3jax.data import DataError, MQARDataset, load_tokenizer
+from k3jax.data.chat_format import ChatEncoder, generation_prompt, render_conversation
 from k3jax.generate import generate
 from ..cost import decode_flops_per_token, forward_flops_per_token
 from ..stats import t_interval
@@ -53,6 +55,24 @@ def text_prompts(tokenizer, texts: tuple[str, ...]) -> PromptSet:
     return PromptSet(prompts, tokenizer.decode, tokenizer.eos_id, tokenizer.vocab_size)
 
 
+def chat_prompts(data_config, texts: tuple[str, ...]) -> PromptSet:
+    """Each text as a user turn, rendered with the run's chat settings and ending in the generation prompt;
+    a sample is shown decoded, without the ids beyond the tokenizer's vocabulary that a model with a
+    larger embedding can sample."""
+    tokenizer = load_tokenizer(data_config.tokenizer)
+    encoder = ChatEncoder(tokenizer)
+    prompts = []
+    for text in texts:
+        segments = render_conversation([{"role": "user", "content": text}], thinking=data_config.chat_thinking,
+                                       thinking_effort=data_config.chat_thinking_effort)
+        ids, _ = encoder.encode(segments + generation_prompt(data_config.chat_thinking))
+        prompts.append(Prompt(ids, text, None))
+    def render(ids: list[int]) -> str:
+        return tokenizer.decode([i for i in ids if i < tokenizer.vocab_size])
+
+    return PromptSet(prompts, render, encoder.end_of_message_id, tokenizer.vocab_size)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplesTask:
     """Sampled continuations of fixed prompts, one set per seed."""
@@ -68,6 +88,8 @@ class SamplesTask:
         try:
             if config.data.kind == "mqar":
                 return mqar_prompts(base_mqar_dataset(config), self.mqar_prompts)
+            if config.data.kind == "chat":
+                return chat_prompts(config.data, self.text_prompts)
             return text_prompts(load_tokenizer(config.data.tokenizer), self.text_prompts)
         except DataError as error:
             raise TaskSkipped(str(error)) from None

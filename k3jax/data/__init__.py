@@ -2,6 +2,7 @@
 
     MQARDataset(seq_len, num_pairs=16, num_keys=256, num_values=256, ...)   generated recall task
     TextDataset(path, seq_len, seed=0, heldout_fraction=0.05, ...)         local text / JSON(L)
+    ChatDataset(path, seq_len, tokenizer_path=..., loss="assistant", ...)  JSONL conversations, K3's chat format
 
     ds.batch(step, batch_size, split="train", process_index=0, process_count=1) -> dict of [B/P, T]
         tokens, targets (int32), loss_mask (float32), segment_ids (int32; 0 = padding)
@@ -12,12 +13,13 @@
 Bad input raises `DataError` (a ValueError) with a one-line message naming the file.
 """
 from k3jax.data.batching import SPLITS, Batch, Dataset
+from k3jax.data.chat import ChatDataset
 from k3jax.data.errors import DataError
 from k3jax.data.mqar import MQARDataset, mqar_recall
 from k3jax.data.text import TextDataset
 from k3jax.data.tokenizers import ByteTokenizer, TiktokenTokenizer, Tokenizer, load_tokenizer
 
-__all__ = ["SPLITS", "Batch", "Dataset", "DataError", "MQARDataset", "mqar_recall", "TextDataset",
+__all__ = ["SPLITS", "Batch", "ChatDataset", "Dataset", "DataError", "MQARDataset", "mqar_recall", "TextDataset",
            "ByteTokenizer", "TiktokenTokenizer", "Tokenizer", "load_tokenizer", "make_dataset"]
 
 
@@ -29,6 +31,11 @@ def make_dataset(data_config, seq_len: int | None = None) -> Dataset:
                            num_values=data_config.num_values, num_queries=data_config.num_queries,
                            num_filler=data_config.num_filler, noise_vocab_size=data_config.noise_vocab_size,
                            seed=data_config.seed)
+    if data_config.kind == "chat":
+        return ChatDataset(data_config.path, seq_len, seed=data_config.seed,
+                           heldout_fraction=data_config.heldout_fraction, tokenizer_path=data_config.tokenizer,
+                           loss=data_config.chat_loss, overflow=data_config.chat_overflow,
+                           thinking=data_config.chat_thinking, thinking_effort=data_config.chat_thinking_effort)
     return TextDataset(data_config.path, seq_len, seed=data_config.seed,
                        heldout_fraction=data_config.heldout_fraction, jsonl_field=data_config.jsonl_field,
                        tokenizer_path=data_config.tokenizer)

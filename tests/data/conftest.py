@@ -19,3 +19,10 @@ def bpe_file(tmp_path):
     path = tmp_path / "tiny.tiktoken"
     path.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens)))
     return path
+
+
+@pytest.fixture
+def chat_tokenizer(tmp_path):
+    """A byte-level tokenizer directory that names K3's chat markers (see `tests.data.chat_tokenizer`)."""
+    from tests.data.chat_tokenizer import write_chat_tokenizer
+    return write_chat_tokenizer(tmp_path / "chat_tokenizer")
