@@ -262,7 +262,7 @@ def report(plan: Plan, config) -> str:
         f"{config.model.compute_dtype} compute, {config.optimizer.name}; {tuning}",
         "per device:",
         f"  {'parameters (adapters)' if finetune.lora else 'parameters':<32}{_bytes(plan.parameters)}",
-        *([f"  {'frozen base (MXFP4 experts packed)' if moe.expert_format == 'mxfp4' else 'frozen base parameters':<32}"
+        *([f"  {'frozen base (MXFP4 packed)' if moe.expert_format == 'mxfp4' else 'frozen base parameters':<32}"
             f"{_bytes(plan.frozen_parameters)}"] if finetune.lora else []),
         f"  optimizer state                 {_bytes(plan.optimizer_state)}",
         f"  buffers (biases, MXFP4 experts) {_bytes(plan.buffers)}",

@@ -98,7 +98,7 @@ def _tensors(maps, entries, reader: StateReader, mxfp4: bool) -> Iterator[np.nda
         if spec.layout == "packed":
             merged = _merged_packed(reader, spec, mxfp4)
             if merged is not None:
-                yield merged
+                yield merged if mxfp4 else merged.astype(DTYPES[shapes[spec.hf_name.removesuffix("_packed")][0]])
             elif mxfp4:
                 yield np.asarray(reader.read(spec.top, spec.key, spec.index), np.uint8)
             elif spec.key.endswith("_packed"):

@@ -5,7 +5,7 @@ per-expert B beside the frozen codes) are fine-tuned on text.
 The loss falls; every base parameter and every code and scale byte is bit-identical afterwards;
 the adapter checkpoint is a fraction of the full one; a resumed run (2 steps, then to 4) ends bit
 for bit where a straight one does; export-with-merge then re-import gives the fine-tuned model's
-logits (dense fp32 export), and with MXFP4 re-packing the re-imported codes are exactly
+logits (dense fp32 export, within fp32 rounding: 1e-4 of the largest logit), and with MXFP4 re-packing the re-imported codes are exactly
 quantize(W + s A B_e), the base's scales preferred where they still represent a block exactly.
 """
 import pathlib
@@ -105,7 +105,14 @@ def test_qlora_export_dense_reimports_as_the_fine_tuned_model(runs):
     tokens = np.arange(48).reshape(2, 24) % 250
     tuned_logits, base_logits = tuned(tokens).logits, restore_model(runs / "base").model(tokens).logits
     assert float(np.max(np.abs(tuned_logits - base_logits))) > 1e-3          # the adapters changed the model
-    np.testing.assert_allclose(merged(tokens).logits, tuned_logits, rtol=0, atol=1e-5)
+    # Not bit-equal: x (W_e + s A B_e) against x W_e + s (x A) B_e in fp32 differ by rounding, which
+    # this model amplifies to ~1e-4 of its logits (the fp32 import itself is within 2e-4 of float64,
+    # tests/convert/test_import_export.py): measured 1.5e-4 absolute on logits up to ~4.
+    difference = float(np.max(np.abs(merged(tokens).logits - tuned_logits)))
+    print(f"dense export re-imported: max |logit difference| {difference:.2e}, max |logit| "
+          f"{float(np.max(np.abs(tuned_logits))):.2f}, adapters moved the logits by up to "
+          f"{float(np.max(np.abs(tuned_logits - base_logits))):.2e}")
+    assert difference <= 1e-4 * float(np.max(np.abs(tuned_logits)))
 
 
 def test_qlora_export_repacked_mxfp4_holds_the_quantized_merged_experts(runs):
