@@ -6,8 +6,13 @@ With ``finetune.lora_rank > 0`` the model carries `k3jax.layers.lora` adapters a
     params    the adapters' factors (`LoRA`): the only arrays the optimizer sees and keeps state for
     buffers   the routers' selection biases: updated by the balancer only with
               ``finetune.update_router_bias`` (else frozen at the base's values)
-    frozen    everything else (the base's parameters, whatever their variable types): never updated
+    frozen    everything else (the base's parameters, whatever their variable types, and with MXFP4
+              routed experts their packed codes and scales, `ExpertCodes`: QLoRA): never updated
     dropout   the adapters' dropout key slots, filled anew by every training forward
+
+The base comes from a checkpoint of the base run (`restore_base`): its parameters from ``params``, its
+MXFP4 codes and router biases from ``buffers``, where a run keeps them; the codes stay packed (the
+layers decode them a tile at a time) and, like every frozen array, never reach the optimizer.
 
 A LoRA run's checkpoints hold the adapters, the router biases and the adapters' optimizer state
 only, with ``meta["lora_base"]``: where the base came from (``init_from``, step) and its
@@ -27,7 +32,7 @@ from flax import nnx
 from k3jax.checkpoint import CheckpointError, restore_subtree, tree_checksums
 from k3jax.config import ConfigError, FinetuneConfig, ModelConfig
 from k3jax.layers.lora import LoRA, LoRADropoutSeed, attach_adapters, select_weights, set_adapter_dropout
-from k3jax.layers.moe import RouterBias
+from k3jax.layers.moe import ExpertCodes, RouterBias
 from k3jax.model import K3Model
 from k3jax.training import ModelParts, StateCodec
 
@@ -104,14 +109,28 @@ def adapted_weights(config: ModelConfig, finetune: FinetuneConfig) -> list[tuple
     return [(item.path, item.routed) for item in chosen]
 
 
-def restored_base(meta: dict, abstract_frozen: dict, where: str) -> dict:
+def restore_base(source, step: int, parts: ModelParts, abstract_frozen: dict,
+                 abstract_buffers: dict | None = None) -> tuple[dict, dict]:
+    """``(frozen, buffers)`` of checkpoint ``step`` of the base run ``source``, placed like the
+    abstract arrays: the frozen parameters from its ``params``; the frozen MXFP4 codes
+    (``parts.frozen``'s `ExpertCodes`) and the ``abstract_buffers`` (router biases) from its
+    ``buffers``. Raises `CheckpointError`."""
+    codes = set(parts.frozen.keys_of(ExpertCodes))
+    params, _ = restore_subtree(source, "params", {k: v for k, v in abstract_frozen.items() if k not in codes}, step)
+    wanted = {**{key: abstract_frozen[key] for key in codes}, **(abstract_buffers or {})}
+    buffers = restore_subtree(source, "buffers", wanted, step)[0] if wanted else {}
+    frozen = {**params, **{key: buffers[key] for key in codes}}
+    return frozen, {key: buffers[key] for key in abstract_buffers or {}}
+
+
+def restored_base(meta: dict, parts: ModelParts, abstract_frozen: dict, where: str) -> dict:
     """The frozen base a LoRA checkpoint's ``meta`` names, restored like ``abstract_frozen`` and
     checked against the fingerprint it recorded (`CheckpointError` when it is gone or changed)."""
     base = meta.get(BASE_META)
     if not isinstance(base, dict):
         raise CheckpointError(f"{where}: a LoRA checkpoint without its base's record ({BASE_META})")
     try:
-        frozen, _ = restore_subtree(base["init_from"], "params", abstract_frozen, base["step"])
+        frozen, _ = restore_base(base["init_from"], base["step"], parts, abstract_frozen)
     except CheckpointError as error:
         raise CheckpointError(f"{where}: its base {base['init_from']} step {base['step']}: {error}") from None
     found = base_fingerprint(frozen)
@@ -125,7 +144,7 @@ def restore_lora_model(directory, step: int, config, meta: dict) -> nnx.Module:
     """The fine-tuned model of LoRA checkpoint ``step``: its base (verified) with the adapters and
     router biases of the checkpoint, dropout off, on this process's first device."""
     lora = abstract_lora_model(config.model, config.finetune, config.train.seed)
-    frozen = restored_base(meta, lora.frozen, f"checkpoint {step} in {directory}")
+    frozen = restored_base(meta, lora.parts, lora.frozen, f"checkpoint {step} in {directory}")
     adapters, _ = restore_subtree(directory, "params", lora.adapters, step)
     buffers, _ = restore_subtree(directory, "buffers", lora.buffers, step)
     model = lora.parts.merge(adapters, buffers, frozen)

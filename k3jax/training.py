@@ -50,6 +50,10 @@ class StateCodec:
     def unflatten(self, flat: dict[str, jax.Array]) -> nnx.State:
         return nnx.from_flat_state([(path, variable.replace(flat[key])) for key, path, variable in self._entries])
 
+    def keys_of(self, variable_types) -> list[str]:
+        """The keys of the entries that are instances of ``variable_types`` (a type or a tuple)."""
+        return [key for key, _, variable in self._entries if isinstance(variable, variable_types)]
+
     def axes(self) -> dict[str, tuple[str, ...]]:
         """Logical axis names of every entry."""
         return {key: logical_axes(variable) for key, _, variable in self._entries}
@@ -206,7 +210,8 @@ def make_train_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
         if stats is not None and parts.balance:
             model = parts.merge(params, buffers, frozen)
             model.update_router_bias(stats)
-            buffers = parts.buffers.flatten(nnx.state(model, BUFFER_TYPES))
+            updated = parts.buffers.flatten(nnx.state(model, BUFFER_TYPES))
+            buffers = {key: updated[key] for key in buffers}      # a LoRA run's frozen codes stay out
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         new_state = TrainState(
             step=state.step + finite.astype(jnp.int32),

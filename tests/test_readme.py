@@ -64,7 +64,10 @@ EXPECTED = {
     "python -m eval runs/kimi-linear": ["runs/kimi-linear/eval/report.json"],
     "python -m train runs/kimi-linear/config.yaml": ["runs/kimi-ft/summary.json"],
     "python -m k3jax.convert export runs/kimi-ft": ["~/hf/my-kimi-linear/model.safetensors.index.json"],
-    "python -m k3jax.convert import ~/hf/Kimi-K3": ["runs/k3-import/checkpoints/0"],
+    "python -m k3jax.convert import ~/hf/Kimi-K3 runs/k3-import": ["runs/k3-import/checkpoints/0"],
+    "python -m k3jax.convert import ~/hf/Kimi-K3 runs/k3-base": ["runs/k3-base/checkpoints/0"],
+    "python -m train runs/k3-base/config.yaml": ["runs/k3-qlora/summary.json", "runs/k3-qlora/checkpoints/4"],
+    "python -m k3jax.convert export runs/k3-qlora": ["~/hf/my-k3-qlora/model.safetensors.index.json"],
     "python -m k3jax.convert export runs/k3-import": ["~/hf/my-k3/model.safetensors.index.json"],
     "python -m k3jax.convert config": ["kl.yaml"],
 }

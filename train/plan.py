@@ -24,7 +24,8 @@ optimizer state and batches are abstract arrays carrying their shardings) and re
                                   ring, and their backward) are counted apart as "context axis"
 
 A LoRA run (``finetune.lora_rank > 0``) also shows its frozen base: the parameters held without
-optimizer state; "parameters" and "optimizer state" are then the adapters' (and their Adam
+optimizer state (QLoRA, ``model.moe.expert_format=mxfp4``: with the packed routed experts, which
+then count there and not under "buffers"); "parameters" and "optimizer state" are then the adapters' (and their Adam
 moments). ``--layout-only`` stops before compiling: parameter and optimizer-state shards only,
 from the run's shardings (seconds, even for K3 on 256 devices).
 
@@ -183,6 +184,16 @@ def _count(tree) -> int:
     return int(sum(math.prod(x.shape) for x in jax.tree.leaves(tree)))
 
 
+def _frozen_weights(layout) -> int:
+    """Weights of a LoRA run's frozen base (all devices): its parameters' elements, and for packed
+    MXFP4 experts (QLoRA) two weights per code byte (their scale bytes are not weights)."""
+    from k3jax.layers.moe import ExpertCodes
+
+    codes = set(layout.parts.frozen.keys_of(ExpertCodes))
+    per_element = {key: (2 if key.endswith("_packed") else 0) if key in codes else 1 for key in layout.frozen}
+    return sum(per_element[key] * math.prod(value.shape) for key, value in layout.frozen.items())
+
+
 def plan_train_step(config, compile: bool = True) -> Plan:
     """Compile ``config``'s train step for the current devices (abstract inputs only) and measure it;
     without ``compile`` only the resident shards (parameters, frozen base, optimizer state)."""
@@ -202,7 +213,7 @@ def plan_train_step(config, compile: bool = True) -> Plan:
         optimizer_state=_shard_bytes(state.opt_state, layout.shardings.state.opt_state),
         buffers=_shard_bytes(state.buffers, layout.shardings.state.buffers),
         frozen_parameters=_shard_bytes(layout.frozen, layout.shardings.frozen) if frozen else 0.0,
-        trainable_count=_count(state.params), frozen_count=_count(layout.frozen) if frozen else 0)
+        trainable_count=_count(state.params), frozen_count=_frozen_weights(layout) if frozen else 0)
     if not compile:
         unmeasured = dict.fromkeys(("arguments", "outputs", "aliased", "temporaries", "flops", "compile_seconds"),
                                    math.nan)
@@ -251,7 +262,8 @@ def report(plan: Plan, config) -> str:
         f"{config.model.compute_dtype} compute, {config.optimizer.name}; {tuning}",
         "per device:",
         f"  {'parameters (adapters)' if finetune.lora else 'parameters':<32}{_bytes(plan.parameters)}",
-        *([f"  frozen base parameters          {_bytes(plan.frozen_parameters)}"] if finetune.lora else []),
+        *([f"  {'frozen base (MXFP4 packed)' if moe.expert_format == 'mxfp4' else 'frozen base parameters':<32}"
+            f"{_bytes(plan.frozen_parameters)}"] if finetune.lora else []),
         f"  optimizer state                 {_bytes(plan.optimizer_state)}",
         f"  buffers (biases, MXFP4 experts) {_bytes(plan.buffers)}",
         f"  resident (params + state)       {_bytes(plan.resident)}",

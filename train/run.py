@@ -39,7 +39,7 @@ from k3jax.checkpoint import CheckpointError, RunCheckpoints, latest_meta, resto
 from k3jax.config import Config, ConfigError, to_dict
 from k3jax.data import MQARDataset, TextDataset, make_dataset, mqar_recall
 from k3jax.data.byte_metrics import bits_per_byte, scored_bytes, token_byte_lengths
-from k3jax.finetune import BASE_META, abstract_lora_model, base_fingerprint, initial_adapters
+from k3jax.finetune import BASE_META, abstract_lora_model, base_fingerprint, initial_adapters, restore_base
 from k3jax.optim import build_optimizer, learning_rate_schedule
 from k3jax.sharding import (StepShardings, abstract, check_run_fits, global_batch, make_mesh, named_shardings,
                             process_rows, step_shardings, to_host)
@@ -311,18 +311,16 @@ class Trainer:
         return self.checkpoints.restore(step, self.abstract_state)
 
     def _load_base(self) -> None:
-        """A LoRA run's frozen base: ``init_from``'s latest parameters and router biases."""
+        """A LoRA run's frozen base: ``init_from``'s latest parameters, MXFP4 expert codes (QLoRA)
+        and router biases."""
         if not self.config.init_from:
             raise RunError("finetune.lora_rank > 0 trains adapters on a frozen base: set init_from=RUN_DIR (the base run)")
-        if self.config.model.moe.expert_format == "mxfp4":
-            raise RunError("finetune.lora_rank > 0 on MXFP4 routed experts (QLoRA) is not supported yet: the frozen "
-                           "base restores dense parameters only; use model.moe.expert_format=dense")
         source = pathlib.Path(self.config.init_from).expanduser().resolve()
         try:
             step, meta = latest_meta(source)
             check_same_model(meta, self.config, f"init_from {source}")
-            self.frozen, _ = restore_subtree(source, "params", self.abstract_frozen, step)
-            self.base_buffers, _ = restore_subtree(source, "buffers", self.abstract_state.buffers, step)
+            self.frozen, self.base_buffers = restore_base(source, step, self.parts, self.abstract_frozen,
+                                                          self.abstract_state.buffers)
         except CheckpointError as error:
             raise CheckpointError(f"init_from={source}: {error}") from None
         self.base = {"init_from": str(source), "step": step, "fingerprint": base_fingerprint(self.frozen)}

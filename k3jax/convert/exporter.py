@@ -18,7 +18,10 @@ when complete.
 
 A LoRA run (`k3jax.finetune`) exports as a normal checkpoint: each adapted weight region is read
 from the base the run recorded and merged, W' = W + (alpha / r) A B in fp32, then cast; the router
-biases are the run's. The HF description and the tokenizer come from the base run.
+biases are the run's. The HF description and the tokenizer come from the base run. A QLoRA run's
+adapted MXFP4 experts are decoded and merged one expert at a time, W_e' = decode(codes_e) + s A B_e,
+then written dense (bf16, or fp32 with ``float32``) or, with ``mxfp4``, re-packed:
+``encode_mxfp4(W_e', preferred=the base's scales)`` (`k3jax.convert.mxfp4`).
 """
 from __future__ import annotations
 
@@ -71,9 +74,9 @@ def _entries(maps, manifest: dict, mxfp4: bool, float32: bool = False) -> list[t
         if spec.layout == "packed":
             if mxfp4:
                 entries.append((spec.hf_name, "U8", spec.hf_shape))
-            elif spec.key.endswith("_packed"):       # one bf16 weight [out, in] per codes + scales pair
+            elif spec.key.endswith("_packed"):       # one dense weight [out, in] per codes + scales pair
                 out, half = spec.hf_shape
-                entries.append((spec.hf_name.removesuffix("_packed"), "BF16", (out, 2 * half)))
+                entries.append((spec.hf_name.removesuffix("_packed"), "F32" if float32 else "BF16", (out, 2 * half)))
             continue
         if spec.expert and mxfp4:
             out, inputs = spec.hf_shape
@@ -93,13 +96,16 @@ def _tensors(maps, entries, reader: StateReader, mxfp4: bool) -> Iterator[np.nda
     shapes = {name: (dtype, shape) for name, dtype, shape in entries}
     for spec in maps:
         if spec.layout == "packed":
-            if mxfp4:
+            merged = _merged_packed(reader, spec, mxfp4)
+            if merged is not None:
+                yield merged if mxfp4 else merged.astype(DTYPES[shapes[spec.hf_name.removesuffix("_packed")][0]])
+            elif mxfp4:
                 yield np.asarray(reader.read(spec.top, spec.key, spec.index), np.uint8)
             elif spec.key.endswith("_packed"):
-                scale_key = spec.key.removesuffix("_packed") + "_scale"
-                codes, scales = (np.asarray(reader.read(spec.top, key, spec.index), np.uint8)
-                                 for key in (spec.key, scale_key))
-                yield decode_mxfp4(codes, scales).astype(DTYPES["BF16"])
+                weight = spec.key.removesuffix("_packed")
+                codes, scales = (np.asarray(reader.read(spec.top, weight + part, spec.index), np.uint8)
+                                 for part in ("_packed", "_scale"))
+                yield decode_mxfp4(codes, scales).astype(DTYPES[shapes[spec.hf_name.removesuffix("_packed")][0]])
             continue
         value = reader.read(spec.top, spec.key, spec.index)
         if spec.expert and mxfp4:
@@ -110,6 +116,23 @@ def _tensors(maps, entries, reader: StateReader, mxfp4: bool) -> Iterator[np.nda
             continue
         dtype, shape = shapes[spec.hf_name]
         yield to_hf(value, spec, shape).astype(DTYPES[dtype])
+
+
+def _merged_packed(reader, spec: TensorMap, mxfp4: bool) -> np.ndarray | None:
+    """A QLoRA run's adapted MXFP4 expert region as exported: with ``mxfp4`` the codes (``_packed``)
+    or scales (``_scale``) of the merged weight re-packed, without it the merged weight (fp32,
+    from the ``_packed`` region); None when ``reader`` merges no adapter into this expert weight."""
+    weight = spec.key.removesuffix("_packed").removesuffix("_scale")
+    if not isinstance(reader, MergedAdapters) or weight not in reader.adapted:
+        return None
+    if not mxfp4 and spec.key.endswith("_scale"):
+        return None
+    merged = reader.merged_expert(weight, spec.index)
+    if not mxfp4:
+        return merged
+    preferred = np.asarray(reader.base.read(spec.top, weight + "_scale", spec.index), np.uint8)
+    packed, scale = encode_mxfp4(merged, preferred)
+    return packed if spec.key.endswith("_packed") else scale
 
 
 def _set_quantization(hf: dict, mxfp4: bool) -> dict:
@@ -142,19 +165,32 @@ class MergedAdapters:
     def __init__(self, base: StateReader, adapters: StateReader, adapted: dict[str, bool], scale: float):
         self.base, self.adapters, self.adapted, self.scale = base, adapters, adapted, scale
 
+    def _own(self, top: str, key: str) -> bool:
+        """Whether the run holds ``key`` itself (its router biases), not its base (QLoRA: the codes)."""
+        return top == "buffers" and self.adapters.has(top, key)
+
     def has(self, top: str, key: str) -> bool:
-        return self.adapters.has(top, key) if top == "buffers" else self.base.has(top, key)
+        return self._own(top, key) or self.base.has(top, key)
 
     def read(self, top: str, key: str, index: tuple[int, ...] = ()) -> np.ndarray:
-        if top == "buffers":
+        if self._own(top, key):
             return self.adapters.read(top, key, index)
         value = self.base.read(top, key, index)
         if top != "params" or key not in self.adapted:
             return value
-        routed = self.adapted[key]
-        a = self.adapters.read("params", f"{key}_lora/a", index[:-1] if routed else index).astype(np.float32)
-        b = self.adapters.read("params", f"{key}_lora/b", index).astype(np.float32)
-        return value.astype(np.float32) + self.scale * np.tensordot(a, b, axes=1)
+        return value.astype(np.float32) + self.scale * self._delta(key, index)
+
+    def _delta(self, key: str, index: tuple[int, ...]) -> np.ndarray:
+        """A B of the region ``index`` of adapted weight ``key`` ([in, out]; routed: A B_e, A shared)."""
+        a = self.adapters.read("params", f"{key}_lora/a", index[:-1] if self.adapted[key] else index)
+        b = self.adapters.read("params", f"{key}_lora/b", index)
+        return np.tensordot(a.astype(np.float32), b.astype(np.float32), axes=1)
+
+    def merged_expert(self, key: str, index: tuple[int, ...]) -> np.ndarray:
+        """decode(codes_e) + s (A B_e)^T [out, in] fp32 of the MXFP4 expert weight ``key`` (``.../w_gate``)."""
+        codes, scales = (np.asarray(self.base.read("buffers", key + part, index), np.uint8)
+                         for part in ("_packed", "_scale"))
+        return decode_mxfp4(codes, scales) + self.scale * self._delta(key, index).T
 
 
 def _lora_reader(config, step_dir: pathlib.Path, meta: dict) -> tuple[MergedAdapters, pathlib.Path]:

@@ -11,7 +11,9 @@ them like W; the rank axis "lora_rank" is replicated). Weights stacked over scan
 their leading "layers" axis in both factors. Routed experts W [E, in, out] share one A [in, r]
 and have one B [E, r, out] per expert; their adapter is merged into the weight they are computed
 with, W_e + s A B_e (as is MLA's kv_b_proj, which the cached attention absorbs into the queries),
-so dropout does not apply to those two.
+so dropout does not apply to those two. MXFP4 routed experts (QLoRA) are frozen codes that are never
+merged: their adapter's term is computed beside the decoded product instead (`k3jax.ops.mxfp4`),
+and a module describes such a weight's dense layout through ``lora_layout(name)``.
 
 Adapters are `Adapter` submodules named ``<weight>_lora`` beside the weight (its path is
 unchanged); their factors are `LoRA` variables, not ``nnx.Param``s. `attach_adapters` adds them
@@ -121,13 +123,26 @@ def adapted_weight(module: nnx.Module, name: str, dtype) -> jax.Array:
 
 
 class AdaptableWeight(NamedTuple):
-    """A weight a layer computes through `adapted_project` / `adapted_weight`."""
+    """A weight a layer computes through `adapted_project` / `adapted_weight` (or, MXFP4 experts,
+    beside their decoded product)."""
 
     path: str               # "body/layers/0/mixer/q_proj"
     module: nnx.Module
     name: str               # the attribute ("q_proj")
     input_dims: int         # leading (after any "layers" / "experts" axis) axes contracted with the input
     routed: bool            # routed experts: a shared A, one B per expert
+    shape: tuple            # the (dense) weight's shape and logical axes
+    axes: tuple
+
+
+def weight_layout(module: nnx.Module, name: str) -> tuple[tuple, tuple] | None:
+    """``(shape, logical axes)`` of the adaptable weight ``module.<name>``: an ``nnx.Param``'s own, or
+    the dense layout the module's ``lora_layout`` gives (MXFP4 experts); None when it has none."""
+    weight = getattr(module, name, None)
+    if isinstance(weight, nnx.Param):
+        return tuple(weight.shape), logical_axes(weight)
+    layout = getattr(module, "lora_layout", None)
+    return None if layout is None else layout(name)
 
 
 def adaptable_weights(model: nnx.Module) -> Iterator[AdaptableWeight]:
@@ -136,9 +151,10 @@ def adaptable_weights(model: nnx.Module) -> Iterator[AdaptableWeight]:
     ``LORA_ROUTED = True``."""
     for path, module in nnx.iter_modules(model):
         for name, input_dims in getattr(type(module), "LORA_WEIGHTS", {}).items():
-            if isinstance(getattr(module, name, None), nnx.Param):
+            layout = weight_layout(module, name)
+            if layout is not None:
                 yield AdaptableWeight("/".join(map(str, (*path, name))), module, name, input_dims,
-                                      getattr(type(module), "LORA_ROUTED", False))
+                                      getattr(type(module), "LORA_ROUTED", False), *layout)
 
 
 def target_matches(target: str, path: str, axes: tuple) -> bool:
@@ -156,21 +172,19 @@ def select_weights(model: nnx.Module, targets: tuple[str, ...], routed_experts: 
     candidates = list(adaptable_weights(model))
     plain = [w for w in candidates if not w.routed]
     for target in targets:
-        if not any(target_matches(target, w.path, logical_axes(getattr(w.module, w.name))) for w in plain):
+        if not any(target_matches(target, w.path, w.axes) for w in plain):
             raise ValueError(f"finetune.lora_targets: {target!r} selects no adaptable weight (adaptable: e.g. "
                              f"{', '.join(sorted({w.path.rsplit('/', 2)[-2] + '/' + w.name for w in plain})[:8])})")
-    chosen = [w for w in plain if any(target_matches(t, w.path, logical_axes(getattr(w.module, w.name)))
-                                      for t in targets)]
+    chosen = [w for w in plain if any(target_matches(t, w.path, w.axes) for t in targets)]
     routed = [w for w in candidates if w.routed]
     if routed_experts and not routed:
-        raise ValueError("finetune.lora_routed_experts: the model has no dense routed experts to adapt "
-                         "(MXFP4 experts are frozen codes: use model.moe.expert_format=dense)")
+        raise ValueError("finetune.lora_routed_experts: the model has no routed experts to adapt")
     return chosen + (routed if routed_experts else [])
 
 
-def adapter_factors(weight: nnx.Variable, input_dims: int, routed: bool, rank: int, key: jax.Array):
-    """``(A, B, A axes, B axes)`` of a new adapter for ``weight`` (fp32; B zero)."""
-    axes, shape = logical_axes(weight), tuple(weight.shape)
+def adapter_factors(shape: tuple, axes: tuple, input_dims: int, routed: bool, rank: int, key: jax.Array):
+    """``(A, B, A axes, B axes)`` of a new adapter for a weight of this shape and logical axes
+    (fp32; B zero)."""
     stack = _stacked(axes)
     lead = stack + int(routed)                              # stacked layers, then experts
     in_shape, in_axes = shape[lead:lead + input_dims], axes[lead:lead + input_dims]
@@ -191,9 +205,8 @@ def attach_adapters(model: nnx.Module, *, rank: int, alpha: float, dropout_rate:
     chosen = select_weights(model, targets, routed_experts)
     root = jax.random.key(seed)
     for item in chosen:
-        weight = getattr(item.module, item.name)
         key = jax.random.fold_in(root, _path_hash(item.path))
-        a, b, a_axes, b_axes = adapter_factors(weight, item.input_dims, item.routed, rank, key)
+        a, b, a_axes, b_axes = adapter_factors(item.shape, item.axes, item.input_dims, item.routed, rank, key)
         stack = a.shape[:_stacked(a_axes)]
         slot = jnp.zeros((*stack, 2), jnp.uint32) if dropout_rate and not item.routed else None
         setattr(item.module, item.name + ADAPTER_SUFFIX,

@@ -26,8 +26,8 @@ from flax import nnx
 
 from k3jax.config import MoEConfig
 from k3jax.layers.ffn import DenseGLU
-from k3jax.layers.lora import adapted_weight
-from k3jax.layers.params import param, truncated_normal
+from k3jax.layers.lora import ADAPTER_SUFFIX, adapted_weight
+from k3jax.layers.params import logical_axes, param, truncated_normal
 from k3jax.ops.moe import (
     EXPERT_MATMULS,
     ROUTER_SCORES,
@@ -123,8 +123,9 @@ class RoutedExperts(nnx.Module):
     The call is ``k3jax.ops.moe.routed_experts`` (dropless, ``lax.ragged_dot``; MXFP4 decoded per
     tile) or, with ``config.expert_matmul == "dense"``, ``dense_experts`` (the same function, every
     expert on every token); a ``dispatch`` given to the call replaces both on these weights. LoRA
-    adapters of dense experts (a shared A, one B per expert) are merged into the weights they are
-    computed with.
+    adapters (a shared A, one B per expert) of dense experts are merged into the weights they are
+    computed with; those of MXFP4 experts (QLoRA) ride along in their `Mxfp4Experts`, whose grouped
+    matmul adds ``s (x A) B_e`` beside the decoded product (the codes stay packed).
     """
 
     LORA_WEIGHTS = {"w_gate": 1, "w_up": 1, "w_down": 1}   # after the experts axis: {name: input axes}
@@ -154,13 +155,29 @@ class RoutedExperts(nnx.Module):
         self.situ_beta, self.situ_beta_linear = situ_beta, situ_beta_linear
         self.dtype = dtype
 
+    def lora_layout(self, name: str) -> tuple[tuple, tuple] | None:
+        """``(shape, logical axes)`` of MXFP4 expert weight ``name`` in the dense layout [.., E, in, out]
+        (from its codes [.., E, out, in/2]; `k3jax.layers.lora`), None when it is not packed."""
+        codes = getattr(self, f"{name}_packed", None)
+        if codes is None:
+            return None
+        *lead, out, half = codes.shape
+        *lead_axes, out_axis, in_axis = logical_axes(codes)
+        return (*lead, 2 * half, out), (*lead_axes, in_axis, out_axis)
+
     def expert_weights(self) -> tuple:
-        """(W_gate, W_up, W_down): dense arrays in ``dtype``, or `Mxfp4Experts` (decoded to the
-        input's dtype per tile where they are used)."""
+        """(W_gate, W_up, W_down): dense arrays in ``dtype`` (adapters merged), or `Mxfp4Experts`
+        (decoded to the input's dtype per tile where they are used; with their adapters beside)."""
         if self.expert_format == "mxfp4":
-            return tuple(Mxfp4Experts(getattr(self, f"{name}_packed")[...], getattr(self, f"{name}_scale")[...],
-                                      self.tile, self.implementation) for name in EXPERT_WEIGHTS)
+            return tuple(self._mxfp4_weight(name) for name in EXPERT_WEIGHTS)
         return tuple(adapted_weight(self, name, self.dtype) for name in EXPERT_WEIGHTS)
+
+    def _mxfp4_weight(self, name: str) -> Mxfp4Experts:
+        adapter = getattr(self, name + ADAPTER_SUFFIX, None)
+        factors = {} if adapter is None else dict(adapter_a=adapter.a[...], adapter_b=adapter.b[...],
+                                                  adapter_scale=adapter.scale)
+        return Mxfp4Experts(getattr(self, f"{name}_packed")[...], getattr(self, f"{name}_scale")[...], self.tile,
+                            self.implementation, **factors)
 
     def __call__(self, x: jax.Array, indices: jax.Array, weights: jax.Array,
                  dispatch: ExpertDispatchFn | None = None) -> tuple[jax.Array, jax.Array]:

@@ -13,6 +13,11 @@ them.
 
     grouped_matmul(x, w, group_sizes)      rows of group j (contiguous, groups in order): y_r = x_r W_j
 
+With a LoRA adapter (QLoRA: a shared A [in, r], one B_j [r, out] per expert, scale s = alpha / r)
+the frozen codes are never merged with it (that would need the dense weights); the low-rank term
+is added beside the decoded product, ``y_r = x_r W_j + s (x_r A) B_j``, its second factor one more
+grouped matmul (`lax.ragged_dot`) of rank r. Gradients reach x, A and B; never the codes.
+
 The XLA form never decodes all experts: a loop over tiles of G experts decodes only the tile's
 experts (to x's dtype; exact, every MXFP4 value is a bf16 value) and runs `lax.ragged_dot` on the
 window of rows starting at the tile's first row (x padded with zero rows so the window always
@@ -94,12 +99,16 @@ def encode(weight_t: jax.Array) -> tuple[jax.Array, jax.Array]:
 @dataclasses.dataclass(frozen=True)
 class Mxfp4Experts:
     """E expert matrices W_j [in, out] as MXFP4 (the module doc's layout); ``tile``: experts decoded
-    at once, ``implementation``: "auto", "xla" or "pallas" (static)."""
+    at once, ``implementation``: "auto", "xla" or "pallas" (static); optionally a LoRA adapter
+    beside them, ``adapter_a`` [in, r] (shared), ``adapter_b`` [E, r, out], scale ``adapter_scale``."""
 
     codes: jax.Array                      # [E, out, in/2] uint8
     scales: jax.Array                     # [E, out, in/32] uint8
     tile: int = dataclasses.field(default=8, metadata=dict(static=True))
     implementation: str = dataclasses.field(default="auto", metadata=dict(static=True))
+    adapter_a: jax.Array | None = None    # [in, r]
+    adapter_b: jax.Array | None = None    # [E, r, out]
+    adapter_scale: float = dataclasses.field(default=1.0, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -108,8 +117,18 @@ class Mxfp4Experts:
         return experts, 2 * half, out
 
     def decoded(self, dtype=jnp.float32) -> jax.Array:
-        """All experts dense, [E, in, out] (for tests and export: the layer never calls this)."""
+        """All experts dense, [E, in, out], without the adapter (for tests and export: the layer
+        never calls this)."""
         return jnp.swapaxes(decode(self.codes, self.scales, dtype), -1, -2)
+
+
+def adapter_term(x: jax.Array, weight: Mxfp4Experts, group_sizes: jax.Array) -> jax.Array:
+    """The LoRA term of grouped rows, ``s (x_r A) B_j`` for the rows r of group j: x [M, in] ->
+    [M, out] in x.dtype (zero rows past the groups)."""
+    low_rank = jnp.matmul(x, weight.adapter_a.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    term = jax.lax.ragged_dot(low_rank, weight.adapter_b.astype(x.dtype), group_sizes,
+                              preferred_element_type=jnp.float32)
+    return (weight.adapter_scale * term).astype(x.dtype)
 
 
 def tile_size(num_experts: int, tile: int) -> int:
@@ -189,7 +208,8 @@ _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 def grouped_matmul(x: jax.Array, weight: "Mxfp4Experts | jax.Array", group_sizes: jax.Array) -> jax.Array:
     """``y_r = x_r W_j`` for the rows r of group j: x [M, in] sorted by group, group_sizes [E] int32
     (rows past their sum come out zero), weight a dense [E, in, out] (``lax.ragged_dot``) or
-    `Mxfp4Experts` (decoded per tile; gradients w.r.t. x only). -> [M, out] in x.dtype."""
+    `Mxfp4Experts` (decoded per tile; gradients w.r.t. x, and with an adapter, ``+ s (x_r A) B_j``
+    w.r.t. A and B too). -> [M, out] in x.dtype."""
     if not isinstance(weight, Mxfp4Experts):
         return jax.lax.ragged_dot(x, weight, group_sizes)
     if weight.implementation not in IMPLEMENTATIONS:
@@ -198,4 +218,5 @@ def grouped_matmul(x: jax.Array, weight: "Mxfp4Experts | jax.Array", group_sizes
     # Inside shard_map: x varies over the weights' axes before the custom VJP (whose backward then
     # psums the partial dx over the axes x was replicated on, e.g. a split hidden width).
     x = _varying_like(x, x, weight.codes, weight.scales, group_sizes)
-    return _grouped_matmul(x, weight.codes, weight.scales, group_sizes, weight.tile, weight.implementation)
+    y = _grouped_matmul(x, weight.codes, weight.scales, group_sizes, weight.tile, weight.implementation)
+    return y if weight.adapter_a is None else y + adapter_term(x, weight, group_sizes)

@@ -207,11 +207,14 @@ def ragged_experts(x, indices, weights, w_gate, w_up, w_down, *, activation: GLU
 
 def _weight_spec(weight, dense_spec: P):
     """The shard_map spec of an expert weight whose dense [E, in, out] form splits as ``dense_spec``;
-    `Mxfp4Experts` hold [E, out, in/2] codes and [E, out, in/32] scales: the same split, transposed."""
+    `Mxfp4Experts` hold [E, out, in/2] codes and [E, out, in/32] scales: the same split, transposed;
+    their adapter's shared A [in, r] splits like the input axis, B [E, r, out] like experts and output."""
     if not isinstance(weight, Mxfp4Experts):
         return dense_spec
-    transposed = P(dense_spec[0], dense_spec[2], dense_spec[1])
-    return dataclasses.replace(weight, codes=transposed, scales=transposed)
+    experts, inputs, outputs = dense_spec
+    transposed = P(experts, outputs, inputs)
+    adapter = {} if weight.adapter_a is None else dict(adapter_a=P(inputs, None), adapter_b=P(experts, None, outputs))
+    return dataclasses.replace(weight, codes=transposed, scales=transposed, **adapter)
 
 
 def expert_parallel_experts(x, indices, weights, w_gate, w_up, w_down, activation: GLUActivation,
