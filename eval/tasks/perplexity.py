@@ -18,7 +18,7 @@ import dataclasses
 import math
 from typing import ClassVar
 
-from k3jax.data import DataError, TextDataset, make_dataset
+from k3jax.data import DataError, PackedDataset, TextDataset, make_dataset
 from k3jax.data.byte_metrics import bits_per_byte, scored_bytes, token_byte_lengths
 from ..stats import t_interval
 from .common import TaskOutput, TaskSkipped, canonical_json, require_vocabulary, sha256_text
@@ -50,7 +50,7 @@ class PerplexityTask:
     def run(self, context, cost, progress) -> TaskOutput:
         dataset, split, label = self._source(context)
         require_vocabulary(context.config.model.vocab_size, dataset.vocab_size, label)
-        byte_lengths = token_byte_lengths(dataset.tokenizer) if isinstance(dataset, TextDataset) else None
+        byte_lengths = token_byte_lengths(dataset.tokenizer) if isinstance(dataset, PackedDataset) else None
         progress.reset(total=len(context.seeds) * self.batches_per_seed)
         losses, bytes_scored, tokens_scored = [], [], []
         for seed in context.seeds:
