@@ -62,7 +62,7 @@ def pipeline_rates(datasets: dict, batch_size: int, steps: int, rounds: int) -> 
     """Tokens/s of reading ``steps`` batches from each dataset (median over rounds, fresh steps each)."""
     times = {name: [] for name in datasets}
     for dataset in datasets.values():
-        dataset.batch(0, batch_size)   # builds the row streams (and imports grain) outside the timing
+        dataset.batch(0, batch_size)   # builds the row orders (and imports grain) outside the timing
     for r in range(rounds):
         for i in range(len(datasets)):
             name = list(datasets)[(r + i) % len(datasets)]

@@ -13,8 +13,8 @@ from typing import Iterator, Sequence
 
 from k3jax.data.batching import SPLITS, Batch, definition_hash, shard_row_indices, split_index
 from k3jax.data.errors import DataError, require_int
-from k3jax.data.packing import TokenStream, heldout_start, tokenize_documents
-from k3jax.data.pipeline import shuffled_row_stream, stack_rows
+from k3jax.data.packing import TokenStream, heldout_start, pack_rows, tokenize_documents
+from k3jax.data.pipeline import rows_at, shuffled_row_order
 from k3jax.data.sources import find_data_files, read_documents
 from k3jax.data.tokenizers import load_tokenizer
 
@@ -36,7 +36,7 @@ def check_heldout_fraction(heldout_fraction) -> float:
 
 class PackedDataset:
     """A token stream packed into rows (`k3jax.data.packing`), cut into "train" and a held-out tail,
-    read through a shuffled grain row stream per split (`k3jax.data.pipeline`).
+    read in the shuffled grain row order of each split (`k3jax.data.pipeline`).
 
     Subclasses set ``paths`` (for messages), ``seq_len``, ``seed``, ``heldout_fraction``, ``tokenizer``
     and call `_set_stream`.
@@ -55,7 +55,7 @@ class PackedDataset:
                             f"documents, fewer than one row of seq_len + 1 = {self.seq_len + 1}")
         cut = heldout_start(stream, self.heldout_fraction, self.seq_len + 1)
         self.splits = {"train": stream.slice(0, cut), "heldout": stream.slice(cut, len(stream))}
-        self._row_streams = {}
+        self._row_orders = {}
 
     @property
     def vocab_size(self) -> int:
@@ -66,22 +66,22 @@ class PackedDataset:
         split_index(split)
         return self.splits[split].num_rows(self.seq_len)
 
-    def _rows(self, split: str):
-        """The split's shuffled grain row stream (built on first use)."""
+    def _row_order(self, split: str):
+        """The split's shuffled grain row order (built on first use)."""
         if self.num_rows(split) == 0:
             raise DataError(f"{', '.join(self.paths)}: the {split} split has {len(self.splits[split])} tokens, "
                             f"fewer than one row of {self.seq_len + 1}; "
                             "raise heldout_fraction, add data or lower seq_len")
-        if split not in self._row_streams:
-            self._row_streams[split] = shuffled_row_stream(self.splits[split], self.seq_len, self.seed, split)
-        return self._row_streams[split]
+        if split not in self._row_orders:
+            self._row_orders[split] = shuffled_row_order(self.num_rows(split), self.seed, split)
+        return self._row_orders[split]
 
     def batch(self, step: int, batch_size: int, split: str = "train",
               process_index: int = 0, process_count: int = 1) -> Batch:
         """This process's rows of global batch ``step``, in the format of `k3jax.data.batching`."""
-        rows = self._rows(split)
+        order = self._row_order(split)
         indices = shard_row_indices(step, batch_size, process_index, process_count)
-        return stack_rows([rows[int(index)] for index in indices])
+        return pack_rows(self.splits[split], rows_at(order, indices), self.seq_len)
 
     def _definition(self) -> dict:
         """Everything besides the token stream that decides the rows."""
