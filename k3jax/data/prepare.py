@@ -84,11 +84,12 @@ def prepare(sources: list[str], out: str | os.PathLike, *, tokenizer_path: str |
     shard_tokens = require_int("--shard-tokens", shard_tokens, 1)
     seq_len = None if seq_len is None else require_int("--seq-len", seq_len, 1)
     tokenizer = load_tokenizer(tokenizer_path)
-    files = [file for source in sources for file in find_data_files(source)]
+    out = Path(out)
+    files = [file for source in sources for file in find_data_files(source)
+             if out.resolve() not in file.resolve().parents]   # OUT inside a source: its own .json files
     settings = {"format": FORMAT, "version": FORMAT_VERSION, "sources": [str(s) for s in sources],
                 "files": [{"path": str(f), "bytes": f.stat().st_size} for f in files], "jsonl_field": jsonl_field,
                 "tokenizer": tokenizer.describe(), "shard_tokens": shard_tokens}
-    out = Path(out)
     if out.exists() and not out.is_dir():
         raise DataError(f"{out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
