@@ -275,12 +275,14 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Training data: the embedded MQAR task (`k3jax.data.MQARDataset`), local text
-    (`k3jax.data.TextDataset`: a file, a JSONL file or a directory) or conversations in K3's chat
-    format (`k3jax.data.ChatDataset`: JSONL ``messages`` records)."""
+    (`k3jax.data.TextDataset`: text, JSONL or Parquet files, a directory or a glob), token shards
+    written by ``python -m k3jax.data.prepare`` (`k3jax.data.TokensDataset`), or conversations in
+    K3's chat format (`k3jax.data.ChatDataset`: JSONL ``messages`` records)."""
 
-    kind: Literal["mqar", "text", "chat"] = "mqar"
+    kind: Literal["mqar", "text", "tokens", "chat"] = "mqar"
     seq_len: int = 128
     seed: int = 0
+    prefetch: int = 2                     # batches read ahead of the train step on a thread; 0: off
     # mqar
     num_pairs: int = 16
     num_keys: int = 256
@@ -288,9 +290,9 @@ class DataConfig:
     num_queries: int | None = None
     num_filler: int = 0
     noise_vocab_size: int = 64
-    # text
-    path: str | None = None
-    jsonl_field: str = "text"
+    # text and tokens
+    path: str | None = None               # text: file, directory or glob; tokens: prepare's output directory
+    jsonl_field: str = "text"             # the text's JSON field, or Parquet column
     tokenizer: str | None = None          # a tiktoken BPE file (K3's tiktoken.model); None: bytes
     heldout_fraction: float = 0.05
     # chat (path, tokenizer and heldout_fraction as for text; the tokenizer must name K3's markers)
@@ -302,8 +304,9 @@ class DataConfig:
     def __post_init__(self):
         _positive(self, "seq_len", "num_pairs", "num_keys", "num_values", "num_queries")
         _require(self.kind == "mqar" or self.path is not None, "path",
-                 f"{self.kind} data needs a path (file or directory)")
+                 f"{self.kind} data needs a path ({'file, directory or glob' if self.kind != 'tokens' else 'a prepared directory'})")
         _require(0.0 <= self.heldout_fraction < 1.0, "heldout_fraction", f"must be in [0, 1), got {self.heldout_fraction}")
+        _require(self.prefetch >= 0, "prefetch", f"must be non-negative (0: off), got {self.prefetch}")
 
 
 @dataclasses.dataclass(frozen=True)

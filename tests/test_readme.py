@@ -7,6 +7,7 @@ the test fails when a README command is neither runnable nor listed, or a listed
 Each command must exit 0 and leave the files `EXPECTED` names. ``pytest -q -m slow tests/test_readme.py -s``
 prints each command's exit status and seconds.
 """
+import json
 import os
 import pathlib
 import re
@@ -14,6 +15,8 @@ import shutil
 import subprocess
 import time
 
+import pyarrow
+import pyarrow.parquet
 import pytest
 
 from tests.convert.hf_configs import tiny_k3
@@ -28,7 +31,7 @@ COPY_IGNORED = shutil.ignore_patterns(".git", "build", "dist", "runs", "*.egg-in
 
 # README command (comment removed) -> (what runs instead, or None for nothing, and why).
 SUBSTITUTIONS = {
-    "pip install -e . && python -m train configs/tiny.yaml": (
+    'pip install -e ".[parquet]" && python -m train configs/tiny.yaml': (
         "python -m train configs/tiny.yaml",
         "the install is .ci/run's first step; from a test it would repoint the environment at the scratch copy"),
     'pip install -e ".[test]" && pytest -q': (
@@ -56,6 +59,11 @@ EXPECTED = {
     "python -m train configs/tiny.yaml run_dir=runs/ft": ["runs/ft/summary.json"],
     "python -m train configs/tiny.yaml run_dir=runs/chat": ["runs/chat/summary.json"],
     "python -m eval runs/chat": ["runs/chat/eval/report.json"],
+    "python -m train configs/tiny.yaml run_dir=runs/text": ["runs/text/summary.json"],
+    "python -m train configs/tiny.yaml run_dir=runs/jsonl": ["runs/jsonl/summary.json"],
+    "python -m train configs/tiny.yaml run_dir=runs/parquet": ["runs/parquet/summary.json"],
+    "python -m k3jax.data.prepare": ["runs/notes-tokens/index.json"],
+    "python -m train configs/tiny.yaml run_dir=runs/tokens": ["runs/tokens/summary.json"],
     "XLA_FLAGS": ["runs/sharded/summary.json"],
     "python -m eval runs/default\0": ["runs/default/eval/report.json", "runs/default/eval/report.md"],
     "python -m eval runs/default --step 1200": ["/tmp/eval/report.json"],
@@ -101,14 +109,20 @@ def test_every_substitution_names_a_readme_command():
 
 
 def write_inputs(root: pathlib.Path, home: pathlib.Path) -> None:
-    """The files the README's commands name: notes/, notes.txt, held_out.txt, prompts.txt and the
-    two Hugging Face checkpoints under ~/hf."""
+    """The files the README's commands name: notes/, notes.txt, notes.jsonl, parquet/*.parquet,
+    held_out.txt, prompts.txt and the two Hugging Face checkpoints under ~/hf."""
     passage = ("The heat of the day broke at last; the thin thread of the river ran on. "
                "Notes on the model: KDA keeps a matrix of memory per head, MLA a latent cache. ")
     (root / "notes").mkdir()
     for index in range(12):
         (root / "notes" / f"note{index:02d}.txt").write_text(passage * (3 + index % 4), encoding="utf-8")
     (root / "notes.txt").write_text(passage * 40, encoding="utf-8")
+    records = [{"text": passage * (1 + index % 3), "id": index} for index in range(30)]
+    (root / "notes.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
+    (root / "parquet").mkdir()
+    for part in range(2):
+        pyarrow.parquet.write_table(pyarrow.table({"text": [r["text"] for r in records[part::2]]}),
+                                    root / "parquet" / f"notes-{part}.parquet")
     (root / "held_out.txt").write_text(("Held-out text, never trained on: " + passage) * 20, encoding="utf-8")
     (root / "prompts.txt").write_text("The heat of\nNotes on the\n", encoding="utf-8")
     kimi_linear = write_checkpoint(home / "hf" / "Kimi-Linear-48B-A3B-Instruct", small_config(),

@@ -37,8 +37,9 @@ import yaml
 
 from k3jax.checkpoint import CheckpointError, RunCheckpoints, latest_meta, restore_newest_good, restore_subtree
 from k3jax.config import Config, ConfigError, to_dict
-from k3jax.data import MQARDataset, TextDataset, make_dataset, mqar_recall
+from k3jax.data import MQARDataset, PackedDataset, make_dataset, mqar_recall
 from k3jax.data.byte_metrics import bits_per_byte, scored_bytes, token_byte_lengths
+from k3jax.data.prefetch import Prefetcher
 from k3jax.finetune import BASE_META, abstract_lora_model, base_fingerprint, initial_adapters, restore_base
 from k3jax.optim import build_optimizer, learning_rate_schedule
 from k3jax.sharding import (StepShardings, abstract, check_run_fits, global_batch, make_mesh, named_shardings,
@@ -273,7 +274,7 @@ class Trainer:
         if self.data.vocab_size > config.model.vocab_size:
             raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the data's "
                                                   f"vocabulary ({self.data.vocab_size} tokens)")
-        if config.train.eval_batches and isinstance(self.data, TextDataset) and not self.data.num_rows("heldout"):
+        if config.train.eval_batches and isinstance(self.data, PackedDataset) and not self.data.num_rows("heldout"):
             raise ConfigError("train.eval_batches", f"{config.train.eval_batches}, but the data's held-out split "
                                                     f"is empty; set train.eval_batches=0 or raise data.heldout_fraction")
         # Shapes and their layout on the device mesh first; the state itself is then created or
@@ -289,7 +290,7 @@ class Trainer:
                                           every=config.checkpoint.every, async_save=config.checkpoint.async_save)
         self.position = 0  # batches consumed
         self._last_evaluation = (None, {})   # (step, result) of the latest periodic evaluation
-        self.byte_lengths = token_byte_lengths(self.data.tokenizer) if isinstance(self.data, TextDataset) else None
+        self.byte_lengths = token_byte_lengths(self.data.tokenizer) if isinstance(self.data, PackedDataset) else None
         self._stop_point()
         self._resume_or_initialise()
         self._stop_point()
@@ -388,12 +389,14 @@ class Trainer:
 
     # -- loop ----------------------------------------------------------------------------------
 
-    def _device_batch(self, step: int, split: str = "train"):
-        """Global batch ``step`` assembled from every process's block of rows."""
+    def _host_batch(self, step: int, split: str = "train"):
+        """This process's block of rows of global batch ``step``."""
         index, count = self.batch_rows
-        size = self.config.train.batch_size
-        rows = self.data.batch(step, size, split, process_index=index, process_count=count)
-        return global_batch(rows, self.shardings.batch, size)
+        return self.data.batch(step, self.config.train.batch_size, split, process_index=index, process_count=count)
+
+    def _device_batch(self, rows):
+        """The global batch assembled from every process's block of ``rows``."""
+        return global_batch(rows, self.shardings.batch, self.config.train.batch_size)
 
     def run(self) -> dict:
         """Train to ``train.steps`` (or until SIGTERM/SIGINT), save, evaluate; releases the run directory."""
@@ -414,35 +417,12 @@ class Trainer:
         flops_per_token = training_flops_per_token(self.config.model, self.config.data.seq_len)
         peak = (self.config.logging.peak_tflops * 1e12 if self.config.logging.peak_tflops
                 else measured_matmul_flops(self.config.model.compute_dtype))
-        tokens_per_step = cfg.batch_size * self.config.data.seq_len
         if self.resumed_from is not None:
             progress.write(f"resumed from checkpoint {self.resumed_from} in {self.run_dir}")
         started = time.perf_counter()
         first = self.position
-        last = time.perf_counter()
-        while self.position < cfg.steps and signals.received is None:
-            self.state, metrics = self.train_step(self.state, self._device_batch(self.position), *self.frozen_args)
-            metrics = jax.device_get(metrics)
-            self.position += 1
-            now = time.perf_counter()
-            tokens_per_second = tokens_per_step / max(now - last, 1e-9)
-            last = now
-            record = self._record(metrics, tokens_per_second, flops_per_token, peak)
-            if not metrics["finite"]:
-                progress.write(f"step {self.position}: non-finite loss ({metrics['loss']}) or gradient norm "
-                               f"({metrics['grad_norm']}); update skipped")
-                if int(self.state.skipped) >= cfg.max_nonfinite_steps:
-                    log.write(record)
-                    raise RunError(f"{int(self.state.skipped)} non-finite steps in a row at step {self.position}; "
-                                   f"stopping (lower optimizer.learning_rate or check the data); "
-                                   f"last checkpoint: {self.checkpoints.latest_step()}")
-            if self.position % cfg.log_every == 0 or self.position == cfg.steps or not metrics["finite"]:
-                log.write(record)
-                if board:
-                    board.write(record)
-            progress.update(1, float(metrics["loss"]), tokens_per_second)
-            self._periodic_evaluation(log, board, progress)   # before the save: a checkpoint's evaluation is logged
-            self.save()
+        with Prefetcher(self._host_batch, self.position, cfg.steps, self.config.data.prefetch) as batches:
+            self._train_loop(batches, signals, log, board, progress, flops_per_token, peak)
         if self.position != first:
             self.save(force=True)
         self.checkpoints.wait()
@@ -464,6 +444,36 @@ class Trainer:
         if self.primary:
             write_atomically(self.run_dir / "summary.json", json.dumps(summary, indent=2))
         return summary
+
+    def _train_loop(self, batches: Prefetcher, signals: StopSignals, log: MetricsLog, board, progress: Progress,
+                    flops_per_token: float, peak: float) -> None:
+        """Steps from ``self.position`` to ``train.steps`` (or a signal), each logged, evaluated and saved when due."""
+        cfg = self.config.train
+        tokens_per_step = cfg.batch_size * self.config.data.seq_len
+        last = time.perf_counter()
+        while self.position < cfg.steps and signals.received is None:
+            self.state, metrics = self.train_step(self.state, self._device_batch(next(batches)), *self.frozen_args)
+            metrics = jax.device_get(metrics)
+            self.position += 1
+            now = time.perf_counter()
+            tokens_per_second = tokens_per_step / max(now - last, 1e-9)
+            last = now
+            record = self._record(metrics, tokens_per_second, flops_per_token, peak)
+            if not metrics["finite"]:
+                progress.write(f"step {self.position}: non-finite loss ({metrics['loss']}) or gradient norm "
+                               f"({metrics['grad_norm']}); update skipped")
+                if int(self.state.skipped) >= cfg.max_nonfinite_steps:
+                    log.write(record)
+                    raise RunError(f"{int(self.state.skipped)} non-finite steps in a row at step {self.position}; "
+                                   f"stopping (lower optimizer.learning_rate or check the data); "
+                                   f"last checkpoint: {self.checkpoints.latest_step()}")
+            if self.position % cfg.log_every == 0 or self.position == cfg.steps or not metrics["finite"]:
+                log.write(record)
+                if board:
+                    board.write(record)
+            progress.update(1, float(metrics["loss"]), tokens_per_second)
+            self._periodic_evaluation(log, board, progress)   # before the save: a checkpoint's evaluation is logged
+            self.save()
 
     def _record(self, metrics: dict, tokens_per_second: float, flops_per_token: float, peak: float) -> dict:
         record = {"step": self.position, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
@@ -494,7 +504,7 @@ class Trainer:
         for index in range(batches):
             if signals is not None and signals.received:
                 break
-            batch = self._device_batch(index, split="heldout")
+            batch = self._device_batch(self._host_batch(index, split="heldout"))
             batch_loss, batch_count, predictions = self.eval_step(self.state.params, self.state.buffers, batch,
                                                                   *self.frozen_args)
             loss_sum, count = loss_sum + float(batch_loss), count + float(batch_count)

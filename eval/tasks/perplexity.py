@@ -20,7 +20,7 @@ import dataclasses
 import math
 from typing import ClassVar
 
-from k3jax.data import ChatDataset, DataError, TextDataset, make_dataset
+from k3jax.data import ChatDataset, DataError, PackedDataset, TextDataset, make_dataset
 from k3jax.data.byte_metrics import bits_per_byte, scored_bytes, token_byte_lengths
 from ..stats import t_interval
 from .common import TaskOutput, TaskSkipped, canonical_json, require_vocabulary, sha256_text
@@ -54,7 +54,8 @@ class PerplexityTask:
     def run(self, context, cost, progress) -> TaskOutput:
         dataset, split, label = self._source(context)
         require_vocabulary(context.config.model.vocab_size, dataset.vocab_size, label)
-        byte_lengths = token_byte_lengths(dataset.tokenizer) if isinstance(dataset, (TextDataset, ChatDataset)) else None
+        byte_lengths = (token_byte_lengths(dataset.tokenizer) if isinstance(dataset, (PackedDataset, ChatDataset))
+                        else None)
         progress.reset(total=len(context.seeds) * self.batches_per_seed)
         losses, bytes_scored, tokens_scored = [], [], []
         for seed in context.seeds:

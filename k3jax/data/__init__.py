@@ -1,7 +1,8 @@
 """Training and evaluation data: host-side NumPy batches that resume from ``(seed, step)`` alone.
 
     MQARDataset(seq_len, num_pairs=16, num_keys=256, num_values=256, ...)   generated recall task
-    TextDataset(path, seq_len, seed=0, heldout_fraction=0.05, ...)         local text / JSON(L)
+    TextDataset(path, seq_len, seed=0, heldout_fraction=0.05, ...)         local text / JSON(L) / Parquet
+    TokensDataset(path, seq_len, seed=0, heldout_fraction=0.05, ...)       shards of `python -m k3jax.data.prepare`
     ChatDataset(path, seq_len, tokenizer_path=..., loss="assistant", ...)  JSONL conversations, K3's chat format
 
     ds.batch(step, batch_size, split="train", process_index=0, process_count=1) -> dict of [B/P, T]
@@ -9,6 +10,7 @@
     ds.vocab_size, ds.describe(), ds.content_hash();   splits: "train", "heldout"
 
     make_dataset(config.data)  -> the dataset a run's `k3jax.config.DataConfig` describes
+    Prefetcher(read_batch, start, stop, depth)  -> batches read ahead on a thread (`k3jax.data.prefetch`)
 
 Bad input raises `DataError` (a ValueError) with a one-line message naming the file.
 """
@@ -16,10 +18,13 @@ from k3jax.data.batching import SPLITS, Batch, Dataset
 from k3jax.data.chat import ChatDataset
 from k3jax.data.errors import DataError
 from k3jax.data.mqar import MQARDataset, mqar_recall
-from k3jax.data.text import TextDataset
+from k3jax.data.prefetch import Prefetcher
+from k3jax.data.text import PackedDataset, TextDataset
+from k3jax.data.tokens import TokensDataset
 from k3jax.data.tokenizers import ByteTokenizer, TiktokenTokenizer, Tokenizer, load_tokenizer
 
-__all__ = ["SPLITS", "Batch", "ChatDataset", "Dataset", "DataError", "MQARDataset", "mqar_recall", "TextDataset",
+__all__ = ["SPLITS", "Batch", "ChatDataset", "Dataset", "DataError", "MQARDataset", "mqar_recall", "PackedDataset",
+           "Prefetcher", "TextDataset", "TokensDataset",
            "ByteTokenizer", "TiktokenTokenizer", "Tokenizer", "load_tokenizer", "make_dataset"]
 
 
@@ -36,6 +41,9 @@ def make_dataset(data_config, seq_len: int | None = None) -> Dataset:
                            heldout_fraction=data_config.heldout_fraction, tokenizer_path=data_config.tokenizer,
                            loss=data_config.chat_loss, overflow=data_config.chat_overflow,
                            thinking=data_config.chat_thinking, thinking_effort=data_config.chat_thinking_effort)
+    if data_config.kind == "tokens":
+        return TokensDataset(data_config.path, seq_len, seed=data_config.seed,
+                             heldout_fraction=data_config.heldout_fraction, tokenizer_path=data_config.tokenizer)
     return TextDataset(data_config.path, seq_len, seed=data_config.seed,
                        heldout_fraction=data_config.heldout_fraction, jsonl_field=data_config.jsonl_field,
                        tokenizer_path=data_config.tokenizer)

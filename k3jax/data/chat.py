@@ -26,7 +26,7 @@ import numpy as np
 from k3jax.data.batching import SPLITS, Batch, definition_hash, shard_row_indices, split_index
 from k3jax.data.chat_format import LOSS_MODES, ChatEncoder, render_conversation
 from k3jax.data.errors import DataError, require_int
-from k3jax.data.packing import shuffled_rows
+from k3jax.data.pipeline import rows_at, shuffled_row_order
 from k3jax.data.sources import JSON_SUFFIXES, decode_utf8, find_data_files, read_file_bytes
 from k3jax.data.tokenizers import load_tokenizer
 
@@ -159,7 +159,7 @@ class ChatDataset:
             raise DataError(f"{', '.join(self.paths)}: the {split} split has no conversations; "
                             "raise data.heldout_fraction or add conversations")
         indices = shard_row_indices(step, batch_size, process_index, process_count)
-        return rows_batch(self.splits[split], shuffled_rows(indices, num_rows, self.seed, split_index(split)))
+        return rows_batch(self.splits[split], rows_at(shuffled_row_order(num_rows, self.seed, split), indices))
 
     def _definition(self) -> dict:
         return {"kind": "chat", "seq_len": self.seq_len, "seed": self.seed, "heldout_fraction": self.heldout_fraction,

@@ -1,4 +1,4 @@
-"""Packing documents into fixed-length rows, shuffling rows, and cutting off the held-out split.
+"""Packing documents into fixed-length rows and cutting off the held-out split.
 
 The token stream is each document's tokens followed by EOS, concatenated (empty documents are
 skipped). Row r of a stream of N tokens is the window ``stream[r*T : r*T + T + 1]`` (T = seq_len): its
@@ -8,13 +8,11 @@ and the shorter tail is left out. In a row, documents are numbered from 1 (a doc
 the previous row is 1 again), and the loss skips a position whose target starts the next document:
 nothing before it in the row predicts it, and the model resets there.
 
-Rows are read in epochs: global row index i is position ``i % rows`` of a permutation of the rows
-seeded by ``(seed, split, i // rows)``.
+Rows are shuffled and read in epochs by `k3jax.data.pipeline`.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Iterable
 
@@ -45,13 +43,23 @@ class TokenStream:
         return TokenStream(self.tokens[start:stop], np.concatenate([[0], inside]).astype(np.int64))
 
 
-def tokenize_documents(documents: Iterable[str], tokenizer: Tokenizer) -> TokenStream:
-    """The EOS-terminated tokens of every non-empty document, in order."""
-    pieces = [np.asarray(ids + [tokenizer.eos_id], dtype=np.int32)
-              for ids in map(tokenizer.encode, documents) if ids]
+def document_tokens(text: str, tokenizer: Tokenizer) -> np.ndarray | None:
+    """A document's tokens followed by EOS (int32), or None for an empty document (it is skipped)."""
+    ids = tokenizer.encode(text)
+    return np.asarray(ids + [tokenizer.eos_id], dtype=np.int32) if ids else None
+
+
+def concatenate_documents(pieces: list[np.ndarray]) -> TokenStream:
+    """Documents' EOS-terminated tokens end to end, as a stream."""
     lengths = np.array([piece.size for piece in pieces], dtype=np.int64)
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
     return TokenStream(tokens, np.cumsum(lengths) - lengths)
+
+
+def tokenize_documents(documents: Iterable[str], tokenizer: Tokenizer) -> TokenStream:
+    """The EOS-terminated tokens of every non-empty document, in order."""
+    pieces = (document_tokens(text, tokenizer) for text in documents)
+    return concatenate_documents([piece for piece in pieces if piece is not None])
 
 
 def heldout_start(stream: TokenStream, fraction: float, row_len: int) -> int:
@@ -68,21 +76,6 @@ def heldout_start(stream: TokenStream, fraction: float, row_len: int) -> int:
     heldout_docs = math.floor(fraction * num_docs)
     start = int(stream.doc_starts[num_docs - heldout_docs]) if heldout_docs else total - math.ceil(fraction * total)
     return max(min(start, total - row_len), min(row_len, total))
-
-
-@functools.lru_cache(maxsize=8)
-def _epoch_order(seed: int, split_id: int, epoch: int, num_rows: int) -> np.ndarray:
-    return np.random.default_rng([seed, split_id, epoch]).permutation(num_rows)
-
-
-def shuffled_rows(global_indices: np.ndarray, num_rows: int, seed: int, split_id: int) -> np.ndarray:
-    """The row each global row index reads: its epoch's seeded permutation, at its place in the epoch."""
-    epochs, places = np.divmod(global_indices, num_rows)
-    rows = np.empty_like(global_indices)
-    for epoch in np.unique(epochs):
-        in_epoch = epochs == epoch
-        rows[in_epoch] = _epoch_order(seed, split_id, int(epoch), num_rows)[places[in_epoch]]
-    return rows
 
 
 def pack_rows(stream: TokenStream, rows: np.ndarray, seq_len: int) -> Batch:

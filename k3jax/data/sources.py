@@ -1,16 +1,21 @@
 """Reading user text: which files a path names, and the documents inside them.
 
-A path is a file or a directory. A directory is searched recursively, in sorted order, for
-``.txt``/``.md`` files (one document each) and ``.jsonl``/``.json`` files (one document per record);
-hidden files and folders are skipped. A file named directly is read by its extension: ``.jsonl`` and
-``.json`` as JSON, anything else as text. A JSON file holds one record per line (JSON Lines) or, when
-it starts with ``[``, an array of records; each record is an object whose ``field`` holds the text.
+A path is a file, a directory or a glob (``data/*.parquet``, ``corpus/**/*.jsonl``). A directory is
+searched recursively, in sorted order, for ``.txt``/``.md`` files (one document each),
+``.jsonl``/``.json`` files (one document per record) and ``.parquet`` files (one document per row);
+hidden files and folders are skipped. A glob's matches are read in sorted order, its directories
+searched like a directory and its files kept when they have one of those extensions. A file named
+directly is read by its extension: ``.jsonl`` and ``.json`` as JSON, ``.parquet`` as Parquet, anything
+else as text. A JSON file holds one record per line (JSON Lines) or, when it starts with ``[``, an
+array of records; each record is an object whose ``field`` holds the text. In a Parquet file
+``field`` names a string column (read with pyarrow: ``pip install 'k3jax[parquet]'``).
 
 Files must be UTF-8 (a leading byte-order mark is dropped). Every user mistake raises `DataError`
 naming the file, and the line or byte offset where there is one.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 from pathlib import Path
@@ -20,6 +25,9 @@ from k3jax.data.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSON_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+DATA_SUFFIXES = TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
+GLOB_CHARACTERS = "*?["
 JSON_TYPE_NAMES = {dict: "an object", list: "an array", str: "a string", int: "a number",
                    float: "a number", bool: "a boolean", type(None): "null"}
 
@@ -34,12 +42,28 @@ def _directory_files(directory: Path) -> list[Path]:
     for folder, subfolders, names in os.walk(directory):
         subfolders[:] = [name for name in subfolders if not _is_hidden(name)]
         found += [Path(folder, name) for name in names
-                  if not _is_hidden(name) and Path(name).suffix.lower() in TEXT_SUFFIXES + JSON_SUFFIXES]
+                  if not _is_hidden(name) and Path(name).suffix.lower() in DATA_SUFFIXES]
     return sorted(found)
 
 
+def _glob_files(pattern: str) -> list[Path]:
+    """Data files among a glob's sorted matches (``**`` spans folders), directories searched."""
+    found = []
+    for match in map(Path, sorted(glob.glob(pattern, recursive=True))):
+        if match.is_dir():
+            found += _directory_files(match)
+        elif match.suffix.lower() in DATA_SUFFIXES:
+            found.append(match)
+    if not found:
+        raise DataError(f"{pattern}: no {', '.join(DATA_SUFFIXES)} files match this glob")
+    return list(dict.fromkeys(found))
+
+
 def find_data_files(path: str | os.PathLike) -> list[Path]:
-    """The data files ``path`` names: itself if a file, else the matching files beneath it."""
+    """The data files ``path`` names: itself if a file, the matching files beneath it if a directory,
+    the data files it matches if a glob."""
+    if not Path(path).exists() and any(character in str(path) for character in GLOB_CHARACTERS):
+        return _glob_files(str(path))
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such file or directory")
@@ -47,7 +71,7 @@ def find_data_files(path: str | os.PathLike) -> list[Path]:
         return [path]
     files = _directory_files(path)
     if not files:
-        raise DataError(f"{path}: no {', '.join(TEXT_SUFFIXES + JSON_SUFFIXES)} files in this directory")
+        raise DataError(f"{path}: no {', '.join(DATA_SUFFIXES)} files in this directory")
     return files
 
 
@@ -103,8 +127,34 @@ def _record_text(record, where: str, field: str) -> str:
     return value
 
 
+def _parquet_texts(path: Path, column: str) -> list[str]:
+    """The strings of one column of a Parquet file, row by row (a null is an error naming its row)."""
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs pyarrow: pip install 'k3jax[parquet]'") from None
+    try:
+        table = pyarrow.parquet.ParquetFile(path)
+        schema = table.schema_arrow
+        if column not in schema.names:
+            raise DataError(f"{path}: no {column!r} column (its columns: {', '.join(map(repr, schema.names[:8])) or 'none'})")
+        kind = schema.field(column).type
+        if not (pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind)):
+            raise DataError(f"{path}: column {column!r} holds {kind}, not strings")
+        texts = table.read(columns=[column]).column(column).to_pylist()
+    except (OSError, pyarrow.ArrowException) as error:
+        raise DataError(f"{path}: not a readable Parquet file ({str(error).splitlines()[0]})") from None
+    if None in texts:
+        raise DataError(f"{path}: row {texts.index(None)}: column {column!r} is null")
+    return texts
+
+
 def read_documents(path: Path, field: str = "text") -> list[str]:
-    """The documents in one data file: the whole text, or each JSON record's ``field``."""
+    """The documents in one data file: the whole text, each JSON record's ``field``, or each Parquet
+    row's ``field`` column."""
+    if path.suffix.lower() in PARQUET_SUFFIXES:
+        return _parquet_texts(path, field)
     text = decode_utf8(read_file_bytes(path), path)
     if path.suffix.lower() in JSON_SUFFIXES:
         return [_record_text(record, where, field) for where, record in _json_records(text, path)]

@@ -119,7 +119,7 @@ def test_bpe_tokenizer(corpus_dir, bpe_file):
 BAD_INPUTS = {
     # case: (files to write, path to read, extra kwargs, what the message must say besides the file)
     "missing file": ({}, "absent.txt", {}, "no such file or directory"),
-    "no data files in directory": ({"dir/table.csv": "a,b\n"}, "dir", {}, "no .txt, .md, .jsonl, .json files"),
+    "no data files in directory": ({"dir/table.csv": "a,b\n"}, "dir", {}, "no .txt, .md, .jsonl, .json, .parquet files"),
     "empty file": ({"empty.txt": ""}, "empty.txt", {}, "0 tokens"),
     "too few tokens": ({"short.txt": "abc"}, "short.txt", {}, "fewer than one row"),
     "not UTF-8": ({"latin1.txt": "caf\xe9 ok".encode("latin-1")}, "latin1.txt", {}, "byte offset 3"),
