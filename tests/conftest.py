@@ -6,9 +6,35 @@ model, a trained run) joins the group of the tests sharing it -- its module, or 
 conftest defines the session fixture -- so each such fixture is built on one worker, once; the
 other tests go to whichever worker is free.
 """
+import os
+
+import jax
 import pytest
 
 import k3jax  # noqa: F401  (sets XLA flags before JAX creates a backend)
+
+
+def create_backend_without_llvm_optimisation() -> None:
+    """Create this process's XLA:CPU backend with LLVM's optimisation off (``-O0``).
+
+    The suite compiles hundreds of small programs and runs each for microseconds, so LLVM's
+    optimisation passes are most of its time (about 40% of the CPU time of the attention tests)
+    and none of its meaning: they change how fast code runs, not what it computes (XLA:CPU uses no
+    fast-math). The backend reads XLA_FLAGS once, when it is created; the variable is restored
+    afterwards, so subprocesses (the trainer, eval and converter as users run them) compile as
+    usual."""
+    flags = os.environ.get("XLA_FLAGS")
+    os.environ["XLA_FLAGS"] = f"{flags or ''} --xla_backend_optimization_level=0".strip()
+    try:
+        jax.devices()
+    finally:
+        if flags is None:
+            del os.environ["XLA_FLAGS"]
+        else:
+            os.environ["XLA_FLAGS"] = flags
+
+
+create_backend_without_llvm_optimisation()
 
 
 def shared_fixture_group(item) -> str | None:
