@@ -1,6 +1,6 @@
 """Peak memory of one training step of the tiny model vs sequence length and context shards.
 
-    python -m bench.context_memory [--lengths 8192 32768 131072] [--contexts 1 2 4 8]
+    python -m bench.context_memory [--lengths 8192 32768 131072] [--contexts 1 2 4 8]  (--contexts alone: none)
                                    [--config configs/tiny.yaml] [--out bench_results/context_memory.json]
 
 For each length T (batch 1) it compiles (XLA:CPU, nothing run) one training step --
@@ -82,7 +82,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/tiny.yaml")
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--contexts", type=int, nargs="*", default=[2, 4, 8], help="none: one-device rows only")
     parser.add_argument("--block-size", type=int, default=512)
     parser.add_argument("--no-dense", action="store_true", help="skip the dense one-device rows")
     parser.add_argument("--out", default="bench_results/context_memory.json")

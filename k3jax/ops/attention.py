@@ -30,6 +30,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops.residuals import forward_rule
+
 IMPLEMENTATIONS = ("dense", "xla", "cudnn", "splash")
 _NEVER_SEEN = jnp.iinfo(jnp.int32).max      # position of a padded key: after every query
 
@@ -269,8 +271,12 @@ def blockwise_attention(q, k, v, query_positions, key_positions, query_segments,
     return o
 
 
+# Forward rules keep only their residuals inside scans (`k3jax.ops.residuals`).
+_saved_forward_blocks = forward_rule(_forward_blocks, static_argnums=(7, 8))
+
+
 def _blockwise_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block_size):
-    o, lse, _ = _forward_blocks(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block_size)
+    o, lse, _ = _saved_forward_blocks(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block_size)
     return o, (q, k, v, q_pos, k_pos, q_seg, k_seg, o, lse)
 
 
@@ -296,7 +302,7 @@ def blockwise_attention_with_lse(q, k, v, query_positions, key_positions, query_
 
 def _lse_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block_size):
     batch, length, heads, _ = q.shape
-    o, lse, seen = _forward_blocks(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block_size)
+    o, lse, seen = _saved_forward_blocks(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block_size)
     per_token = jnp.moveaxis(jnp.where(seen, lse, -jnp.inf), -1, 2).swapaxes(0, 1)     # [B, nq, bq, G, M]
     return (o, per_token.reshape(batch, -1, heads)[:, :length]), (q, k, v, q_pos, k_pos, q_seg, k_seg, o, lse)
 

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from k3jax.ops.kda import blocks
 from k3jax.ops.kda.backend import XLA_DOTS as DOTS
 from k3jax.ops.kda.blocks import TILE, chunk_length
+from k3jax.ops.residuals import forward_rule
 
 SUB_BLOCK = TILE  # tokens between state passes
 
@@ -147,7 +148,7 @@ def chunked(q, k, v, g, beta, initial_state, counts):
 
 def _chunked_fwd(q, k, v, g, beta, initial_state, counts):
     inputs = (q, k, v, g, beta, counts)
-    o, final_state, kept = _forward(inputs, initial_state)
+    o, final_state, kept = forward_rule(_forward)(inputs, initial_state)   # `k3jax.ops.residuals`
     return (o, final_state), (inputs, kept)
 
 
