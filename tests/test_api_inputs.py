@@ -49,6 +49,7 @@ def test_bad_model_input_is_a_clear_value_error(case, model):
         call()
 
 
+@pytest.mark.slow   # 15-60 s of the default set's CPU: in .ci/run's slow set
 def test_inside_jit_out_of_range_ids_and_an_overflowing_bank_give_nan_not_numbers(model):
     tokens = jnp.ones((2, 4), jnp.int32)
     out = continue_(model, tokens.at[0, 2].set(VOCAB + 5), _bank(model))
@@ -97,6 +98,7 @@ def greedy_alone(model, prompt, steps, capacity):
     return tokens
 
 
+@pytest.mark.slow   # 15-60 s of the default set's CPU: in .ci/run's slow set
 def test_ragged_prompts_continue_each_as_if_alone(model):
     prompts = [[7, 8, 9, 10, 11], [12], [13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]   # buckets to 16
     steps = 3
@@ -107,6 +109,7 @@ def test_ragged_prompts_continue_each_as_if_alone(model):
         assert np.asarray(batch.tokens[row]).tolist() == greedy_alone(model, prompt, steps, capacity), row
 
 
+@pytest.mark.slow   # 15-60 s of the default set's CPU: in .ci/run's slow set
 def test_prompt_lengths_are_bucketed_so_few_programs_compile(model):
     assert [prompt_bucket(n) for n in (1, 8, 9, 16, 17, 100)] == [8, 8, 16, 16, 32, 128]
     lengths = np.random.default_rng(0).integers(1, 31, size=20)

@@ -56,6 +56,7 @@ def test_layer_groups_cover_prefix_scanned_body_and_suffix(model):
     assert model.groups.repeats == 2 and model.groups.suffix == (6,)
 
 
+@pytest.mark.slow   # 15-60 s of the default set's CPU: in .ci/run's slow set
 def test_prefill_then_decode_equals_one_forward(model, tokens):
     full = forward(model, tokens, no_segments(tokens)).logits
     out = continue_(model, tokens[:, :8], init_memory(model.config, BATCH, LENGTH))
@@ -142,6 +143,7 @@ def next_token_loss(model, tokens):
     return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
 
 
+@pytest.mark.slow   # 15-60 s of the default set's CPU: in .ci/run's slow set
 def test_adamw_steps_reduce_loss_and_gradients_reach_every_parameter(tokens):
     # The token-serial KDA compiles its backward ~2.5x faster than the chunked form; the op tests
     # check that both give the same values and gradients.
@@ -183,7 +185,8 @@ def remat_loss_grads_and_temporaries(tokens, remat):
     return loss, jax.tree.leaves(grads), compiled.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("remat", ["full", pytest.param("dots", marks=pytest.mark.slow)])
+@pytest.mark.slow   # 15-60 s of the default set's CPU: in .ci/run's slow set
+@pytest.mark.parametrize("remat", ["full", "dots"])
 def test_remat_keeps_loss_and_gradients_and_saves_activation_memory(tokens, remat):
     """Checkpointed periods recompute the same forward: equal loss and gradients, and the
     compiled backward keeps fewer temporaries than without checkpointing (full remat)."""
@@ -228,6 +231,7 @@ def test_moe_stats_and_router_bias_follow_layer_order(model, tokens):
     model.set_router_bias(jnp.zeros_like(new_bias))
 
 
+@pytest.mark.slow   # 15-60 s of the default set's CPU: in .ci/run's slow set
 def test_greedy_generation_matches_decoding_and_stops_at_eos(model, tokens):
     prompt = tokens[:, :8]
     greedy = generate(model, prompt, max_new_tokens=4)
@@ -336,7 +340,8 @@ def test_decoder_layers_read_the_feed_forward_fields_of_the_config():
 
 
 # 2 layers (one KDA, one MLA) in the fast set; the 7-layer stack (MLA also in the scanned body) is slow.
-@pytest.mark.parametrize("num_layers", [2, pytest.param(7, marks=pytest.mark.slow)])
+@pytest.mark.slow   # 15-60 s of the default set's CPU: in .ci/run's slow set
+@pytest.mark.parametrize("num_layers", [2, 7])
 def test_blockwise_attention_keeps_logits_and_gradients_of_dense_attention(tokens, num_layers):
     """MLA with the xla blockwise attention (blocks of 5 over 12 tokens, documents crossing
     blocks) against the dense score matrix: the same logits and parameter gradients."""

@@ -36,6 +36,7 @@ def arrays(run):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_two_processes_import_what_one_does_and_the_run_restores_on_its_mesh(tmp_path):
     hf_dir = write_checkpoint(tmp_path / "hf", k3_config(), hf_tensors(k3_config(), seed=0, mxfp4=True))
     run = tmp_path / "run"

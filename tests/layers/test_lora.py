@@ -82,6 +82,7 @@ def tiny():
     return load_config("configs/tiny.yaml").model
 
 
+@pytest.mark.slow   # 15-60 s of the default set's CPU: in .ci/run's slow set
 def test_adapters_sit_beside_their_weights_with_the_weights_axes_and_start_as_the_base(tiny):
     model = K3Model(tiny, rngs=nnx.Rngs(0))
     tokens = jnp.arange(24).reshape(2, 12)

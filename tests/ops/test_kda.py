@@ -306,6 +306,7 @@ def test_minus_infinity_gate_is_a_channel_reset_with_finite_gradients():
     assert (np.asarray(_chunk_grads(x, cotangent)[3])[:, 40:44] == 0).all()
 
 
+@pytest.mark.slow   # 15-60 s of the default set's CPU: in .ci/run's slow set
 def test_softplus_gate_overflow_gives_a_reset_with_finite_gradients():
     """raw = 1e38 makes a * softplus(z) overflow fp32 (-inf before the floor); through the gate and
     the chunk form, values and gradients are finite and equal to the float64 computation, where

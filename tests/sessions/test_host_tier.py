@@ -54,6 +54,7 @@ def test_each_tier_holds_the_values_it_is_given():
         assert got.nbytes == original.nbytes
 
 
+@pytest.mark.slow   # 15-60 s of the default set's CPU: in .ci/run's slow set
 @pytest.mark.parametrize("kinds", [None, ["device", "pinned_host"]], ids=["numpy", "pinned_host"])
 def test_a_spilled_session_continues_exactly(model, kinds):
     probe = SessionStore(model)

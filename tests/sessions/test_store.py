@@ -13,6 +13,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 PROMPT, TURN = random_tokens(0, 20), random_tokens(1, 4)
 
 
+@pytest.mark.slow   # 15-60 s of the default set's CPU: in .ci/run's slow set
 def test_paged_cache_equals_contiguous_bank(model):
     store = SessionStore(model)
     sid = store.open(PROMPT)

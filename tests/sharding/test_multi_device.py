@@ -18,7 +18,7 @@ import pytest
 from k3jax.checkpoint import RunCheckpoints
 from tests.ops.numpy_moe import capacity_dropped
 
-pytestmark = pytest.mark.slow   # subprocesses of 8 devices
+pytestmark = [pytest.mark.slow, pytest.mark.serial]   # subprocesses of 8 devices; two-process runs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MICRO = ROOT / "tests" / "train" / "micro.yaml"
