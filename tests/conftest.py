@@ -14,6 +14,16 @@ import pytest
 import k3jax  # noqa: F401  (sets XLA flags before JAX creates a backend)
 
 
+WITHOUT_LLVM_OPTIMISATION = "--xla_backend_optimization_level=0"
+
+
+def environment_compiling_like_this_process() -> dict:
+    """``os.environ`` with this process's compiler setting: for a subprocess whose results are
+    compared bit for bit with this process's (LLVM's optimisation level changes roundings, e.g. of
+    the random initialisation)."""
+    return {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {WITHOUT_LLVM_OPTIMISATION}".strip()}
+
+
 def create_backend_without_llvm_optimisation() -> None:
     """Create this process's XLA:CPU backend with LLVM's optimisation off (``-O0``).
 
@@ -22,9 +32,9 @@ def create_backend_without_llvm_optimisation() -> None:
     and none of its meaning: they change how fast code runs, not what it computes (XLA:CPU uses no
     fast-math). The backend reads XLA_FLAGS once, when it is created; the variable is restored
     afterwards, so subprocesses (the trainer, eval and converter as users run them) compile as
-    usual."""
+    usual (`environment_compiling_like_this_process` for those compared bit for bit)."""
     flags = os.environ.get("XLA_FLAGS")
-    os.environ["XLA_FLAGS"] = f"{flags or ''} --xla_backend_optimization_level=0".strip()
+    os.environ["XLA_FLAGS"] = f"{flags or ''} {WITHOUT_LLVM_OPTIMISATION}".strip()
     try:
         jax.devices()
     finally:
