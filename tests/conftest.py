@@ -17,11 +17,14 @@ import k3jax  # noqa: F401  (sets XLA flags before JAX creates a backend)
 WITHOUT_LLVM_OPTIMISATION = "--xla_backend_optimization_level=0"
 
 
+def _without_llvm_optimisation(flags: str | None) -> str:
+    return f"{flags or ''} {WITHOUT_LLVM_OPTIMISATION}".strip()
+
+
 def environment_compiling_like_this_process() -> dict:
     """``os.environ`` with this process's compiler setting: for a subprocess whose results are
-    compared bit for bit with this process's (LLVM's optimisation level changes roundings, e.g. of
-    the random initialisation)."""
-    return {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {WITHOUT_LLVM_OPTIMISATION}".strip()}
+    compared bit for bit with this process's."""
+    return {**os.environ, "XLA_FLAGS": _without_llvm_optimisation(os.environ.get("XLA_FLAGS"))}
 
 
 def create_backend_without_llvm_optimisation() -> None:
@@ -29,12 +32,12 @@ def create_backend_without_llvm_optimisation() -> None:
 
     The suite compiles hundreds of small programs and runs each for microseconds, so LLVM's
     optimisation passes are most of its time (about 40% of the CPU time of the attention tests)
-    and none of its meaning: they change how fast code runs, not what it computes (XLA:CPU uses no
-    fast-math). The backend reads XLA_FLAGS once, when it is created; the variable is restored
+    and none of its meaning: they change speed and last-bit roundings (e.g. of the random
+    initialisation; XLA:CPU uses no fast-math), not what the tests check. The backend reads XLA_FLAGS once, when it is created; the variable is restored
     afterwards, so subprocesses (the trainer, eval and converter as users run them) compile as
     usual (`environment_compiling_like_this_process` for those compared bit for bit)."""
     flags = os.environ.get("XLA_FLAGS")
-    os.environ["XLA_FLAGS"] = f"{flags or ''} {WITHOUT_LLVM_OPTIMISATION}".strip()
+    os.environ["XLA_FLAGS"] = _without_llvm_optimisation(flags)
     try:
         jax.devices()
     finally:
