@@ -42,8 +42,8 @@ from k3jax.data.byte_metrics import bits_per_byte, scored_bytes, token_byte_leng
 from k3jax.data.prefetch import Prefetcher
 from k3jax.finetune import BASE_META, abstract_lora_model, base_fingerprint, initial_adapters, restore_base
 from k3jax.optim import build_optimizer, learning_rate_schedule
-from k3jax.sharding import (StepShardings, abstract, check_run_fits, global_batch, make_mesh, named_shardings,
-                            process_rows, step_shardings, to_host)
+from k3jax.sharding import (StepShardings, abstract, check_run_fits, compiled_together, global_batch, make_mesh,
+                            named_shardings, process_rows, step_shardings, to_host, wait_for_all_processes)
 from k3jax.training import (TrainState, abstract_model, abstract_train_state, make_eval_step, make_train_step,
                             sharded_state_from_params, sharded_train_state, training_flops_per_token)
 from .metrics import MetricsLog, Progress, TensorBoard
@@ -296,10 +296,11 @@ class Trainer:
         self._stop_point()
         if self.primary:
             write_atomically(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
-        self.train_step = make_train_step(self.parts, self.optimizer, accumulation=config.train.grad_accum,
-                                          schedule=self.schedule, shardings=self.shardings,
-                                          dropout_seed=config.train.seed)
-        self.eval_step = make_eval_step(self.parts, self.shardings)
+        # Several processes start each program together: gloo's collectives wait only 30 s for a peer.
+        self.train_step = compiled_together(
+            make_train_step(self.parts, self.optimizer, accumulation=config.train.grad_accum, schedule=self.schedule,
+                            shardings=self.shardings, dropout_seed=config.train.seed), "train step")
+        self.eval_step = compiled_together(make_eval_step(self.parts, self.shardings), "eval step")
         self.frozen_args = () if self.frozen is None else (self.frozen,)
 
     # -- state ---------------------------------------------------------------------------------
@@ -339,9 +340,7 @@ class Trainer:
         if self.primary:
             set_aside(self.run_dir, [s for s in steps if s > step],
                       "newer than train.resume_step" if wanted is not None else "unusable")
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-            multihost_utils.sync_global_devices("checkpoints set aside")
+        wait_for_all_processes("checkpoints set aside")
         self.checkpoints.reload()
         self.position = int(meta["data_position"])
         self.resumed_from = step

@@ -248,3 +248,37 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id)
     return True
+
+
+# How long a process waits at a barrier for the others: on a loaded host one process can finish
+# compiling a large program many minutes after another.
+BARRIER_TIMEOUT_S = 3600
+
+
+def wait_for_all_processes(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
+    """Block until every process of the run has reached the barrier ``name`` (unique per barrier;
+    a no-op in one process). It waits in the coordination service of `jax.distributed`, not in a
+    device collective: CPU collectives (gloo) give up when a peer is more than 30 s late (a fixed
+    rendezvous deadline), which is why a program's first run must start on all processes together."""
+    if jax.process_count() > 1:
+        from orbax.checkpoint import multihost
+        multihost.get_barrier_sync_fn()(key=f"k3jax/{name}", timeout_ms=int(timeout_s * 1000))
+
+
+def compiled_together(jitted, name: str):
+    """``jitted``, except that in a multi-process run its first call compiles the program for its
+    arguments (``jitted.lower(*args).compile()`` fills the cache that call then uses) and waits for
+    every process to have compiled it (`wait_for_all_processes`) before running it. Compilation
+    times differ between hosts by far more than the collectives' 30 s rendezvous deadline allows."""
+    if jax.process_count() == 1:
+        return jitted
+    pending = [True]
+
+    def call(*args):
+        if pending:
+            jitted.lower(*args).compile()
+            wait_for_all_processes(f"{name} compiled")
+            pending.clear()
+        return jitted(*args)
+
+    return call

@@ -277,8 +277,19 @@ def test_two_processes_of_four_devices_train_like_one_process_of_eight(resumed_b
     assert RunCheckpoints(resumed_by_two_processes / "checkpoints", read_only=True).latest_step() == 4
 
 
-@pytest.mark.skip(reason="known defect, open: a fresh two-process start intermittently stalls before its first "
-                         "step (both processes idle in a wait; seen in stop 12's CI and in a clean-clone run on 2026-12-01); "
-                         "resuming a checkpoint on two processes (the tests above) is unaffected")
 def test_two_processes_initialise_the_state_like_one_process(started_by_two_processes, mesh_a_run):
     assert_same_losses(losses(started_by_two_processes), losses(mesh_a_run), steps=(1, 2))
+
+
+def test_a_process_that_reaches_a_programs_first_run_late_is_waited_for():
+    """The cause of a fresh two-process start's stall: one process finished compiling the train step
+    more than gloo's fixed 30 s rendezvous deadline before the other, its collective gave up and the
+    other then waited forever. `compiled_together` makes the early one wait (here 45 s) at a barrier
+    of the coordination service; without it this program fails on both processes (checked by hand)."""
+    address = f"127.0.0.1:{free_port()}"
+    jobs = [start(["-m", "tests.sharding.programs.late_process", address, str(index), "--together"], devices=4)
+            for index in range(2)]
+    finish_all(jobs)
+    for job in jobs:
+        stdout, _ = job.communicate()
+        assert json.loads(stdout.splitlines()[-1]) == {"sum": 4 * 1.0 + 4 * 2.0}
