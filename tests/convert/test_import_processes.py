@@ -1,31 +1,52 @@
-"""Multi-process import and mesh chunk layouts: two processes, each writing every other tensor,
-produce the checkpoint one process does (every array and the sealed meta bit for bit); arrays are
-chunked by their shards on the mesh the overrides name; the run restores onto that mesh on 8
-(fake CPU) devices, verified, with the same values."""
+"""Multi-process import through jax.distributed and its partial directory: two processes on
+localhost (one coordinator, as the trainer is launched), each writing every other tensor, produce
+the checkpoint one process does (every array and the sealed meta bit for bit); arrays are chunked
+by their shards on the mesh the overrides name; the run restores onto that mesh on 8 (fake CPU)
+devices, verified, with the same values. A process that fails stops the other at once and nothing
+is left; a partial directory a killed import left is removed by the next import, one a live
+import holds is not touched."""
+import fcntl
 import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from k3jax.checkpoint import CHECKSUMS, latest_meta
+from k3jax.convert.errors import ConvertError
+from k3jax.convert.importer import import_checkpoint
 from k3jax.convert.orbax_stream import StateReader
+from tests.convert.hf_configs import tiny_kimi_linear
 from tests.convert.hf_fixtures import hf_tensors, write_checkpoint
 from tests.convert.test_import_export import k3_config
+from tests.sharding.test_multi_device import COORDINATION_TIMEOUTS, Job, free_port
 
 MESH = ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2"]
 
 
-def convert(*args, **popen):
-    return subprocess.Popen([sys.executable, "-m", "k3jax.convert", "import", *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+def convert(*args) -> Job:
+    """``python -m k3jax.convert import ARGS``, its output in files (`Job`)."""
+    return Job([sys.executable, "-m", "k3jax.convert", "import", *map(str, args)], {**os.environ, **COORDINATION_TIMEOUTS})
 
 
-def finished(process):
-    output, _ = process.communicate(timeout=900)
-    assert process.returncode == 0, output
+def processes(hf_dirs, run, *overrides) -> list[Job]:
+    """One import as two processes of a jax.distributed run, process i reading ``hf_dirs[i]``."""
+    address = f"127.0.0.1:{free_port()}"
+    return [convert(hf_dirs[i], run, *overrides, "--coordinator-address", address, "--num-processes", 2,
+                    "--process-id", i) for i in (1, 0)][::-1]
+
+
+def finished(process: Job) -> str:
+    _, stderr = process.communicate(timeout=900)
+    assert process.returncode == 0, stderr[-3000:]
+    return stderr
+
+
+def leftovers(run):
+    return sorted(path.name for path in run.parent.glob(f".{run.name}.partial*"))
 
 
 def arrays(run):
@@ -42,11 +63,10 @@ def test_two_processes_import_what_one_does_and_the_run_restores_on_its_mesh(tmp
     run = tmp_path / "run"
     finished(convert(hf_dir, run, *MESH))
     one = run.rename(tmp_path / "one_process")               # the same output path for both imports
-    processes = [convert(hf_dir, run, *MESH, "--num-processes", 2, "--process-id", i) for i in (1, 0)]
-    for process in processes:
+    for process in processes([hf_dir, hf_dir], run, *MESH):
         finished(process)
     assert (run / "checkpoints" / "0" / "state" / "ocdbt.process_1").is_dir()
-    assert not list(tmp_path.glob(".run.partial*"))
+    assert leftovers(run) == []
     assert (run / "checkpoints/0/meta/metadata").read_bytes() == (one / "checkpoints/0/meta/metadata").read_bytes()
     expected, _ = arrays(one)
     got, reader = arrays(run)
@@ -69,3 +89,57 @@ def test_two_processes_import_what_one_does_and_the_run_restores_on_its_mesh(tmp
     with np.load(out) as restored:
         for name in restored.files:
             np.testing.assert_array_equal(restored[name], expected["params", name.replace("|", "/")])
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+def test_a_failing_process_stops_both_at_once_and_leaves_nothing(tmp_path):
+    """Process 1 reads a copy of the checkpoint that is not the same (one more tensor): it stops
+    once process 0 has claimed the partial directory, and process 0 stops seconds later, both with
+    one line and status 1; the partial directory and its lock are gone."""
+    hf = tiny_kimi_linear()
+    tensors = hf_tensors(hf, seed=0)
+    hf_dir = write_checkpoint(tmp_path / "hf", hf, tensors)
+    other = write_checkpoint(tmp_path / "hf_other", hf, {**tensors, "vision_tower.patch_embed.proj.weight":
+                                                         np.ones((4, 3), np.float32)})
+    run = tmp_path / "run"
+    primary, second = processes([hf_dir, other], run)
+    _, second_err = second.communicate(timeout=600)
+    second_done = time.monotonic()
+    _, primary_err = primary.communicate(timeout=600)
+    assert time.monotonic() - second_done < 20, primary_err[-2000:]
+    assert (primary.returncode, second.returncode) == (1, 1), (primary_err[-2000:], second_err[-2000:])
+    reason = "process 1: not the same tensor manifest (HF_DIR) as process 0"
+    assert second_err.splitlines()[-1].startswith(f"k3jax-convert: error: {reason}; "), second_err[-2000:]
+    assert primary_err.splitlines()[-1].startswith(f"k3jax-convert: error: import process 1 failed: {reason}; "), \
+        primary_err[-2000:]
+    assert "Traceback" not in primary_err + second_err
+    assert not run.exists() and leftovers(run) == []
+
+
+@pytest.mark.slow   # two imports
+def test_a_stale_partial_directory_is_removed_and_a_live_one_kept(tmp_path):
+    """A partial directory whose lock nobody holds (its import was killed) is removed by the next
+    import of the same OUT_DIR, which succeeds; while another import holds the lock, an import
+    stops with one line and touches nothing."""
+    hf = tiny_kimi_linear()
+    hf_dir = write_checkpoint(tmp_path / "hf", hf, hf_tensors(hf, seed=0))
+    run = tmp_path / "run"
+    partial, lock = tmp_path / ".run.partial-import", tmp_path / ".run.partial-import.lock"
+    (partial / "checkpoints" / "0").mkdir(parents=True)
+    (partial / "checkpoints" / "0" / "half-written").write_text("x")
+    lock.write_text("pid 1234567 on host gone, started 2026-01-01 00:00:00")
+    lines = []
+    import_checkpoint(hf_dir, run, log=lines.append)
+    assert any("removed" in line and "pid 1234567 on host gone" in line for line in lines), lines
+    assert (run / "config.yaml").is_file() and leftovers(run) == []
+
+    busy, busy_partial = tmp_path / "busy", tmp_path / ".busy.partial-import"
+    (busy_partial / "being-written").mkdir(parents=True)
+    with open(tmp_path / ".busy.partial-import.lock", "w") as held:
+        held.write("pid 42 on host busy, started now")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(ConvertError, match=r"another import \(pid 42 on host busy, started now\) is writing"):
+            import_checkpoint(hf_dir, busy, log=lines.append)
+    assert (busy_partial / "being-written").is_dir() and not busy.exists()
