@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import pathlib
@@ -106,13 +107,14 @@ class ImportGroup:
     def wait_stopped(self, seconds: float = STOP_SECONDS) -> list[int]:
         """Wait until every other process has reported that it stopped; those that did not in time."""
         deadline = time.monotonic() + seconds
-        while True:
+        silent = [i for i in range(self.count) if i != self.process]
+        while silent and time.monotonic() <= deadline:
             with contextlib.suppress(Exception):
                 values = self._values()
-                silent = [i for i in range(self.count) if i != self.process and f"failed/{i}" not in values]
-            if not silent or time.monotonic() > deadline:
-                return silent
-            time.sleep(POLL_SECONDS)
+                silent = [i for i in silent if f"failed/{i}" not in values]
+            if silent:
+                time.sleep(POLL_SECONDS)
+        return silent
 
 
 class PartialDirectory:
@@ -205,8 +207,6 @@ def partial_directory(out_dir: pathlib.Path, log: Callable[[str], None]) -> Iter
 def inputs_fingerprint(config_text: bytes, manifest: dict, out_dir: pathlib.Path, overrides) -> str:
     """What every process of one import must agree on, as JSON: digests of config.json, of the
     tensor manifest (names, shards, dtypes, shapes) and of OUT_DIR with the overrides."""
-    import hashlib
-
     digest = lambda text: hashlib.sha256(text if isinstance(text, bytes) else text.encode()).hexdigest()  # noqa: E731
     tensors = json.dumps(sorted((name, info.shard, info.dtype, list(info.shape)) for name, info in manifest.items()))
     return json.dumps({"config.json": digest(config_text), "tensor manifest (HF_DIR)": digest(tensors),

@@ -16,7 +16,11 @@ Copied (names only) from:
 - Kimi Linear (``model.`` / ``lm_head.weight``, bf16): vLLM
   https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/models/kimi_linear.py and
   https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/layers/kda.py (module
-  names; ``dt_bias`` [H*K], ``{q,k,v}_conv1d.weight`` [H*K, 1, W], ``A_log`` [1, 1, H, 1]).
+  names; ``dt_bias`` [H*K], ``{q,k,v}_conv1d.weight`` [H*K, 1, W], ``A_log`` [1, 1, H, 1]), and the
+  Hugging Face ``modeling_kimi.py`` of moonshotai/Kimi-Linear-48B-A3B (read in its copy
+  https://github.com/troy12x/quasar-kimi/blob/main/modeling_kimi.py: ``KimiSparseMoeBlock``
+  ``block_sparse_moe.{gate,experts.E.w1/w2/w3,shared_experts}``, dense ``mlp``, fla
+  ``ShortConvolution`` ``{q,k,v}_conv1d``, ``A_log`` ``.view(1, 1, -1, 1)``).
 """
 import re
 
