@@ -108,13 +108,13 @@ class ImportGroup:
         """Wait until every other process has reported that it stopped; those that did not in time."""
         deadline = time.monotonic() + seconds
         silent = [i for i in range(self.count) if i != self.process]
-        while silent and time.monotonic() <= deadline:
+        while True:
             with contextlib.suppress(Exception):
                 values = self._values()
                 silent = [i for i in silent if f"failed/{i}" not in values]
-            if silent:
-                time.sleep(POLL_SECONDS)
-        return silent
+            if not silent or time.monotonic() > deadline:
+                return silent
+            time.sleep(POLL_SECONDS)
 
 
 class PartialDirectory:

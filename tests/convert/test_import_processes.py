@@ -19,6 +19,7 @@ from k3jax.checkpoint import CHECKSUMS, latest_meta
 from k3jax.convert.errors import ConvertError
 from k3jax.convert.importer import import_checkpoint
 from k3jax.convert.orbax_stream import StateReader
+from k3jax.convert.processes import ImportGroup
 from tests.convert.hf_configs import tiny_kimi_linear
 from tests.convert.hf_fixtures import hf_tensors, write_checkpoint
 from tests.convert.test_import_export import k3_config
@@ -143,3 +144,34 @@ def test_a_stale_partial_directory_is_removed_and_a_live_one_kept(tmp_path):
         with pytest.raises(ConvertError, match=r"another import \(pid 42 on host busy, started now\) is writing"):
             import_checkpoint(hf_dir, busy, log=lines.append)
     assert (busy_partial / "being-written").is_dir() and not busy.exists()
+
+
+class FakeStore:
+    """The two calls of jax.distributed's key-value client the group uses, over a dict."""
+
+    def __init__(self):
+        self.values = {}
+
+    def key_value_set(self, key, value):
+        if key in self.values:
+            raise RuntimeError(f"ALREADY_EXISTS: {key}")
+        self.values[key] = value
+
+    def key_value_dir_get(self, prefix):
+        return [(key, value) for key, value in self.values.items() if key.startswith(prefix)]
+
+
+def test_group_waits_for_values_and_stops_on_another_processes_failure():
+    store = FakeStore()
+    primary, second = ImportGroup(store, 0, 3), ImportGroup(store, 1, 3)
+    primary.publish("ready", "print")
+    assert second.wait(["ready"]) == ["print"]
+    second.check()                                       # nobody failed
+    second.fail("process 1: disk full")
+    second.fail("again")                                 # a second report is ignored
+    with pytest.raises(ConvertError, match=r"^import process 1 failed: process 1: disk full$"):
+        primary.wait(["done/0"])
+    second.check()                                       # its own failure does not stop it twice
+    assert primary.wait_stopped(seconds=0.3) == [2]      # process 2 never reported
+    ImportGroup(store, 2, 3).fail("stopped")
+    assert primary.wait_stopped(seconds=0) == []
