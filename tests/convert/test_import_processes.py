@@ -5,7 +5,6 @@ by their shards on the mesh the overrides name; the run restores onto that mesh 
 devices, verified, with the same values. A process that fails stops the other at once and nothing
 is left; a partial directory a killed import left is removed by the next import, one a live
 import holds is not touched."""
-import fcntl
 import json
 import os
 import subprocess
@@ -118,32 +117,38 @@ def test_a_failing_process_stops_both_at_once_and_leaves_nothing(tmp_path):
     assert not run.exists() and leftovers(run) == []
 
 
-@pytest.mark.slow   # two imports
-def test_a_stale_partial_directory_is_removed_and_a_live_one_kept(tmp_path):
-    """A partial directory whose lock nobody holds (its import was killed) is removed by the next
-    import of the same OUT_DIR, which succeeds; while another import holds the lock, an import
-    stops with one line and touches nothing."""
+HOLD_PARTIAL = """
+import pathlib, sys, time
+from k3jax.convert.processes import PartialDirectory
+partial = PartialDirectory(pathlib.Path(sys.argv[1]))
+(partial.claim(print) / "half-written").write_text("x")
+print("claimed", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow   # an import, and a process that holds a partial directory until it is killed
+def test_a_killed_imports_partial_directory_is_removed_and_a_live_ones_kept(tmp_path):
+    """While the process that claimed OUT_DIR's partial directory lives, an import of the same
+    OUT_DIR stops with one line naming it and touches nothing; once it is killed (SIGKILL: no
+    cleanup), the next import removes the directory, says so, and succeeds, leaving nothing."""
     hf = tiny_kimi_linear()
     hf_dir = write_checkpoint(tmp_path / "hf", hf, hf_tensors(hf, seed=0))
-    run = tmp_path / "run"
-    partial, lock = tmp_path / ".run.partial-import", tmp_path / ".run.partial-import.lock"
-    (partial / "checkpoints" / "0").mkdir(parents=True)
-    (partial / "checkpoints" / "0" / "half-written").write_text("x")
-    lock.write_text("pid 1234567 on host gone, started 2026-01-01 00:00:00")
+    run, partial = tmp_path / "run", tmp_path / ".run.partial-import"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_PARTIAL, str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "claimed"
+        with pytest.raises(ConvertError, match=rf"^another import \(pid {holder.pid} on host .*\) is writing {partial}"):
+            import_checkpoint(hf_dir, run, log=print)
+        assert (partial / "half-written").is_file() and not run.exists()
+    finally:
+        holder.kill()
+        holder.wait()
     lines = []
     import_checkpoint(hf_dir, run, log=lines.append)
-    assert any("removed" in line and "pid 1234567 on host gone" in line for line in lines), lines
+    assert any(line.startswith(f"removed {partial}, left by an import that is no longer running (pid {holder.pid}")
+               for line in lines), lines
     assert (run / "config.yaml").is_file() and leftovers(run) == []
-
-    busy, busy_partial = tmp_path / "busy", tmp_path / ".busy.partial-import"
-    (busy_partial / "being-written").mkdir(parents=True)
-    with open(tmp_path / ".busy.partial-import.lock", "w") as held:
-        held.write("pid 42 on host busy, started now")
-        held.flush()
-        fcntl.flock(held, fcntl.LOCK_EX)
-        with pytest.raises(ConvertError, match=r"another import \(pid 42 on host busy, started now\) is writing"):
-            import_checkpoint(hf_dir, busy, log=lines.append)
-    assert (busy_partial / "being-written").is_dir() and not busy.exists()
 
 
 class FakeStore:
