@@ -38,7 +38,7 @@ import yaml
 from jax.sharding import AbstractMesh, AxisType
 
 from k3jax.config import ConfigError, config_from_dict, to_dict
-from k3jax.convert.errors import ConvertError, require_new
+from k3jax.convert.errors import ConvertError, conversion_error, require_new
 from k3jax.convert.hf_config import HFConfigError, checkpoint_flavour, model_config_from_hf
 from k3jax.convert.keymap import TensorMap, is_vision, model_maps, mxfp4_names
 from k3jax.convert.mxfp4 import decode_mxfp4
@@ -302,7 +302,10 @@ def import_checkpoint(hf_dir, out_dir, overrides: Sequence[str] = (), log: Calla
         return _import_checkpoint(pathlib.Path(hf_dir), out_dir, overrides, log, group, partial)
     except BaseException as error:
         stop_group(group, partial, error, log)
-        raise
+        converted = conversion_error(out_dir, error)      # a full disk, another write error: one line
+        if converted is None:
+            raise
+        raise converted from None
 
 
 def _import_checkpoint(hf_dir: pathlib.Path, out_dir: pathlib.Path, overrides, log, group: ImportGroup | None,
