@@ -180,3 +180,14 @@ def test_group_waits_for_values_and_stops_on_another_processes_failure():
     assert primary.wait_stopped(seconds=0.3) == [2]      # process 2 never reported
     ImportGroup(store, 2, 3).fail("stopped")
     assert primary.wait_stopped(seconds=0) == []
+
+
+@pytest.mark.parametrize("args, words", [(["--num-processes", "2"], "needs --coordinator-address HOST:PORT"),
+                                          (["--num-processes", "2", "--process-id", "2"], "must be in [0, 2), got 2"),
+                                          (["--num-processes", "0"], "at least 1, got 0")])
+def test_multi_process_arguments_are_checked_before_anything_starts(args, words, tmp_path, capsys):
+    from k3jax.convert.cli import main
+
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "run"), *args]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("k3jax-convert: error: --") and words in lines[0], lines
