@@ -49,6 +49,10 @@ SUBSTITUTIONS = {
     "python -m train configs/tiny.yaml --coordinator-address host0:1234 --num-processes 2 --process-id 0": (
         None, "needs a second host; its localhost equivalent (two processes, --coordinator-address "
               "127.0.0.1:PORT --num-processes 2 --process-id 0/1) runs in tests/sharding/test_multi_device.py"),
+    "python -m k3jax.convert import ~/hf/Kimi-K3 runs/k3-import --coordinator-address host0:1234 --num-processes 2 "
+    "--process-id 0": (
+        None, "needs a second host; its localhost equivalent (two processes of one jax.distributed run) runs in "
+              "tests/convert/test_import_processes.py"),
 }
 
 # README command prefix -> files (relative to the scratch copy; ~ is the scratch HOME) it must leave.

@@ -1,18 +1,22 @@
 """``python -m k3jax.convert`` / ``k3jax-convert``: Hugging Face checkpoints in and out of k3jax.
 
     python -m k3jax.convert import HF_DIR OUT_DIR [key=value ...]     HF -> a k3jax run directory
-        [--num-processes N --process-id I]     run once per process, each writing every N-th tensor
+        [--coordinator-address HOST:PORT --num-processes N --process-id I]   the same command on every
+                        host (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, as the
+                        trainer): the processes of one jax.distributed run, each writing every N-th tensor
     python -m k3jax.convert export RUN_DIR HF_DIR [--mxfp4] [--float32]   a k3jax run -> HF safetensors
                                                                       (a LoRA run: adapters merged)
     python -m k3jax.convert config CONFIG_JSON OUT_YAML [key=value ...]  the run config an import would use
 
 Bad input (a missing or truncated shard, a missing or unexpected tensor, a shape or dtype
 mismatch, an unsupported config field, an existing output directory, a full disk) prints one
-line and exits with status 1; nothing that looks complete is left behind.
+line and exits with status 1; nothing that looks complete is left behind. In a multi-process
+import an error in one process stops all of them (each prints its line and exits 1 at once).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from k3jax.checkpoint import CheckpointError, quiet_checkpoint_io
@@ -31,8 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     importing.add_argument("overrides", nargs="*", metavar="key=value", help="trainer config overrides, e.g. "
                            "model.moe.expert_format=dense (decode MXFP4 experts) data.path=notes.txt mesh.fsdp=8 "
                            "(chunks follow the mesh's shards)")
-    importing.add_argument("--num-processes", type=int, default=1, help="processes sharing the import (default 1)")
-    importing.add_argument("--process-id", type=int, default=0, help="this process, 0 … N-1 (0 finalises)")
+    importing.add_argument("--coordinator-address", help="host:port of process 0, for an import shared by several "
+                           "processes / hosts (default: $JAX_COORDINATOR_ADDRESS)")
+    importing.add_argument("--num-processes", type=int, help="processes in the import (default: $JAX_NUM_PROCESSES)")
+    importing.add_argument("--process-id", type=int, help="this process, 0 … N-1; 0 finalises (default: $JAX_PROCESS_ID)")
     exporting = commands.add_parser("export", help="a k3jax run directory -> a HF checkpoint directory")
     exporting.add_argument("run_dir")
     exporting.add_argument("hf_dir")
@@ -50,13 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     quiet_checkpoint_io()   # Orbax warns through absl on every read-only open
     log = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    group = None
     try:
         if args.command == "import":
             from k3jax.convert.importer import import_checkpoint
-            if args.num_processes < 1:
-                raise ConvertError(f"--num-processes must be at least 1, got {args.num_processes}")
-            import_checkpoint(args.hf_dir, args.out_dir, args.overrides, log=log, process=args.process_id,
-                              num_processes=args.num_processes)
+            group = _join_import_processes(args)
+            import_checkpoint(args.hf_dir, args.out_dir, args.overrides, log=log, group=group)
         elif args.command == "config":
             from k3jax.convert.importer import write_run_config
             write_run_config(args.config_json, args.out_yaml, args.overrides)
@@ -68,11 +73,48 @@ def main(argv: list[str] | None = None) -> int:
                               shard_bytes=int(args.shard_gb * 2**30), log=log)
     except EXPECTED_ERRORS as error:
         print(f"k3jax-convert: error: {error}", file=sys.stderr)
-        return 1
+        return _exit(1, group)
     except KeyboardInterrupt:
         print("k3jax-convert: interrupted; no output was left behind", file=sys.stderr)
-        return 130
+        return _exit(130, group)
+    if group is not None:
+        import jax
+        jax.distributed.shutdown()     # every process is here: the import is complete
     return 0
+
+
+def _join_import_processes(args):
+    """The `ImportGroup` of this process when the import is shared (a coordinator address from
+    the flags or the environment, as the trainer takes it), else None."""
+    from k3jax.convert.processes import ImportGroup
+    from k3jax.sharding import initialize_distributed
+
+    count = args.num_processes if args.num_processes is not None else os.environ.get("JAX_NUM_PROCESSES")
+    address = args.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if count is not None and int(count) < 1:
+        raise ConvertError(f"--num-processes must be at least 1, got {count}")
+    if args.process_id is not None and count is not None and not 0 <= args.process_id < int(count):
+        raise ConvertError(f"--process-id must be in [0, {count}), got {args.process_id}")
+    if address is None:
+        if count is not None and int(count) > 1:
+            raise ConvertError(f"--num-processes {count} needs --coordinator-address HOST:PORT (process 0's; or "
+                               f"JAX_COORDINATOR_ADDRESS): run the same command on every process")
+        return None
+    try:
+        initialize_distributed(address, args.num_processes, args.process_id)
+    except Exception as error:  # noqa: BLE001 - JAX raises its own runtime errors
+        raise ConvertError(f"cannot join the import's processes at {address}: {' '.join(str(error).split())[:300]}") from None
+    return ImportGroup.joined()
+
+
+def _exit(code: int, group) -> int:
+    """``code``; a process of a shared import leaves at once instead (`os._exit`): waiting at
+    jax.distributed's shutdown barrier for processes that stopped would hang."""
+    if group is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -34,8 +34,17 @@ def atomic_directory(final: pathlib.Path) -> Iterator[pathlib.Path]:
         temporary.rename(final)
     except BaseException as error:
         shutil.rmtree(temporary, ignore_errors=True)
-        if _disk_full(error):
-            raise ConvertError(f"disk full while writing {final} (nothing was left behind)") from None
-        if isinstance(error, OSError):
-            raise ConvertError(f"cannot write {final}: {error.strerror or error}") from None
-        raise
+        converted = conversion_error(final, error)
+        if converted is None:
+            raise
+        raise converted from None
+
+
+def conversion_error(final: pathlib.Path, error: BaseException) -> ConvertError | None:
+    """The one-line `ConvertError` of a failed write of ``final`` (a full disk, another OSError),
+    after its partial output was removed; None for any other error (raised as it is)."""
+    if _disk_full(error):
+        return ConvertError(f"disk full while writing {final} (nothing was left behind)")
+    if isinstance(error, OSError):
+        return ConvertError(f"cannot write {final}: {error.strerror or error}")
+    return None

@@ -19,15 +19,17 @@ tensor in its HF and k3jax forms, whatever the model's depth. MXFP4 routed exper
 
 It is what `k3jax.training.restore_model`, ``python -m eval``, ``init_from=`` and
 `k3jax.generate.generate` read; the optimizer state starts fresh. Everything is written under a
-temporary name and renamed at the end: a failed import leaves nothing that looks complete.
+temporary name (``.<name>.partial-import`` beside OUT_DIR) and renamed at the end: a failed import
+leaves nothing that looks complete, and removes its partial directory; one a killed import left is
+removed by the next import of the same OUT_DIR (`k3jax.convert.processes.PartialDirectory`).
+Several hosts share an import as the processes of one jax.distributed run
+(`k3jax.convert.processes`, `import_share_in_group`).
 """
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import shutil
-import time
 from typing import Callable, Sequence
 
 import jax
@@ -36,11 +38,13 @@ import yaml
 from jax.sharding import AbstractMesh, AxisType
 
 from k3jax.config import ConfigError, config_from_dict, to_dict
-from k3jax.convert.errors import ConvertError, atomic_directory, require_new
+from k3jax.convert.errors import ConvertError, conversion_error, require_new
 from k3jax.convert.hf_config import HFConfigError, checkpoint_flavour, model_config_from_hf
 from k3jax.convert.keymap import TensorMap, is_vision, model_maps, mxfp4_names
 from k3jax.convert.mxfp4 import decode_mxfp4
 from k3jax.convert.orbax_stream import LeafSpec, StreamedStateWriter, merge_process_stores, summed_checksums
+from k3jax.convert.processes import (ImportGroup, PartialDirectory, check_same_inputs, inputs_fingerprint,
+                                     one_line, partial_directory)
 from k3jax.convert.safetensors_io import SafetensorsCheckpoint, TensorInfo
 from k3jax.data.tokenizers import BPE_FILE_NAME, TOKENIZER_CONFIG_NAME
 from k3jax.sharding.mesh import MESH_AXES, axes_size, partition_spec
@@ -159,9 +163,11 @@ def process_share(maps: list[TensorMap], process: int, num_processes: int) -> li
 
 
 def _write_tensors(writer: StreamedStateWriter, maps: list[TensorMap], checkpoint: SafetensorsCheckpoint,
-                   packed: set[str], log: Callable[[str], None]) -> None:
-    """Read each tensor of ``maps`` once and write it (MXFP4 experts decoded, their scales kept)."""
+                   packed: set[str], log: Callable[[str], None], check: Callable[[], None] = lambda: None) -> None:
+    """Read each tensor of ``maps`` once and write it (MXFP4 experts decoded, their scales kept);
+    ``check`` runs before each (it raises to stop, e.g. when another import process failed)."""
     for count, spec in enumerate(maps, 1):
+        check()
         if spec.hf_name in packed:
             packed_name, scale_name = mxfp4_names(spec.hf_name)
             scale = checkpoint.read(scale_name)
@@ -179,47 +185,48 @@ def _write_tensors(writer: StreamedStateWriter, maps: list[TensorMap], checkpoin
     writer.flush()
 
 
-def import_share_in_process(out_dir: pathlib.Path, leaves, share: list[TensorMap], checkpoint, packed: set[str],
-                            log, process: int, num_processes: int, finish, wait_seconds: float = 3600.0) -> None:
-    """One process's part of a multi-process import into the shared temporary directory
-    ``.<name>.partial-import`` beside ``out_dir``: write ``share`` into this process's store, then
-    leave a marker holding its checksum sums (or the error that stopped it). The primary waits for
-    every marker, merges the stores (`merge_process_stores`), calls ``finish(temporary, writer,
-    checksums)`` with the summed checksums and renames the directory to ``out_dir``."""
-    temporary = out_dir.parent / f".{out_dir.name}.partial-import"
-    temporary.mkdir(parents=True, exist_ok=True)
-    marker = lambda index, kind: temporary / f".process-{index}.{kind}"  # noqa: E731
-    try:
-        writer = StreamedStateWriter(temporary / "checkpoints" / "0", leaves, process=process,
-                                     num_processes=num_processes)
-        _write_tensors(writer, share, checkpoint, packed, log)
-        _write_atomically(marker(process, "done"), json.dumps(writer.checksums()))
-    except BaseException as error:
-        _write_atomically(marker(process, "failed"), " ".join(str(error).split()) or type(error).__name__)
-        raise
-    if process != 0:
+def import_share_in_group(partial: PartialDirectory, leaves, share: list[TensorMap], checkpoint, packed: set[str],
+                          log, group: ImportGroup, fingerprint: str, finish) -> None:
+    """This process's part of an import by the processes of ``group`` (`k3jax.convert.processes`).
+
+    Process 0 claims the partial directory (removing a stale one) and publishes ``ready`` with
+    its inputs' ``fingerprint``; every other process checks it against its own and then writes.
+    Each writes ``share`` into its own store of the shared partial directory and publishes its
+    checksum sums; process 0 waits for all of them, merges the stores (`merge_process_stores`),
+    calls ``finish(temporary, writer, checksums)``, renames the directory to OUT_DIR and
+    publishes ``finished``, which the others wait for. An error anywhere stops every process
+    (`ImportGroup.check`; `stop_group`)."""
+    if group.primary:
+        partial.claim(log)
+        group.publish("ready", fingerprint)
+    else:
+        check_same_inputs(fingerprint, group.wait(["ready"])[0], group.process)
+    writer = StreamedStateWriter(partial.path / "checkpoints" / "0", leaves, process=group.process,
+                                 num_processes=group.count)
+    _write_tensors(writer, share, checkpoint, packed, log, check=group.check)
+    group.publish(f"done/{group.process}", json.dumps(writer.checksums()))
+    if not group.primary:
+        group.wait(["finished"])
         return
-    deadline = time.monotonic() + wait_seconds
-    while not all(marker(i, "done").exists() for i in range(num_processes)):
-        failed = [i for i in range(num_processes) if marker(i, "failed").exists()]
-        if failed:
-            raise ConvertError(f"import process {failed[0]} failed: {marker(failed[0], 'failed').read_text()}")
-        if time.monotonic() > deadline:
-            raise ConvertError(f"import processes did not all finish within {wait_seconds:.0f} s")
-        time.sleep(0.2)
-    checksums = summed_checksums([json.loads(marker(i, "done").read_text()) for i in range(num_processes)])
+    parts = group.wait([f"done/{i}" for i in range(group.count)])
     merge_process_stores(writer.state_dir)
-    finish(temporary, writer, checksums)
-    for index in range(num_processes):
-        marker(index, "done").unlink()
-    require_new(out_dir)
-    temporary.rename(out_dir)
+    finish(partial.path, writer, summed_checksums([json.loads(part) for part in parts]))
+    partial.publish()
+    group.publish("finished")
 
 
-def _write_atomically(path: pathlib.Path, text: str) -> None:
-    partial = path.with_name(path.name + ".tmp")
-    partial.write_text(text)
-    os.replace(partial, path)
+def stop_group(group: ImportGroup, partial: PartialDirectory, error: BaseException, log) -> None:
+    """After ``error`` in this process of ``group``: tell the others, and on process 0 wait for
+    them to stop, then remove the partial directory it claimed."""
+    group.fail(one_line(error))
+    if not group.primary:
+        return
+    silent = group.wait_stopped()
+    if partial.claimed and silent:
+        log(f"left {partial.path}: import process {silent[0]} did not report that it stopped; "
+            f"the next import of {partial.out_dir} removes it")
+    elif partial.claimed:
+        partial.remove()
 
 
 def _copy_tokenizer(hf_dir: pathlib.Path, target: pathlib.Path) -> pathlib.Path | None:
@@ -281,15 +288,29 @@ def write_run_config(hf_config_path, out_yaml, overrides: Sequence[str] = ()) ->
 
 
 def import_checkpoint(hf_dir, out_dir, overrides: Sequence[str] = (), log: Callable[[str], None] = print,
-                      process: int = 0, num_processes: int = 1, wait_seconds: float = 3600.0) -> dict:
+                      group: ImportGroup | None = None) -> dict:
     """Convert ``hf_dir`` into the run directory ``out_dir`` (which must not exist); returns a summary.
 
-    With ``num_processes`` > 1, run once per process (``process`` 0 … N-1, in parallel, sharing
-    the filesystem): each writes its share of the tensors (`process_share`) and the primary
-    (process 0) waits up to ``wait_seconds`` for the others, then finalises (`import_share_in_process`)."""
-    hf_dir, out_dir = pathlib.Path(hf_dir), pathlib.Path(out_dir).expanduser().resolve()
-    if not 0 <= process < num_processes:
-        raise ConvertError(f"--process-id must be in [0, {num_processes}), got {process}")
+    With a ``group`` (the processes of a jax.distributed run, `ImportGroup.joined`), every process
+    runs this with the same arguments and writes its share of the tensors (`process_share`);
+    process 0 finalises (`import_share_in_group`); an error in any process stops all (`stop_group`)."""
+    out_dir = pathlib.Path(out_dir).expanduser().resolve()
+    if group is None:
+        return _import_checkpoint(pathlib.Path(hf_dir), out_dir, overrides, log, None, None)
+    partial = PartialDirectory(out_dir)
+    try:
+        return _import_checkpoint(pathlib.Path(hf_dir), out_dir, overrides, log, group, partial)
+    except BaseException as error:
+        stop_group(group, partial, error, log)
+        converted = conversion_error(out_dir, error)      # a full disk, another write error: one line
+        if converted is None:
+            raise
+        raise converted from None
+
+
+def _import_checkpoint(hf_dir: pathlib.Path, out_dir: pathlib.Path, overrides, log, group: ImportGroup | None,
+                       partial: PartialDirectory | None) -> dict:
+    process, num_processes = (group.process, group.count) if group else (0, 1)
     require_new(out_dir)
     if not hf_dir.is_dir():
         raise ConvertError(f"{hf_dir}: no such directory")
@@ -325,8 +346,8 @@ def import_checkpoint(hf_dir, out_dir, overrides: Sequence[str] = (), log: Calla
         (temporary / SOURCE_DIR / "tensors.json").write_text(json.dumps(manifest))
         (temporary / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
 
-    if num_processes == 1:
-        with atomic_directory(out_dir) as temporary:
+    if group is None:
+        with partial_directory(out_dir, log) as temporary:
             writer = StreamedStateWriter(temporary / "checkpoints" / "0", leaves)
             _write_tensors(writer, share, checkpoint, packed, log)
             finish_run_directory(temporary)
@@ -335,8 +356,8 @@ def import_checkpoint(hf_dir, out_dir, overrides: Sequence[str] = (), log: Calla
         def finish(temporary, writer, checksums):
             finish_run_directory(temporary)
             writer.finish(meta, checksums)
-        import_share_in_process(out_dir, leaves, share, checkpoint, packed, log, process, num_processes, finish,
-                                wait_seconds)
+        fingerprint = inputs_fingerprint(hf_config_path.read_bytes(), checkpoint.manifest, out_dir, overrides)
+        import_share_in_group(partial, leaves, share, checkpoint, packed, log, group, fingerprint, finish)
     kept = sum(spec.layout == "packed" for spec in maps) // 2
     summary = {"run_dir": str(out_dir), "flavour": flavour, "tensors": len(checkpoint.manifest) - vision,
                "mxfp4_experts": len(packed) + kept, "mxfp4_kept_packed": kept > 0, "vision_skipped": vision,

@@ -28,6 +28,9 @@ from k3jax.model import layer_groups
 
 PREFIXES = {"k3": ("language_model.model.", "language_model.lm_head.weight"),
             "kimi_linear": ("model.", "lm_head.weight")}
+# The released K3 stores A_log zero-padded to 128 entries for its 96 KDA heads of dim 128 (the
+# padded length torchtitan's loader declares for exactly that layout).
+RELEASED_A_LOG = ((96, 128), 128)
 VISION_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.", "vision_model.")
 
 
@@ -64,6 +67,16 @@ def _layer_location(config: ModelConfig, layer: int) -> tuple[str, tuple[int, ..
     return f"body/layers/{offset % period}/", (offset // period,)
 
 
+def _a_log_shape(hf: str, value_heads: int, dim: int) -> tuple[int, ...]:
+    """The HF shape of ``A_log`` a checkpoint without a source manifest gets: Kimi Linear's
+    [1, 1, H, 1]; K3's flat [H], except the released 96-head x 128 layout, which stores 128
+    entries, the tail zero (`RELEASED_A_LOG`)."""
+    if not hf.startswith(PREFIXES["k3"][0]):
+        return (1, 1, value_heads, 1)
+    heads_dim, padded = RELEASED_A_LOG
+    return (padded,) if (value_heads, dim) == heads_dim else (value_heads,)
+
+
 def _kda_maps(config: ModelConfig, hf: str, k3: str, index) -> list[TensorMap]:
     kda, d = config.kda, config.d_model
     heads, value_heads, dim, taps = kda.num_heads, kda.num_value_heads, kda.head_dim, kda.conv_size
@@ -77,8 +90,8 @@ def _kda_maps(config: ModelConfig, hf: str, k3: str, index) -> list[TensorMap]:
         _linear(hf + "f_a_proj.weight", k3 + "f_a_proj", index, (d, dim)),
         _linear(hf + "f_b_proj.weight", k3 + "f_b_proj", index, (dim, value_heads, dim)),
         _linear(hf + "b_proj.weight", k3 + "b_proj", index, (d, value_heads)),
-        TensorMap(hf + "A_log", "params", k3 + "A_log", index, (value_heads,),
-                  (value_heads,) if hf.startswith(PREFIXES["k3"][0]) else (1, 1, value_heads, 1), "narrow"),
+        TensorMap(hf + "A_log", "params", k3 + "A_log", index, (value_heads,), _a_log_shape(hf, value_heads, dim),
+                  "narrow"),
         _reshape(hf + "dt_bias", k3 + "dt_bias", index, (value_heads, dim), (value_heads * dim,)),
         _reshape(hf + "o_norm.weight", k3 + "o_norm", index, (dim,), (dim,)),
         _linear(hf + "o_proj.weight", k3 + "o_proj", index, (value_heads, dim, d), in_dims=2),

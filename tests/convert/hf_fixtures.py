@@ -18,7 +18,8 @@ from k3jax.convert.hf_config import checkpoint_flavour, model_config_from_hf
 from k3jax.convert.keymap import model_maps, mxfp4_names
 
 BF16 = ml_dtypes.bfloat16
-VISION = {"vision_tower.patch_embed.weight": (8, 3), "mm_projector.proj.weight": (4, 8)}
+VISION = {"vision_tower.patch_embed.proj.weight": (8, 3), "vision_tower.encoder.blocks.0.wqkv.weight": (6, 2),
+          "mm_projector.proj.0.weight": (4, 8)}     # release names (tests/convert/release_names.py)
 
 
 def _value(rng, name, shape, spec):

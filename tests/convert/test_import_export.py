@@ -21,7 +21,7 @@ from k3jax.convert.safetensors_io import SafetensorsCheckpoint
 from k3jax.data.tokenizers import load_tokenizer
 from k3jax.generate import generate
 from k3jax.training import restore_model
-from tests.convert import hf_configs
+from tests.convert import hf_configs, release_names
 from tests.convert.hf_fixtures import VISION, hf_tensors, write_checkpoint, write_tokenizer
 from tests.convert.numpy_hf_forward import hf_forward
 
@@ -109,22 +109,74 @@ def _same_tensors(source_dir, exported_dir, names):
         assert a.tobytes() == b.tobytes(), name
 
 
-def test_k3_round_trip_mxfp4_is_bit_exact(k3, tmp_path):
-    export_checkpoint(k3.run_dir, tmp_path / "out", mxfp4=True, shard_bytes=100_000, log=QUIET)
-    _same_tensors(k3.hf_dir, tmp_path / "out", [n for n in k3.tensors if n not in VISION])
-    assert json.loads((tmp_path / "out" / "config.json").read_text()) == k3.hf
-    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+@pytest.fixture(scope="module")
+def k3_exported(k3, tmp_path_factory):
+    out = tmp_path_factory.mktemp("k3_export") / "out"
+    export_checkpoint(k3.run_dir, out, mxfp4=True, shard_bytes=100_000, log=QUIET)
+    return out
+
+
+@pytest.fixture(scope="module")
+def kimi_linear_exported(kimi_linear, tmp_path_factory):
+    out = tmp_path_factory.mktemp("kl_export") / "out"
+    export_checkpoint(kimi_linear.run_dir, out, log=QUIET)
+    return out
+
+
+def test_k3_round_trip_mxfp4_is_bit_exact(k3, k3_exported):
+    _same_tensors(k3.hf_dir, k3_exported, [n for n in k3.tensors if n not in VISION])
+    assert json.loads((k3_exported / "config.json").read_text()) == k3.hf
+    index = json.loads((k3_exported / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
 
 
-def test_kimi_linear_round_trip_bf16_is_bit_exact(kimi_linear, tmp_path):
-    export_checkpoint(kimi_linear.run_dir, tmp_path / "out", log=QUIET)
-    _same_tensors(kimi_linear.hf_dir, tmp_path / "out", list(kimi_linear.tensors))
-    assert json.loads((tmp_path / "out" / "config.json").read_text()) == kimi_linear.hf
-    a_log = SafetensorsCheckpoint(tmp_path / "out").manifest["model.layers.0.self_attn.A_log"]
+def test_kimi_linear_round_trip_bf16_is_bit_exact(kimi_linear, kimi_linear_exported):
+    _same_tensors(kimi_linear.hf_dir, kimi_linear_exported, list(kimi_linear.tensors))
+    assert json.loads((kimi_linear_exported / "config.json").read_text()) == kimi_linear.hf
+    a_log = SafetensorsCheckpoint(kimi_linear_exported).manifest["model.layers.0.self_attn.A_log"]
     assert (a_log.dtype, a_log.shape) == ("F32", (1, 1, 2, 1))
     for name in ("tiktoken.model", "tokenizer_config.json"):
-        assert (tmp_path / "out" / name).read_bytes() == (kimi_linear.hf_dir / name).read_bytes()
+        assert (kimi_linear_exported / name).read_bytes() == (kimi_linear.hf_dir / name).read_bytes()
+
+
+def _check_release_names(exported_dir, hf: dict, flavour: str) -> None:
+    """Every exported key is a released name (tests/convert/release_names.py, from the public
+    loaders of the release) at the place the release puts it: each layer holds exactly the
+    names of its attention kind (1-based ``full_attn_layers``) and FFN kind (dense below
+    ``first_k_dense_replace``), and the release's layouts hold (conv [P, 1, W], flat dt_bias,
+    AttnRes projections [1, d], MXFP4 pairs uint8 with packed[1] * 2 == scale[1] * 32)."""
+    manifest = SafetensorsCheckpoint(exported_dir).manifest
+    text = hf.get("text_config", hf)
+    prefix, model_names = release_names.RELEASES[flavour][:2]
+    full_attention = {n - 1 for n in text["linear_attn_config"]["full_attn_layers"]}
+    layers = {}
+    for name in manifest:
+        if not name.startswith(prefix):
+            continue
+        layer, rest = name[len(prefix):].split(".", 1)
+        layers.setdefault(int(layer), set()).add(release_names.pattern("." + rest)[1:])
+    assert set(manifest) - {n for n in manifest if n.startswith(prefix)} == (
+        set(model_names) if text.get("attn_res_block_size") else {n for n in model_names if "attn_res" not in n})
+    assert sorted(layers) == list(range(text["num_hidden_layers"]))
+    for layer, names in layers.items():
+        expected = release_names.expected_layer(flavour, layer in full_attention, layer < text["first_k_dense_replace"])
+        assert names == expected, (layer, names ^ expected)
+    width, heads = text["linear_attn_config"]["head_dim"], text["linear_attn_config"]["num_heads"]
+    for name, info in manifest.items():
+        if name.endswith("_conv1d.weight"):
+            assert info.shape == (heads * width, 1, text["linear_attn_config"]["short_conv_kernel_size"]), name
+        if name.endswith("dt_bias"):
+            assert info.shape == (heads * width,), name
+        if name.endswith("_res_proj.weight"):
+            assert info.shape == (1, text["hidden_size"]), name
+        if name.endswith(".weight_packed"):
+            scale = manifest[name.removesuffix("_packed") + "_scale"]
+            assert info.dtype == scale.dtype == "U8" and info.shape[1] * 2 == scale.shape[1] * 32, name
+
+
+def test_exported_names_are_the_released_ones(k3, k3_exported, kimi_linear, kimi_linear_exported):
+    _check_release_names(k3_exported, k3.hf, "k3")
+    _check_release_names(kimi_linear_exported, kimi_linear.hf, "kimi_linear")
 
 
 def test_mxfp4_experts_exported_as_bf16_hold_the_decoded_values(k3, tmp_path):
