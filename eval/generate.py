@@ -12,9 +12,8 @@ imported K3) take each prompt as a user turn in K3's chat format followed by the
 generation prompt, stop at ``<|end_of_msg|>`` and print the reply's response text without markup
 (`eval.chat_turns`); ``--raw`` treats them as text runs. Text runs (and raw ones) encode and decode
 with the run's tokenizer (``data.tokenizer``; bytes by default) and stop a sample at its EOS; MQAR
-runs take and print space-separated token ids. All prompts go in
-one batch, whatever their lengths (`k3jax.generate.generate`). Prints one continuation per line,
-in prompt order. Bad input (no checkpoint, an empty prompt file, a token id out of range, a bad
+runs take and print space-separated token ids. All prompts go in one batch, whatever their lengths
+(`k3jax.generate.generate`). Prints one continuation per line, in prompt order. Bad input (no checkpoint, an empty prompt file, a token id out of range, a bad
 flag) ends with one line on stderr and exit status 2.
 """
 from __future__ import annotations
@@ -69,10 +68,10 @@ class Codec:
         self.chat = None if raw else chat_turns_for(config)
         self.text = self.chat is None and (config.data.kind != "mqar" or config.data.tokenizer is not None)
         self.tokenizer = load_tokenizer(config.data.tokenizer) if self.text else None
-        self.eos_id = self.chat.eos_id if self.chat else self.tokenizer.eos_id if self.text else None
+        self.eos_id = self.chat.eos_id if self.chat is not None else self.tokenizer.eos_id if self.text else None
 
     def encode(self, prompt: str) -> list[int]:
-        if self.chat:
+        if self.chat is not None:
             return self.chat.user_turn(prompt).tolist()
         if self.text:
             return list(self.tokenizer.encode(prompt))
@@ -83,7 +82,7 @@ class Codec:
                                  f"got {prompt!r}") from None
 
     def decode(self, ids: list[int]) -> str:
-        if self.chat:
+        if self.chat is not None:
             return self.chat.reply_text(ids)
         if self.text:
             return self.tokenizer.decode([i for i in ids if i != self.eos_id])
