@@ -9,8 +9,16 @@ per conversation.
     > /save NAME  /load NAME    write / read every session under --sessions-dir (default RUN_DIR/sessions)
     > /quit                     (or end of input)
 
-Turns are text through the run's tokenizer; a model whose vocabulary is smaller than the
-tokenizer's (MQAR runs) takes turns as space-separated token ids and answers with ids. Sampling
+On a chat run (``data.kind=chat``, or a model whose tokenizer names K3's chat markers, such as an
+imported K3) every turn goes through K3's chat format (`eval.chat_turns`): the session holds the
+rendered conversation, each line is appended as a user message plus the assistant's generation
+prompt, the reply stops at ``<|end_of_msg|>`` and its response text is printed without markup. The
+session keeps the reply as the renderer writes it: the sampled ids when they are a prefix of that
+rendering (the rest, such as the closing tags of a reply cut short by --max-new-tokens, appended),
+else the rendering in place of the sampled ids. So the session's tokens are always
+`render_conversation` of the turns so far plus the generation prompt. ``--raw`` (and every other
+run) takes turns as plain text through the run's tokenizer; a model whose vocabulary is smaller
+than the tokenizer's (MQAR runs) takes turns as space-separated token ids and answers with ids. Sampling
 flags are those of `k3jax.generate.generate`. Bad input (a missing checkpoint, a bad flag, an
 unknown command or session, a name that exists) prints one ``error:`` line; startup errors exit 2.
 """
@@ -20,7 +28,10 @@ import argparse
 import pathlib
 import sys
 
+import numpy as np
+
 from k3jax.data import DataError, load_tokenizer
+from .chat_turns import ChatTurns, chat_turns_for
 from .cli import quiet_checkpoint_logging
 from .loading import EvalInputError, load_run
 from k3jax.sessions import SessionStore
@@ -45,6 +56,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sessions-dir", default=None, help="where /save and /load keep stores (default RUN_DIR/sessions)")
+    parser.add_argument("--raw", action="store_true", help="on a chat run: plain-text turns, no chat format")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.temperature < 0 or (args.top_k is not None and args.top_k < 1) \
             or (args.top_p is not None and not 0 < args.top_p <= 1):
@@ -58,7 +70,7 @@ class TokenCodec:
     is smaller than the tokenizer's."""
 
     def __init__(self, config):
-        tokenizer = load_tokenizer(config.data.tokenizer if config.data.kind == "text" else None)
+        tokenizer = load_tokenizer(config.data.tokenizer)
         self.tokenizer = tokenizer if tokenizer.vocab_size <= config.model.vocab_size else None
         self.eos_id = None if self.tokenizer is None else self.tokenizer.eos_id
 
@@ -77,24 +89,41 @@ class TokenCodec:
 class Chat:
     """The state of one chat: the store, the current session and each session's undo snapshots."""
 
-    def __init__(self, model, codec: TokenCodec, args: argparse.Namespace, sessions_dir: pathlib.Path):
-        self.model, self.codec, self.args, self.sessions_dir = model, codec, args, sessions_dir
+    def __init__(self, model, codec: TokenCodec | None, args: argparse.Namespace, sessions_dir: pathlib.Path,
+                 turns: ChatTurns | None = None):
+        """``turns``: K3's chat format for every turn; None: ``codec`` encodes turns as they are."""
+        self.model, self.codec, self.args, self.sessions_dir, self.turns = model, codec, args, sessions_dir, turns
         self.store, self.current, self.undo = SessionStore(model), None, {}
 
     def turn(self, line: str) -> str:
-        tokens = self.codec.encode(line)
-        if not tokens:
+        if not line:
             return ""
+        tokens = self.codec.encode(line) if self.turns is None else self.turns.user_turn(line, first=self.current is None)
         if self.current is None:
             self.current = self.store.open(tokens)
             self.undo[self.current] = []
         else:
             self.undo[self.current].append(self.store.snapshot(self.current))
             self.store.append(self.current, tokens)
+        before_reply = self.store.snapshot(self.current) if self.turns is not None else None
         args = self.args
+        eos_id = self.codec.eos_id if self.turns is None else self.turns.eos_id
         new = self.store.generate([self.current], args.max_new_tokens, temperature=args.temperature,
-                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=self.codec.eos_id)[0]
-        return self.codec.decode(new)
+                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=eos_id)[0]
+        if self.turns is None:
+            return self.codec.decode(new)
+        self._keep_rendered_reply(new, before_reply)
+        return self.turns.reply_text(new)
+
+    def _keep_rendered_reply(self, new, before_reply) -> None:
+        """Leave the session ending in the renderer's rendering of the reply ``new`` (see the module docstring)."""
+        rendered = self.turns.rendered_reply(new)
+        if np.array_equal(rendered[:len(new)], new):
+            if rendered.size > len(new):
+                self.store.append(self.current, rendered[len(new):])
+            return
+        self.store.rollback(self.current, before_reply)
+        self.store.append(self.current, rendered)
 
     def command(self, line: str) -> str | None:
         """Run a /command; returns what to print (None: quit)."""
@@ -142,13 +171,14 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         run = load_run(args.run, args.step)
-        codec = TokenCodec(run.config)
+        turns = None if args.raw else chat_turns_for(run.config)
+        codec = TokenCodec(run.config) if turns is None else None
     except (ChatInputError, EvalInputError, DataError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     sessions_dir = pathlib.Path(args.sessions_dir) if args.sessions_dir else run.run_dir / "sessions"
     sessions_dir.mkdir(parents=True, exist_ok=True)
-    chat = Chat(run.model, codec, args, sessions_dir)
+    chat = Chat(run.model, codec, args, sessions_dir, turns)
     for line in stdin:
         line = line.strip()
         try:

@@ -4,11 +4,16 @@ continue prompts with a trained checkpoint.
     python -m eval.generate runs/text --prompt "Once upon a time" --max-new-tokens 64 --temperature 0.8 --top-p 0.9
     python -m eval.generate runs/text --prompt-file prompts.txt --seed 3        # one prompt per line
     python -m eval.generate runs/default --prompt "3 17 250"                    # MQAR runs: token ids
+    python -m eval.generate runs/chat --prompt "3 QWERTY"                       # chat runs: a user turn
+    python -m eval.generate runs/chat --prompt "3 QWERTY" --raw                 # ... or plain text
 
-Text runs encode and decode with the run's tokenizer (``data.tokenizer``; bytes by default) and
-stop a sample at its EOS; MQAR runs take and print space-separated token ids. All prompts go in
-one batch, whatever their lengths (`k3jax.generate.generate`). Prints one continuation per line,
-in prompt order. Bad input (no checkpoint, an empty prompt file, a token id out of range, a bad
+Chat runs (``data.kind=chat``, or a model whose tokenizer names K3's chat markers, such as an
+imported K3) take each prompt as a user turn in K3's chat format followed by the assistant's
+generation prompt, stop at ``<|end_of_msg|>`` and print the reply's response text without markup
+(`eval.chat_turns`); ``--raw`` treats them as text runs. Text runs (and raw ones) encode and decode
+with the run's tokenizer (``data.tokenizer``; bytes by default) and stop a sample at its EOS; MQAR
+runs take and print space-separated token ids. All prompts go in one batch, whatever their lengths
+(`k3jax.generate.generate`). Prints one continuation per line, in prompt order. Bad input (no checkpoint, an empty prompt file, a token id out of range, a bad
 flag) ends with one line on stderr and exit status 2.
 """
 from __future__ import annotations
@@ -20,6 +25,7 @@ import sys
 import numpy as np
 
 from k3jax.data import DataError, load_tokenizer
+from .chat_turns import chat_turns_for
 from .cli import OneLineParser, quiet_checkpoint_logging
 from .loading import EvalInputError, load_run
 
@@ -36,6 +42,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--raw", action="store_true",
+                        help="on a chat run: plain-text prompts and continuations, no chat format")
     return parser.parse_args(argv)
 
 
@@ -53,14 +61,18 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 class Codec:
-    """Prompts to token ids and back: the run's tokenizer for text runs, space-separated ids otherwise."""
+    """Prompts to token ids and back: K3's chat format for chat runs (unless ``raw``), the run's
+    tokenizer for text, token-shard and raw chat runs, space-separated ids for MQAR runs."""
 
-    def __init__(self, config):
-        self.text = config.data.kind == "text"
+    def __init__(self, config, raw: bool = False):
+        self.chat = None if raw else chat_turns_for(config)
+        self.text = self.chat is None and (config.data.kind != "mqar" or config.data.tokenizer is not None)
         self.tokenizer = load_tokenizer(config.data.tokenizer) if self.text else None
-        self.eos_id = self.tokenizer.eos_id if self.text else None
+        self.eos_id = self.chat.eos_id if self.chat is not None else self.tokenizer.eos_id if self.text else None
 
     def encode(self, prompt: str) -> list[int]:
+        if self.chat is not None:
+            return self.chat.user_turn(prompt).tolist()
         if self.text:
             return list(self.tokenizer.encode(prompt))
         try:
@@ -70,6 +82,8 @@ class Codec:
                                  f"got {prompt!r}") from None
 
     def decode(self, ids: list[int]) -> str:
+        if self.chat is not None:
+            return self.chat.reply_text(ids)
         if self.text:
             return self.tokenizer.decode([i for i in ids if i != self.eos_id])
         return " ".join(map(str, ids))
@@ -83,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         prompts = read_prompts(args)
         run = load_run(args.run, args.step)
-        codec = Codec(run.config)
+        codec = Codec(run.config, raw=args.raw)
         ids = [codec.encode(prompt) for prompt in prompts]
         out = generate(run.model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=codec.eos_id)

@@ -277,7 +277,7 @@ class DataConfig:
     """Training data: the embedded MQAR task (`k3jax.data.MQARDataset`), local text
     (`k3jax.data.TextDataset`: text, JSONL or Parquet files, a directory or a glob), token shards
     written by ``python -m k3jax.data.prepare`` (`k3jax.data.TokensDataset`), or conversations in
-    K3's chat format (`k3jax.data.ChatDataset`: JSONL ``messages`` records)."""
+    K3's chat format (`k3jax.data.ChatDataset`: JSONL or Parquet ``messages`` records)."""
 
     kind: Literal["mqar", "text", "tokens", "chat"] = "mqar"
     seq_len: int = 128

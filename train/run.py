@@ -37,7 +37,7 @@ import yaml
 
 from k3jax.checkpoint import CheckpointError, RunCheckpoints, latest_meta, restore_newest_good, restore_subtree
 from k3jax.config import Config, ConfigError, to_dict
-from k3jax.data import MQARDataset, PackedDataset, make_dataset, mqar_recall
+from k3jax.data import ChatDataset, MQARDataset, PackedDataset, make_dataset, mqar_recall
 from k3jax.data.byte_metrics import bits_per_byte, scored_bytes, token_byte_lengths
 from k3jax.data.prefetch import Prefetcher
 from k3jax.finetune import BASE_META, abstract_lora_model, base_fingerprint, initial_adapters, restore_base
@@ -48,6 +48,10 @@ from k3jax.training import (TrainState, abstract_model, abstract_train_state, ma
                             sharded_state_from_params, sharded_train_state, training_flops_per_token)
 from .metrics import MetricsLog, Progress, TensorBoard
 from .signals import StopSignals
+
+# Data with a tokenizer: their held-out evaluation also reports bits per byte of the scored targets
+# (for chat, the UTF-8 bytes of the tokens in the loss mask: the assistant's output by default).
+TOKENIZED_DATA = (PackedDataset, ChatDataset)
 
 
 class RunError(RuntimeError):
@@ -274,7 +278,7 @@ class Trainer:
         if self.data.vocab_size > config.model.vocab_size:
             raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the data's "
                                                   f"vocabulary ({self.data.vocab_size} tokens)")
-        if config.train.eval_batches and isinstance(self.data, PackedDataset) and not self.data.num_rows("heldout"):
+        if config.train.eval_batches and isinstance(self.data, TOKENIZED_DATA) and not self.data.num_rows("heldout"):
             raise ConfigError("train.eval_batches", f"{config.train.eval_batches}, but the data's held-out split "
                                                     f"is empty; set train.eval_batches=0 or raise data.heldout_fraction")
         # Shapes and their layout on the device mesh first; the state itself is then created or
@@ -290,7 +294,7 @@ class Trainer:
                                           every=config.checkpoint.every, async_save=config.checkpoint.async_save)
         self.position = 0  # batches consumed
         self._last_evaluation = (None, {})   # (step, result) of the latest periodic evaluation
-        self.byte_lengths = token_byte_lengths(self.data.tokenizer) if isinstance(self.data, PackedDataset) else None
+        self.byte_lengths = token_byte_lengths(self.data.tokenizer) if isinstance(self.data, TOKENIZED_DATA) else None
         self._stop_point()
         self._resume_or_initialise()
         self._stop_point()
@@ -488,9 +492,10 @@ class Trainer:
     # -- evaluation ----------------------------------------------------------------------------
 
     def evaluate(self, signals: StopSignals | None = None) -> dict:
-        """Held-out loss over ``train.eval_batches`` batches (cut short by a signal), and on text its
-        bits per byte, on MQAR the recall. Batch ``i`` of every evaluation is held-out batch ``i``
-        (rows the training batches never see), so evaluations of the same state are equal.
+        """Held-out loss over ``train.eval_batches`` batches (cut short by a signal), and on text, token
+        shards and chat its bits per byte (over the loss mask's targets), on MQAR the recall. Batch ``i``
+        of every evaluation is held-out batch ``i`` (rows the training batches never see), so
+        evaluations of the same state are equal.
 
             heldout_loss = Σ NLL / scored tokens;   heldout_bits_per_byte = Σ NLL / ln 2 / scored bytes
         """

@@ -16,8 +16,8 @@ from typing import Callable, ClassVar, NamedTuple
 import numpy as np
 
 from k3jax.data import DataError, MQARDataset, load_tokenizer
-from k3jax.data.chat_format import ChatEncoder, generation_prompt, render_conversation
 from k3jax.generate import generate
+from ..chat_turns import ChatTurns
 from ..cost import decode_flops_per_token, forward_flops_per_token
 from ..stats import t_interval
 from .common import TaskOutput, TaskSkipped, canonical_json, require_vocabulary, sha256_text
@@ -56,21 +56,12 @@ def text_prompts(tokenizer, texts: tuple[str, ...]) -> PromptSet:
 
 
 def chat_prompts(data_config, texts: tuple[str, ...]) -> PromptSet:
-    """Each text as a user turn, rendered with the run's chat settings and ending in the generation prompt;
-    a sample is shown decoded, without the ids beyond the tokenizer's vocabulary that a model with a
-    larger embedding can sample."""
-    tokenizer = load_tokenizer(data_config.tokenizer)
-    encoder = ChatEncoder(tokenizer)
-    prompts = []
-    for text in texts:
-        segments = render_conversation([{"role": "user", "content": text}], thinking=data_config.chat_thinking,
-                                       thinking_effort=data_config.chat_thinking_effort)
-        ids, _ = encoder.encode(segments + generation_prompt(data_config.chat_thinking))
-        prompts.append(Prompt(ids, text, None))
-    def render(ids: list[int]) -> str:
-        return tokenizer.decode([i for i in ids if i < tokenizer.vocab_size])
-
-    return PromptSet(prompts, render, encoder.end_of_message_id, tokenizer.vocab_size)
+    """Each text as a user turn, rendered with the run's chat settings and ending in the generation prompt
+    (`eval.chat_turns`); a sample is shown decoded, without the ids beyond the tokenizer's vocabulary
+    that a model with a larger embedding can sample."""
+    turns = ChatTurns(load_tokenizer(data_config.tokenizer), data_config.chat_thinking, data_config.chat_thinking_effort)
+    prompts = [Prompt(turns.user_turn(text), text, None) for text in texts]
+    return PromptSet(prompts, turns.decode, turns.eos_id, turns.tokenizer.vocab_size)
 
 
 @dataclasses.dataclass(frozen=True)

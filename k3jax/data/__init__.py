@@ -3,7 +3,7 @@
     MQARDataset(seq_len, num_pairs=16, num_keys=256, num_values=256, ...)   generated recall task
     TextDataset(path, seq_len, seed=0, heldout_fraction=0.05, ...)         local text / JSON(L) / Parquet
     TokensDataset(path, seq_len, seed=0, heldout_fraction=0.05, ...)       shards of `python -m k3jax.data.prepare`
-    ChatDataset(path, seq_len, tokenizer_path=..., loss="assistant", ...)  JSONL conversations, K3's chat format
+    ChatDataset(path, seq_len, tokenizer_path=..., loss="assistant", ...)  JSONL / Parquet conversations, K3's chat format
 
     ds.batch(step, batch_size, split="train", process_index=0, process_count=1) -> dict of [B/P, T]
         tokens, targets (int32), loss_mask (float32), segment_ids (int32; 0 = padding)

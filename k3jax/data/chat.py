@@ -1,7 +1,12 @@
-"""Conversations as a dataset: JSONL ``messages`` records → K3's chat format → whole conversations packed into rows.
+"""Conversations as a dataset: ``messages`` records → K3's chat format → whole conversations packed into rows.
 
-Each line of a ``.jsonl`` / ``.json`` file (a directory is searched for them) is a record
-``{"messages": [{"role": ..., "content": ...}, ...], "tools": [...]?}`` rendered by
+Each line of a ``.jsonl`` / ``.json`` file (or each element of a JSON array) is a record
+``{"messages": [{"role": ..., "content": ...}, ...], "tools": [...]?}``; each row of a ``.parquet``
+file is one too: its ``messages`` column (and optional ``tools`` column) holds either a list of
+structs (pyarrow's type for a list of JSON objects; a null struct field counts as absent, since a
+struct column gives every row every field) or a JSON string of the list (which keeps explicit nulls
+and key order as written). Paths are files, directories or globs as for text
+(`k3jax.data.sources.find_data_files`), keeping those files. Records are rendered by
 `k3jax.data.chat_format` with the tokenizer's special tokens. The last
 ``floor(heldout_fraction * conversations)`` conversations (at least one when there are two or more)
 form the "heldout" split, the rest "train". A conversation longer than a row (``seq_len + 1`` tokens)
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -27,7 +33,8 @@ from k3jax.data.batching import SPLITS, Batch, definition_hash, shard_row_indice
 from k3jax.data.chat_format import LOSS_MODES, ChatEncoder, render_conversation
 from k3jax.data.errors import DataError, require_int
 from k3jax.data.pipeline import rows_at, shuffled_row_order
-from k3jax.data.sources import JSON_SUFFIXES, decode_utf8, find_data_files, read_file_bytes
+from k3jax.data.sources import (JSON_SUFFIXES, PARQUET_SUFFIXES, decode_utf8, find_data_files, is_arrow_string,
+                                json_records, parquet_column, read_file_bytes)
 from k3jax.data.tokenizers import load_tokenizer
 
 PathLike = str | os.PathLike
@@ -35,26 +42,65 @@ OVERFLOW_MODES = ("truncate", "drop")
 
 
 def read_conversations(path: PathLike) -> Iterator[tuple[str, dict]]:
-    """``(location, record)`` for each non-blank line of a JSON Lines file; each must be an object
-    with a ``messages`` field."""
-    text = decode_utf8(read_file_bytes(path), path)
-    for line_number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{line_number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DataError(f"{where}: malformed JSON ({error.msg} at column {error.colno})") from None
+    """``(location, record)`` for each conversation of a file: the records of a JSON Lines file (or
+    JSON array), each an object with a ``messages`` field, or the rows of a Parquet file."""
+    path = Path(path)
+    if path.suffix.lower() in PARQUET_SUFFIXES:
+        yield from parquet_conversations(path)
+        return
+    for where, record in json_records(decode_utf8(read_file_bytes(path), path), path):
         if not isinstance(record, dict) or "messages" not in record:
             raise DataError(f"{where}: expected a JSON object with a 'messages' field")
         yield where, record
 
 
+def _is_records_type(kind) -> bool:
+    """A JSON string column, or a list of structs."""
+    import pyarrow
+    return is_arrow_string(kind) or ((pyarrow.types.is_list(kind) or pyarrow.types.is_large_list(kind))
+                                     and pyarrow.types.is_struct(kind.value_type))
+
+
+def _without_nulls(value):
+    """``value`` with the null fields of its objects left out (a struct column has every field in every row)."""
+    if isinstance(value, dict):
+        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_nulls(item) for item in value]
+    return value
+
+
+def _parquet_value(value, where: str, column: str):
+    """A Parquet cell of `_is_records_type`: a JSON string parsed, a list of structs without its nulls."""
+    if not isinstance(value, str):
+        return _without_nulls(value)
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as error:
+        raise DataError(f"{where}: column {column!r} is malformed JSON ({error.msg} at column {error.colno})") from None
+
+
+def parquet_conversations(path: Path) -> Iterator[tuple[str, dict]]:
+    """``(location, record)`` per row of a Parquet file whose ``messages`` column (and optional ``tools``
+    column) holds a list of structs or a JSON string per row."""
+    holds = "a list of structs or JSON strings"
+    messages = parquet_column(path, "messages", _is_records_type, holds)
+    tools = parquet_column(path, "tools", _is_records_type, holds, optional=True) or [None] * len(messages)
+    for row, (row_messages, row_tools) in enumerate(zip(messages, tools)):
+        where = f"{path}: row {row}"
+        if row_messages is None:
+            raise DataError(f"{where}: column 'messages' is null")
+        record = {"messages": _parquet_value(row_messages, where, "messages")}
+        if row_tools is not None:
+            record["tools"] = _parquet_value(row_tools, where, "tools")
+        yield where, record
+
+
 def _chat_files(path: PathLike) -> list:
-    files = [file for file in find_data_files(path) if file.suffix.lower() in JSON_SUFFIXES]
+    suffixes = JSON_SUFFIXES + PARQUET_SUFFIXES
+    files = [file for file in find_data_files(path) if file.suffix.lower() in suffixes]
     if not files:
-        raise DataError(f"{path}: no {', '.join(JSON_SUFFIXES)} files of conversations")
+        raise DataError(f"{path}: no {', '.join(suffixes)} files of conversations")
     return files
 
 
@@ -88,10 +134,11 @@ def rows_batch(packed: dict[str, np.ndarray], rows: np.ndarray) -> Batch:
 
 
 class ChatDataset:
-    """Packed rows of ``seq_len`` positions from JSONL conversations in K3's chat format.
+    """Packed rows of ``seq_len`` positions from JSONL or Parquet conversations in K3's chat format.
 
     Args:
-      path: a ``.jsonl`` file, a directory (searched recursively), or a list of them.
+      path: a ``.jsonl`` / ``.json`` / ``.parquet`` file, a directory (searched recursively), a glob,
+        or a list of them.
       seq_len: positions per row (a row holds ``seq_len + 1`` tokens).
       seed: seeds the row shuffle of each epoch.
       heldout_fraction: share of conversations at the end that form the "heldout" split; 0 for none.

@@ -274,6 +274,12 @@ def generation_prompt(thinking: bool = True) -> list[Segment]:
     return _open_tag("message", [("role", "assistant")]) + _open_tag("think" if thinking else "response")
 
 
+def reply_segments(message: dict, thinking: bool = True) -> list[Segment]:
+    """What the assistant writes after `generation_prompt` to produce ``message`` (its rendering by
+    `render_conversation` without the prompt), ending in ``<|end_of_msg|>``."""
+    return render_conversation([message], thinking=thinking, thinking_effort=None)[len(generation_prompt(thinking)):]
+
+
 def rendered_text(segments: Sequence[Segment]) -> str:
     """The rendering as one string (for reading and comparing; tokenize with `ChatEncoder`)."""
     return "".join(segment.text for segment in segments)
@@ -305,3 +311,39 @@ class ChatEncoder:
             ids += piece
             flags += [segment.assistant or loss == "all"] * len(piece)
         return np.asarray(ids, np.int32), np.asarray(flags, bool)
+
+    def pieces(self, ids: Sequence[int]) -> list[tuple[str | None, str]]:
+        """``ids`` as ``(marker name, "")`` for each marker and ``(None, text)`` for each run of other
+        tokens between them (decoded; ids beyond the tokenizer's vocabulary are left out)."""
+        names = {token: name for name, token in self.marker_ids.items()}
+        pieces, run = [], []
+        for token in map(int, ids):
+            if token in names:
+                pieces += [(None, self.tokenizer.decode(run))] if run else []
+                pieces.append((names[token], ""))
+                run = []
+            elif token < self.tokenizer.vocab_size:
+                run.append(token)
+        return pieces + ([(None, self.tokenizer.decode(run))] if run else [])
+
+    def reply_message(self, ids: Sequence[int], thinking: bool = True) -> dict:
+        """The assistant message that a reply (the ids sampled after `generation_prompt`) writes: the
+        text of its ``think`` channel as ``reasoning_content`` (with thinking) and of its ``response``
+        channel as ``content``. Tags, other channels (tool calls) and what follows ``<|end_of_msg|>``
+        are left out; a reply cut short keeps the text it has."""
+        bodies = {"think": "", "response": ""}
+        channel, header, opening = ("think" if thinking else "response"), None, False
+        for marker, text in self.pieces(ids):
+            if marker is None:
+                if header is not None:
+                    header += text
+                elif channel in bodies:
+                    bodies[channel] += text
+            elif marker == END_OF_MSG:
+                break
+            elif marker in (OPEN, CLOSE):
+                header, opening = "", marker == OPEN
+            elif header is not None:          # SEP ends a tag: <|open|>NAME attrs<|sep|> or <|close|>NAME<|sep|>
+                channel, header = (header.split(" ", 1)[0] if opening else None), None
+        message = {"role": "assistant", "content": bodies["response"]}
+        return {**message, "reasoning_content": bodies["think"]} if thinking else message

@@ -104,7 +104,7 @@ def _parse_json(text: str, path: Path, first_line: int = 1):
         raise DataError(f"{path}:{line}: malformed JSON ({error.msg} at column {error.colno})") from None
 
 
-def _json_records(text: str, path: Path) -> Iterator[tuple[str, object]]:
+def json_records(text: str, path: Path) -> Iterator[tuple[str, object]]:
     """``(location, record)`` for each record of a JSON array or JSON Lines file; blank lines skipped."""
     if text.lstrip().startswith("["):
         for index, record in enumerate(_parse_json(text, path)):
@@ -127,8 +127,10 @@ def _record_text(record, where: str, field: str) -> str:
     return value
 
 
-def _parquet_texts(path: Path, column: str) -> list[str]:
-    """The strings of one column of a Parquet file, row by row (a null is an error naming its row)."""
+def parquet_column(path: Path, column: str, accepts, holds: str, optional: bool = False) -> list | None:
+    """One column of a Parquet file as Python values, row by row; ``accepts(arrow type)`` says whether
+    the column's type is one the caller reads (``holds`` names those types for the error). A missing
+    column is an error, or None when ``optional``."""
     try:
         import pyarrow
         import pyarrow.parquet
@@ -138,13 +140,25 @@ def _parquet_texts(path: Path, column: str) -> list[str]:
         table = pyarrow.parquet.ParquetFile(path)
         schema = table.schema_arrow
         if column not in schema.names:
+            if optional:
+                return None
             raise DataError(f"{path}: no {column!r} column (its columns: {', '.join(map(repr, schema.names[:8])) or 'none'})")
         kind = schema.field(column).type
-        if not (pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind)):
-            raise DataError(f"{path}: column {column!r} holds {kind}, not strings")
-        texts = table.read(columns=[column]).column(column).to_pylist()
+        if not accepts(kind):
+            raise DataError(f"{path}: column {column!r} holds {kind}, not {holds}")
+        return table.read(columns=[column]).column(column).to_pylist()
     except (OSError, pyarrow.ArrowException) as error:
         raise DataError(f"{path}: not a readable Parquet file ({str(error).splitlines()[0]})") from None
+
+
+def is_arrow_string(kind) -> bool:
+    import pyarrow
+    return pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind)
+
+
+def _parquet_texts(path: Path, column: str) -> list[str]:
+    """The strings of one column of a Parquet file, row by row (a null is an error naming its row)."""
+    texts = parquet_column(path, column, is_arrow_string, "strings")
     if None in texts:
         raise DataError(f"{path}: row {texts.index(None)}: column {column!r} is null")
     return texts
@@ -157,5 +171,5 @@ def read_documents(path: Path, field: str = "text") -> list[str]:
         return _parquet_texts(path, field)
     text = decode_utf8(read_file_bytes(path), path)
     if path.suffix.lower() in JSON_SUFFIXES:
-        return [_record_text(record, where, field) for where, record in _json_records(text, path)]
+        return [_record_text(record, where, field) for where, record in json_records(text, path)]
     return [text]

@@ -91,3 +91,58 @@ def test_config_builds_the_chat_dataset(tmp_path, chat_tokenizer):
     assert data.describe()["dropped_conversations"] == 0
     assert re.fullmatch(r"[0-9a-f]{64}", data.content_hash())
     assert data.content_hash() != make_dataset(config.data.__class__(**{**vars(config.data), "chat_loss": "all"})).content_hash()
+
+
+TOOL_CONVERSATIONS = [
+    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "weather?", "name": "ann"},
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+                  {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+                  {"role": "assistant", "content": "Rain in Oslo."}],
+     "tools": [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]},
+    *[conversation(i, 1 + i % 3) for i in range(7)],
+]
+
+
+def write_parquet(path, columns: dict) -> str:
+    import pyarrow
+    import pyarrow.parquet
+    pyarrow.parquet.write_table(pyarrow.table(columns), path)
+    return str(path)
+
+
+def test_parquet_rows_equal_the_same_conversations_from_jsonl(tmp_path, chat_tokenizer):
+    """A list-of-structs column (nulls where a message lacks a field) and a JSON-string column, read from a
+    directory and from a glob, give the rows and hash the JSONL file gives."""
+    options = {"thinking": False, "thinking_effort": None, "heldout_fraction": 0.25, "tokenizer_path": chat_tokenizer}
+    jsonl = ChatDataset(write_jsonl(tmp_path / "chat.jsonl", TOOL_CONVERSATIONS), 300, **options)
+    (tmp_path / "structs").mkdir()
+    (tmp_path / "strings").mkdir()
+    tools = [record.get("tools") for record in TOOL_CONVERSATIONS]
+    write_parquet(tmp_path / "structs" / "chat.parquet",
+                  {"messages": [record["messages"] for record in TOOL_CONVERSATIONS], "tools": tools})
+    write_parquet(tmp_path / "strings" / "chat.parquet",
+                  {"messages": [json.dumps(record["messages"]) for record in TOOL_CONVERSATIONS],
+                   "tools": [json.dumps(spec) if spec else None for spec in tools]})
+    for path in (tmp_path / "structs", str(tmp_path / "strings" / "*.parquet")):
+        parquet = ChatDataset(path, 300, **options)
+        assert parquet.content_hash() == jsonl.content_hash()
+        for split in ("train", "heldout"):
+            for key, value in jsonl.batch(0, 2, split).items():
+                np.testing.assert_array_equal(parquet.batch(0, 2, split)[key], value, err_msg=f"{path} {split} {key}")
+
+
+@pytest.mark.parametrize("columns, message", [
+    ({"text": ["x"]}, r"chat.parquet: no 'messages' column \(its columns: 'text'\)"),
+    ({"messages": [1]}, r"chat.parquet: column 'messages' holds int64, not a list of structs or JSON strings"),
+    ({"messages": ['[{"role": "user", "content": "x"}]', '[{"role": "user"']},
+     r"chat.parquet: row 1: column 'messages' is malformed JSON"),
+    ({"messages": ['[{"role": "user", "content": "x"}]', None]}, r"chat.parquet: row 1: column 'messages' is null"),
+    ({"messages": [[{"role": "user", "content": "x"}], [{"role": "robot", "content": "x"}]]},
+     r"chat.parquet: row 1: message 0 has unknown role 'robot'"),
+])
+def test_bad_parquet_conversations_are_one_line_errors(tmp_path, chat_tokenizer, columns, message):
+    path = write_parquet(tmp_path / "chat.parquet", columns)
+    with pytest.raises(DataError, match=message) as error:
+        ChatDataset(path, 64, tokenizer_path=chat_tokenizer)
+    assert "\n" not in str(error.value)

@@ -2,7 +2,8 @@
 
 The user turns are a key digit and random capital letters (noise no model can predict); the
 assistant answers the key's fixed word. Training the micro model lowers the held-out loss, and the
-loss the trainer reports equals a float64 NumPy cross-entropy over the assistant's tokens alone.
+loss and bits per byte the trainer reports equal a float64 NumPy cross-entropy over the assistant's
+tokens alone (and the UTF-8 bytes of those tokens: 1 per byte token, 0 for the chat markers).
 """
 import json
 import pathlib
@@ -13,6 +14,7 @@ import pytest
 
 from k3jax.config import load_config
 from tests.data.chat_tokenizer import write_chat_tokenizer
+from tests.train.test_heldout_eval import numpy_bits_per_byte
 from train.run import Trainer
 
 MICRO = str(pathlib.Path(__file__).with_name("micro.yaml"))
@@ -49,7 +51,8 @@ def test_assistant_loss_falls_and_user_noise_is_not_counted(tmp_path):
                                  "train.eval_batches=1", "checkpoint.every=1000", "train.compilation_cache=null"])
     trainer = Trainer(config)
     before = trainer.evaluate()["heldout_loss"]
-    after = trainer.run()["heldout_loss"]
+    summary = trainer.run()
+    after = summary["heldout_loss"]
     assert after < 0.4 * before, (before, after)
 
     batch = trainer.data.batch(0, config.train.batch_size, "heldout")
@@ -59,9 +62,11 @@ def test_assistant_loss_falls_and_user_noise_is_not_counted(tmp_path):
     assert (targets[mask > 0] == trainer.data.encoder.end_of_message_id).any()   # the turn's end is scored
     forward = jax.jit(lambda params, buffers, tokens, segment_ids:
                       trainer.parts.merge(params, buffers)(tokens, segment_ids=segment_ids).logits)
-    losses = nll(np.asarray(forward(trainer.state.params, trainer.state.buffers, batch["tokens"],
-                                    batch["segment_ids"])), targets)
+    logits = np.asarray(forward(trainer.state.params, trainer.state.buffers, batch["tokens"], batch["segment_ids"]))
+    losses = nll(logits, targets)
     assistant_only = float(np.sum(losses * mask) / np.sum(mask))
     np.testing.assert_allclose(after, assistant_only, rtol=1e-5)
+    np.testing.assert_allclose(summary["heldout_bits_per_byte"], numpy_bits_per_byte(logits, targets, mask)[1], rtol=1e-5)
+    assert summary["heldout_bytes"] == int(np.sum((targets < 256) * mask)) < summary["heldout_tokens"]   # markers: 0 bytes
     every_token = float(np.mean(losses[batch["segment_ids"] > 0]))
     assert every_token > 2 * assistant_only          # counting the noise would report a much larger loss
