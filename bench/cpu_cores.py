@@ -9,7 +9,7 @@ fall on all of them alike. A trial's figure is the median of its per-step tokens
 ``--warmup`` steps (the first step compiles); the table gives each mode's median over its trials
 and the ratio to the first mode, with the load average seen during the measurement. The modes:
 
-    one device    mesh.cpu_devices=1: one XLA:CPU device (the trainer before issue 18)
+    one device    mesh.cpu_devices=1: one XLA:CPU device (the default)
     all cores     mesh.cpu_devices=auto: one device per core, each batch split over them
 """
 from __future__ import annotations

@@ -487,11 +487,13 @@ class MeshConfig:
     # How MLA layers see the keys of other context shards (`k3jax.sharding.context`): "all_gather"
     # the compact latent once per layer, or pass it around a "ring" (same bytes, O(T / context) keys held).
     context_attention: Literal["all_gather", "ring"] = "all_gather"
-    # XLA:CPU devices of a one-process run whose mesh is the default (every axis 1, data -1):
-    # "auto" one per core the process may run on (the largest count that divides the micro-batch),
-    # N that many (`k3jax.host.use_cpu_cores`). Ignored on other platforms and where XLA_FLAGS sets
-    # --xla_force_host_platform_device_count.
-    cpu_devices: Literal["auto"] | int = "auto"
+    # XLA:CPU devices of a one-process run whose mesh is the default (every axis 1, data -1), the
+    # batch split over them: "auto" one per core the process may run on (the largest count that
+    # divides the micro-batch), N that many (`k3jax.host.use_cpu_cores`). Ignored on other
+    # platforms and where XLA_FLAGS sets --xla_force_host_platform_device_count. Default 1: on the
+    # shared 2-core machine "auto" (2 devices) trained configs/tiny.yaml at 0.44x the tokens/s of
+    # one device (bench.cpu_cores, load average 15-19).
+    cpu_devices: Literal["auto"] | int = 1
 
     def __post_init__(self):
         _require(self.cpu_devices == "auto" or self.cpu_devices > 0, "cpu_devices",

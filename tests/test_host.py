@@ -52,7 +52,8 @@ def test_mesh_cpu_devices_accepts_auto_or_a_positive_count():
     from k3jax.config import ConfigError, MeshConfig, load_config
 
     assert load_config("configs/tiny.yaml", ["mesh.cpu_devices=3"]).mesh.cpu_devices == 3
-    assert MeshConfig().cpu_devices == "auto"
+    assert MeshConfig().cpu_devices == 1     # measured best on the shared 2-core machine (bench.cpu_cores)
+    assert load_config("configs/tiny.yaml", ["mesh.cpu_devices=auto"]).mesh.cpu_devices == "auto"
     for bad in ("0", "many"):
         with pytest.raises(ConfigError, match="cpu_devices"):
             load_config("configs/tiny.yaml", [f"mesh.cpu_devices={bad}"])
