@@ -64,16 +64,16 @@ def cpu_device_count(requested: str | int, micro_batch: int, cores: int) -> int:
 def use_cpu_cores(config) -> int | None:
     """Give XLA:CPU ``cpu_device_count(config.mesh.cpu_devices, ...)`` devices for a one-process run
     of ``config`` (a `k3jax.config.Config`) whose mesh is the default one; returns the count, or
-    None when it changed nothing: a mesh the user sized, a device count in XLA_FLAGS, a JAX backend
-    already started. Call it before anything touches a device. It sets ``jax_num_cpu_devices``,
+    None when it changed nothing: a mesh the user sized, a device count already chosen (XLA_FLAGS,
+    JAX_NUM_CPU_DEVICES or ``jax_num_cpu_devices``), a JAX backend already started. Call it before anything touches a device. It sets ``jax_num_cpu_devices``,
     which only the CPU backend reads, so a GPU or TPU run is unaffected.
     """
     import jax
     from jax._src import xla_bridge
     from k3jax.config import MeshConfig
 
-    if (config.mesh.sizes != MeshConfig().sizes or HOST_DEVICE_COUNT_FLAG in os.environ.get("XLA_FLAGS", "")
-            or xla_bridge.backends_are_initialized()):
+    chosen = HOST_DEVICE_COUNT_FLAG in os.environ.get("XLA_FLAGS", "") or jax.config.jax_num_cpu_devices != -1
+    if config.mesh.sizes != MeshConfig().sizes or chosen or xla_bridge.backends_are_initialized():
         return None
     count = cpu_device_count(config.mesh.cpu_devices, config.train.batch_size // config.train.grad_accum,
                              usable_cores())

@@ -68,16 +68,20 @@ DEVICES_PROGRAM = textwrap.dedent("""
 """)
 
 
+NO_FLAGS = {"XLA_FLAGS": ""}
+
+
 @pytest.mark.slow   # subprocesses: the device count is fixed when the backend starts
-@pytest.mark.parametrize("overrides, flags, expected", [
-    (["mesh.cpu_devices=3"], "", "3 3"),                        # a count: that many devices
-    (["mesh.cpu_devices=3", "mesh.data=1"], "", "None 1"),      # a mesh the user sized: left alone
-    (["mesh.cpu_devices=3"], "--xla_force_host_platform_device_count=2", "None 2"),   # XLA_FLAGS wins
-    (["mesh.cpu_devices=auto", "train.batch_size=15"], "", "1 1")])   # nothing divides 15 but 1 (<= cores)
-def test_use_cpu_cores_sets_the_device_count_before_the_backend_starts(overrides, flags, expected):
+@pytest.mark.parametrize("overrides, environment, expected", [
+    (["mesh.cpu_devices=3"], NO_FLAGS, "3 3"),                       # a count: that many devices
+    (["mesh.cpu_devices=3", "mesh.data=1"], NO_FLAGS, "None 1"),     # a mesh the user sized: left alone
+    (["mesh.cpu_devices=3"], {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, "None 2"),  # XLA_FLAGS wins
+    (["mesh.cpu_devices=3"], {**NO_FLAGS, "JAX_NUM_CPU_DEVICES": "2"}, "None 2"),   # so does JAX's own setting
+    (["mesh.cpu_devices=auto", "train.batch_size=15"], NO_FLAGS, "1 1")])   # nothing divides 15 but 1 (<= cores)
+def test_use_cpu_cores_sets_the_device_count_before_the_backend_starts(overrides, environment, expected):
     import os
 
-    env = {**os.environ, "XLA_FLAGS": flags}
+    env = {key: value for key, value in os.environ.items() if key != "JAX_NUM_CPU_DEVICES"}
     out = subprocess.run([sys.executable, "-c", DEVICES_PROGRAM, *overrides], capture_output=True, text=True,
-                         env=env, check=True).stdout.split("\n")[-2]
+                         env={**env, **environment}, check=True).stdout.split("\n")[-2]
     assert out == expected
