@@ -490,9 +490,9 @@ class MeshConfig:
     # XLA:CPU devices of a one-process run whose mesh is the default (every axis 1, data -1), the
     # batch split over them: "auto" one per core the process may run on (the largest count that
     # divides the micro-batch), N that many (`k3jax.host.use_cpu_cores`). Ignored on other
-    # platforms and where XLA_FLAGS sets --xla_force_host_platform_device_count. Default 1: on the
-    # shared 2-core machine "auto" (2 devices) trained configs/tiny.yaml at 0.44x the tokens/s of
-    # one device (bench.cpu_cores, load average 15-19).
+    # platforms and where the device count is already chosen. Default 1: on the shared 2-core
+    # machine "auto" (2 devices) trained configs/tiny.yaml at 0.29x the tokens/s of one device
+    # (bench/cpu_cores.json: medians of 3 alternating trials, load average 13-23).
     cpu_devices: Literal["auto"] | int = 1
 
     def __post_init__(self):
