@@ -491,8 +491,8 @@ class MeshConfig:
     # batch split over them: "auto" one per core the process may run on (the largest count that
     # divides the micro-batch), N that many (`k3jax.host.use_cpu_cores`). Ignored on other
     # platforms and where the device count is already chosen. Default 1: on the shared 2-core
-    # machine "auto" (2 devices) trained configs/tiny.yaml at 0.29x the tokens/s of one device
-    # (bench/cpu_cores.json: medians of 3 alternating trials, load average 13-23).
+    # machine "auto" (2 devices) trained configs/tiny.yaml at 0.73x the tokens/s of one device at
+    # load average 4-6 and 0.29x at 13-23 (bench.cpu_cores, README "Performance").
     cpu_devices: Literal["auto"] | int = 1
 
     def __post_init__(self):
