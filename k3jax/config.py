@@ -487,8 +487,17 @@ class MeshConfig:
     # How MLA layers see the keys of other context shards (`k3jax.sharding.context`): "all_gather"
     # the compact latent once per layer, or pass it around a "ring" (same bytes, O(T / context) keys held).
     context_attention: Literal["all_gather", "ring"] = "all_gather"
+    # XLA:CPU devices of a one-process run whose mesh is the default (every axis 1, data -1), the
+    # batch split over them: "auto" one per core the process may run on (the largest count that
+    # divides the micro-batch), N that many (`k3jax.host.use_cpu_cores`). Ignored on other
+    # platforms and where the device count is already chosen. Default 1: on the shared 2-core
+    # machine "auto" (2 devices) trained configs/tiny.yaml at 0.73x the tokens/s of one device at
+    # load average 4-6 and 0.29x at 13-23 (bench.cpu_cores, README "Performance").
+    cpu_devices: Literal["auto"] | int = 1
 
     def __post_init__(self):
+        _require(self.cpu_devices == "auto" or self.cpu_devices > 0, "cpu_devices",
+                 f"must be 'auto' or a positive device count, got {self.cpu_devices!r}")
         for name in MESH_AXIS_NAMES:
             size = getattr(self, name)
             _require(size == -1 or size > 0, name, f"must be positive or -1 (the rest of the devices), got {size}")

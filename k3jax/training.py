@@ -28,7 +28,7 @@ from k3jax.layers.lora import LoRA, LoRADropoutSeed, dropout_keys, set_adapter_d
 from k3jax.layers.moe import ExpertCodes, RouterBias
 from k3jax.layers.params import logical_axes
 from k3jax.model import K3Model, param_counts
-from k3jax.ops.kda.chunk import chunk_algorithm_flops
+from k3jax.ops.kda.chunk import block_width, chunk_algorithm_flops, effective_chunk_size
 from k3jax.ops.moe import MoEStats, load_metrics
 from k3jax.sharding import StepShardings, parallelize
 
@@ -256,21 +256,61 @@ def make_eval_step(parts: ModelParts, shardings: StepShardings | None = None):
                    out_shardings=(shardings.replicated, shardings.replicated, shardings.batch))
 
 
-def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward), for throughput and utilisation:
+@functools.lru_cache(maxsize=16)
+def active_parameters(config: ModelConfig) -> int:
+    """`k3jax.model.param_counts`' active count, cached per (frozen, hashable) config."""
+    return param_counts(config)[1]
 
-        6 * active parameters (input embedding excluded, routed experts at top-k)
-        + MLA attention: 3 * 2 * heads * (qk dim + value dim) * seq_len / 2 per MLA layer (causal)
-        + KDA: 3 * the chunk algorithm's forward FLOPs per token per KDA layer
+
+def attn_res_mix_sources(config: ModelConfig) -> list[int]:
+    """The number of sources of every AttnRes Mix one forward computes (SPEC §3): the attention
+    Mix of each layer after the first, the FFN Mix of each layer and the output Mix; each reads
+    the closed blocks so far plus the partial sum. Empty for ``attn_res: none``."""
+    if config.attn_res.kind != "block":
+        return []
+    size, mixes, blocks = config.attn_res.block_size, [], 0
+    for layer in range(config.num_layers):
+        if blocks:
+            mixes.append(blocks + 1)        # the mixer's input (layer 0 has no closed block yet)
+        blocks += layer % size == 0         # p is appended as a source when a block starts
+        mixes.append(blocks + 1)            # the FFN's input
+    return mixes + [blocks + 1]             # the head's input
+
+
+def forward_flops_per_token(config: ModelConfig, seq_len: int) -> dict[str, float]:
+    """The model's forward FLOPs per token (2 per multiply-add) over sequences of ``seq_len``, by part:
+
+        weights      2 * active parameters: every projection (KDA, MLA with its LoRA factors,
+                     the dense FFN, the shared experts, the router, the latent down / up
+                     projections of LatentMoE and the routed experts at top_k / num_experts of
+                     their size), the conv taps, the norm gains and the LM head; the input
+                     embedding is a lookup (excluded unless tied to the head)
+        mla          2 * heads * (qk_head_dim + value_head_dim) * (T + 1) / 2 per MLA layer:
+                     scores and the weighted values over the causal context (T + 1) / 2 keys on average
+        kda          the chunk algorithm (`chunk_algorithm_flops`) per KDA layer, with the state
+                     passed every `block_width` tokens as this implementation does, / T
+        attn_res     6 * d * sources per Mix: each source's RMS and score (4 d) and the weighted sum (2 d)
+
+    Not counted: softmax, activations, gates and other elementwise work (a few FLOPs per element),
+    the loss. An implementation that computes more (every expert on every token with
+    ``expert_matmul: dense``, the full T x T square of dense attention, the masked halves of the
+    chunk form's C x C products) executes more than this model count.
     """
-    _, active = param_counts(config)
+    active = active_parameters(config)
     n_mla = len(config.mla_layer_indices)
-    mla = config.mla
-    attention = 3 * 2 * mla.num_heads * (mla.qk_head_dim + mla.value_head_dim) * seq_len / 2
-    kda = config.kda
-    delta_rule = 3 * chunk_algorithm_flops(1, seq_len, kda.num_value_heads, kda.head_dim, kda.head_dim,
-                                           min(kda.chunk_size, seq_len)) / seq_len
-    return 6 * active + n_mla * attention + (config.num_layers - n_mla) * delta_rule
+    mla, kda = config.mla, config.kda
+    chunk = block_width(effective_chunk_size(seq_len, kda.chunk_size))
+    delta_rule = chunk_algorithm_flops(1, seq_len, kda.num_value_heads, kda.head_dim, kda.head_dim, chunk) / seq_len
+    return {"weights": 2.0 * active,
+            "mla": n_mla * 2.0 * mla.num_heads * (mla.qk_head_dim + mla.value_head_dim) * (seq_len + 1) / 2,
+            "kda": (config.num_layers - n_mla) * delta_rule,
+            "attn_res": 6.0 * config.d_model * sum(attn_res_mix_sources(config))}
+
+
+def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 3 x the forward (`forward_flops_per_token`; the backward takes
+    two products per forward product, one for the inputs' gradient and one for the weights')."""
+    return 3.0 * sum(forward_flops_per_token(config, seq_len).values())
 
 
 class RestoredModel(NamedTuple):

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     with StopSignals() as signals:
         try:
-            from k3jax.host import keep_freed_memory
+            from k3jax.host import keep_freed_memory, use_cpu_cores
             keep_freed_memory()  # before JAX starts its threads
             from k3jax.checkpoint import quiet_checkpoint_io
             quiet_checkpoint_io(logging.CRITICAL)   # failures come as our one line
@@ -70,7 +70,8 @@ def main(argv=None) -> int:
 
             signals.check()
             config = load_config(resolve_config(args.config), args.overrides)
-            initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
+            if not initialize_distributed(args.coordinator_address, args.num_processes, args.process_id):
+                use_cpu_cores(config)   # one process on CPU: a device per core, unless the mesh is set
             summary = Trainer(config, signals).run()
         except StopRequested as stop:
             print(f"{stop} received while starting: stopped before training, nothing written; run again to start",

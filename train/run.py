@@ -434,7 +434,7 @@ class Trainer:
         if board:
             board.close()
         elapsed = time.perf_counter() - started
-        summary = {"step": self.position, "train_seconds": elapsed}
+        summary = {"step": self.position, "train_seconds": elapsed, "devices": jax.device_count()}
         if signals.received is None:
             evaluated_step, result = self._last_evaluation
             summary.update(result if evaluated_step == self.position else self.evaluate(signals))

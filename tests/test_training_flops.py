@@ -1,0 +1,53 @@
+"""The trainer's FLOP count (`k3jax.training.forward_flops_per_token`) against XLA's own count of
+the compiled forward (`compiled.cost_analysis()`), on a micro K3 whose forward has no loop (one
+period of layers, one KDA chunk: XLA counts a loop's body once, whatever its trip count).
+
+XLA counts what the program executes, which is more than the model count: with
+``expert_matmul: dense`` every expert runs on every token (E / k = 2x the routed experts' products
+here), the chunk form computes full C x C squares where the algorithm needs causal halves (about
+2x the KDA count at one chunk, measured with bench.kda's inputs), dense attention the full T x T
+square, and every elementwise operation (norms, gates, activations, softmax) counts one FLOP per
+element. Hence the band: at least the model count, at most 1.6x it (1.38x measured on
+configs/tiny.yaml). A count that forgets a part (the head, the latent projections, the shared
+expert) or double-counts one falls outside it."""
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from k3jax.config import load_config
+from k3jax.model import K3Model
+from k3jax.training import attn_res_mix_sources, forward_flops_per_token, training_flops_per_token
+
+MICRO = "tests/train/micro.yaml"
+
+
+@pytest.fixture(scope="module")
+def micro_config():
+    return load_config(MICRO, ["model.kda.implementation=chunk"]).model
+
+
+@pytest.mark.slow   # one forward compile (~15 s on 2 idle cores)
+def test_forward_flops_bracket_xla_cost_analysis(micro_config):
+    length = 32
+    model = K3Model(micro_config, rngs=nnx.Rngs(0))
+    graph, state = nnx.split(model)
+    forward = jax.jit(lambda s, tokens: nnx.merge(graph, s)(tokens).logits)
+    compiled = forward.lower(state, jnp.zeros((1, length), jnp.int32)).compile()
+    executed = compiled.cost_analysis()["flops"] / length
+    counted = sum(forward_flops_per_token(micro_config, length).values())
+    assert 1.0 <= executed / counted <= 1.6, (executed, counted)
+
+
+def test_training_is_three_forwards_and_attention_grows_with_the_context(micro_config):
+    short, long = forward_flops_per_token(micro_config, 32), forward_flops_per_token(micro_config, 64)
+    assert training_flops_per_token(micro_config, 32) == pytest.approx(3 * sum(short.values()))
+    mla = micro_config.mla
+    per_key = 2 * mla.num_heads * (mla.qk_head_dim + mla.value_head_dim) * len(micro_config.mla_layer_indices)
+    assert long["mla"] - short["mla"] == pytest.approx(per_key * 32 / 2)   # (T + 1) / 2 keys on average
+    assert long["weights"] == short["weights"]
+
+
+def test_attn_res_sources_follow_the_block_procedure(micro_config):
+    # 4 layers, blocks of 2 (SPEC §3): layer 0 opens block 1 (no attention Mix), layer 2 block 2
+    assert attn_res_mix_sources(micro_config) == [2, 2, 2, 2, 3, 3, 3, 3]
