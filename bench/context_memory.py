@@ -12,7 +12,8 @@ For each length T (batch 1) it compiles (XLA:CPU, nothing run) one training step
                      batch split [rows, sequence over context]; also the bytes its collectives move
                      per device (`train.plan.collective_bytes`)
 
-Temporaries should grow linearly in T and fall about linearly in P. Writes JSON atomically.
+Temporaries should grow linearly in T and fall about linearly in P. Rewrites the JSON atomically
+after every compile (a stopped run keeps what it measured) and prints each figure as it comes.
 """
 from __future__ import annotations
 
@@ -97,15 +98,18 @@ def main() -> int:
     except (ConfigError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    rows = []
+    rows, fields = [], dict(config=args.config, block_size=args.block_size)
     for length in args.lengths:
-        row = {"length": length, "blockwise": measure(configs["xla"], length, None)}
-        if not args.no_dense:
-            row["dense"] = measure(configs["dense"], length, None)
-        row["context"] = {str(p): measure(configs["xla"], length, p) for p in args.contexts}
+        row = {"length": length, "context": {}}
         rows.append(row)
-        print(f"T={length}: " + ", ".join(f"{k} {mib(v['temp_bytes'])} MiB" for k, v in
-                                        [("blockwise", row["blockwise"]), *row["context"].items()]), flush=True)
+        cases = [("blockwise", configs["xla"], None), *([("dense", configs["dense"], None)] * (not args.no_dense)),
+                 *((p, configs["xla"], p) for p in args.contexts)]
+        for name, model_config, contexts in cases:
+            result = measure(model_config, length, contexts)
+            (row["context"] if contexts else row)[str(name)] = result
+            print(f"T={length} {'context=' if contexts else ''}{name}: {mib(result['temp_bytes'])} MiB temporaries, "
+                  f"compile {result['compile_s']:.0f} s", flush=True)
+            write_result(args.out, rows, **fields)     # after every compile: a stopped run keeps what it measured
     headers = ["T", *(["dense temp MiB"] if not args.no_dense else []), "blockwise temp MiB",
                *(f"context={p} temp MiB/device" for p in args.contexts),
                *(f"context={p} collectives MiB/device" for p in args.contexts)]
@@ -114,7 +118,6 @@ def main() -> int:
               *(mib(r["context"][str(p)]["temp_bytes"]) for p in args.contexts),
               *(mib(sum(r["context"][str(p)]["collective_bytes"].values())) for p in args.contexts)] for r in rows]
     print(table(headers, lines))
-    write_result(args.out, rows, config=args.config, block_size=args.block_size)
     return 0
 
 

@@ -84,3 +84,15 @@ def test_plan_counts_the_bytes_the_context_axis_moves(launched):
     collectives = plan["collectives"]
     assert 0 < collectives["context axis"] <= sum(collectives[name] for name in COLLECTIVES)
     assert collectives["collective-permute"] > 0                  # the ring and the conv halo
+
+
+def test_prefill_on_a_context_mesh_gives_the_one_device_memory_bank_and_decodes_the_same():
+    """mesh.context = 2 and 4: the bank a sequence-split prefill returns (KDA states, conv tails, MLA
+    latents, lengths, document starts) and every greedy decode step's logits equal one device's."""
+    results = program_result(program("context_decode"))
+    assert sorted(results) == ["context=2", "context=4"]
+    for mesh, result in results.items():
+        assert result["bookkeeping_equal"] and result["sequence_split"], (mesh, result)
+        errors = {k: v for k, v in result.items() if not isinstance(v, bool)}
+        assert set(errors) == {"kda_state", "kda_conv", "mla_latent", "prefill_logits", "decode_logits"}, errors
+        assert all(error <= TOLERANCE for error in errors.values()), (mesh, result)
