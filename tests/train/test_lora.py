@@ -88,7 +88,9 @@ def test_lora_lowers_the_loss_and_leaves_the_base_bit_identical(runs):
                                    for state, key in ((state, "params"), (saved_state(root / "base"), "params")))
     print(f"adapter checkpoint {adapter_bytes} bytes on disk ({adapter_arrays} bytes of adapters), "
           f"full checkpoint {base_bytes} bytes ({base_arrays} bytes of parameters)")
-    assert adapter_bytes < base_bytes and adapter_arrays < base_arrays
+    # At this micro scale a checkpoint's bytes on disk are mostly Orbax's fixed files (~1.2 MB either
+    # way, and the adapter run's can be the larger), so only the stored arrays are compared.
+    assert adapter_arrays * 4 < base_arrays
 
 
 def test_lora_resume_is_exact_and_a_different_base_is_refused(runs):
