@@ -165,7 +165,18 @@ def process_share(maps: list[TensorMap], process: int, num_processes: int) -> li
 def _write_tensors(writer: StreamedStateWriter, maps: list[TensorMap], checkpoint: SafetensorsCheckpoint,
                    packed: set[str], log: Callable[[str], None], check: Callable[[], None] = lambda: None) -> None:
     """Read each tensor of ``maps`` once and write it (MXFP4 experts decoded, their scales kept);
-    ``check`` runs before each (it raises to stop, e.g. when another import process failed)."""
+    ``check`` runs before each (it raises to stop, e.g. when another import process failed). On any
+    error the writes in flight are let land first (`StreamedStateWriter.settle`), so the caller can
+    remove the partial directory with nothing still writing into it."""
+    try:
+        _write_each_tensor(writer, maps, checkpoint, packed, log, check)
+    except BaseException:
+        writer.settle()
+        raise
+
+
+def _write_each_tensor(writer: StreamedStateWriter, maps: list[TensorMap], checkpoint: SafetensorsCheckpoint,
+                       packed: set[str], log: Callable[[str], None], check: Callable[[], None]) -> None:
     for count, spec in enumerate(maps, 1):
         check()
         if spec.hf_name in packed:

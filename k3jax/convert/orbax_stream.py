@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import contextlib
 import json
 import pathlib
 import time
@@ -123,6 +124,13 @@ class StreamedStateWriter:
         """Wait for every write started so far."""
         while self._pending:
             self._wait_oldest()
+
+    def settle(self) -> None:
+        """Wait for every write in flight to end, ignoring their errors: what a failed import calls
+        before its partial directory is removed (a write still landing would recreate files there)."""
+        while self._pending:
+            with contextlib.suppress(Exception):
+                self._wait_oldest()
 
     def finish(self, meta: dict, checksums: dict[str, int]) -> None:
         """Finish the writes, then write Orbax's metadata for the state item, the meta item (``meta``

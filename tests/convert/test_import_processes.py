@@ -93,9 +93,6 @@ def test_two_processes_import_what_one_does_and_the_run_restores_on_its_mesh(tmp
 
 @pytest.mark.slow
 @pytest.mark.serial
-@pytest.mark.skip(reason="known defect, open: in the CI check of 2026-12-01 the failed two-process import left its "
-                         ".run.partial-import directory behind (its lock was gone, so the next import removes it as "
-                         "stale); it passed when run alone")
 def test_a_failing_process_stops_both_at_once_and_leaves_nothing(tmp_path):
     """Process 1 reads a copy of the checkpoint that is not the same (one more tensor): it stops
     once process 0 has claimed the partial directory, and process 0 stops seconds later, both with
