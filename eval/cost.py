@@ -13,22 +13,14 @@ FLOPs count 2 per multiply-add, as `k3jax.training.training_flops_per_token` doe
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 from k3jax.config import ModelConfig
-from k3jax.model import param_counts
-from k3jax.training import training_flops_per_token
+from k3jax.training import active_parameters, training_flops_per_token
 
 
 def forward_flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Estimated forward FLOPs per token of a full-sequence pass over ``seq_len`` tokens."""
     return training_flops_per_token(config, seq_len) / 3
-
-
-@functools.lru_cache(maxsize=16)
-def active_parameters(config: ModelConfig) -> int:
-    """Parameters used per token (`k3jax.model.param_counts`), cached per config."""
-    return param_counts(config)[1]
 
 
 def decode_flops_per_token(config: ModelConfig, context: int) -> float:
