@@ -169,31 +169,26 @@ def _write_tensors(writer: StreamedStateWriter, maps: list[TensorMap], checkpoin
     error the writes in flight are let land first (`StreamedStateWriter.settle`), so the caller can
     remove the partial directory with nothing still writing into it."""
     try:
-        _write_each_tensor(writer, maps, checkpoint, packed, log, check)
+        for count, spec in enumerate(maps, 1):
+            check()
+            if spec.hf_name in packed:
+                packed_name, scale_name = mxfp4_names(spec.hf_name)
+                scale = checkpoint.read(scale_name)
+                value = decode_mxfp4(checkpoint.read(packed_name), scale)
+                writer.write(SCALES, spec.key, spec.index, scale)
+            else:
+                value = checkpoint.read(spec.hf_name)
+            if spec.layout == "narrow" and np.any(np.asarray(value, np.float32).reshape(-1)[spec.shape[0]:]):
+                log(f"warning: {spec.hf_name} has non-zero entries past its {spec.shape[0]} heads; they are "
+                    f"dropped (export writes zeros there)")
+            writer.write(spec.top, spec.key, spec.index, to_k3jax(value, spec))
+            del value
+            if count % 1000 == 0:
+                log(f"  {count}/{len(maps)} tensors")
+        writer.flush()
     except BaseException:
         writer.settle()
         raise
-
-
-def _write_each_tensor(writer: StreamedStateWriter, maps: list[TensorMap], checkpoint: SafetensorsCheckpoint,
-                       packed: set[str], log: Callable[[str], None], check: Callable[[], None]) -> None:
-    for count, spec in enumerate(maps, 1):
-        check()
-        if spec.hf_name in packed:
-            packed_name, scale_name = mxfp4_names(spec.hf_name)
-            scale = checkpoint.read(scale_name)
-            value = decode_mxfp4(checkpoint.read(packed_name), scale)
-            writer.write(SCALES, spec.key, spec.index, scale)
-        else:
-            value = checkpoint.read(spec.hf_name)
-        if spec.layout == "narrow" and np.any(np.asarray(value, np.float32).reshape(-1)[spec.shape[0]:]):
-            log(f"warning: {spec.hf_name} has non-zero entries past its {spec.shape[0]} heads; they are "
-                f"dropped (export writes zeros there)")
-        writer.write(spec.top, spec.key, spec.index, to_k3jax(value, spec))
-        del value
-        if count % 1000 == 0:
-            log(f"  {count}/{len(maps)} tensors")
-    writer.flush()
 
 
 def import_share_in_group(partial: PartialDirectory, leaves, share: list[TensorMap], checkpoint, packed: set[str],
