@@ -236,6 +236,10 @@ class RunCheckpoints:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def due(self, step: int) -> bool:
+        """Whether `save` at ``step`` would save without ``force`` (every ``every`` steps)."""
+        return self._manager.should_save(step)
+
     def save(self, step: int, state: Any, meta: dict, *, force: bool = False) -> bool:
         """Start saving ``state`` and ``meta`` at ``step`` (when due, or ``force``); True if started.
 

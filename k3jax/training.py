@@ -220,7 +220,8 @@ def make_train_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
             opt_state=keep(opt_state, state.opt_state),
             skipped=jnp.where(finite, 0, state.skipped + 1),
         )
-        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite, "tokens": count}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite, "tokens": count,
+                   "skipped": new_state.skipped}
         if schedule is not None:
             metrics["learning_rate"] = schedule(state.step)
         if stats is not None:

@@ -424,7 +424,9 @@ class Trainer:
             progress.write(f"resumed from checkpoint {self.resumed_from} in {self.run_dir}")
         started = time.perf_counter()
         first = self.position
-        with Prefetcher(self._host_batch, self.position, cfg.steps, self.config.data.prefetch) as batches:
+        # The prefetch thread also moves each batch onto the devices.
+        read_batch = lambda step: self._device_batch(self._host_batch(step))  # noqa: E731
+        with Prefetcher(read_batch, self.position, cfg.steps, self.config.data.prefetch) as batches:
             self._train_loop(batches, signals, log, board, progress, flops_per_token, peak)
         if self.position != first:
             self.save(force=True)
@@ -450,36 +452,61 @@ class Trainer:
 
     def _train_loop(self, batches: Prefetcher, signals: StopSignals, log: MetricsLog, board, progress: Progress,
                     flops_per_token: float, peak: float) -> None:
-        """Steps from ``self.position`` to ``train.steps`` (or a signal), each logged, evaluated and saved when due."""
+        """Steps from ``self.position`` to ``train.steps`` (or a signal), each logged, evaluated and saved when due.
+
+        The loop runs one step ahead of its metrics: step n + 1 is dispatched before step n's
+        metrics are read (JAX dispatches asynchronously), so the host's work between steps --
+        reading the metrics, logging, dispatching the next program -- overlaps the device's.
+        Where step n's state itself is needed (an evaluation or a checkpoint due at n, the last
+        step, a stop signal), step n is finished before anything else is dispatched."""
         cfg = self.config.train
         tokens_per_step = cfg.batch_size * self.config.data.seq_len
-        last = time.perf_counter()
+        self._last_finished = time.perf_counter()
+        pending = None   # (step, metrics) of the step dispatched last, not yet read
         while self.position < cfg.steps and signals.received is None:
-            self.state, metrics = self.train_step(self.state, self._device_batch(next(batches)), *self.frozen_args)
-            metrics = jax.device_get(metrics)
+            self.state, metrics = self.train_step(self.state, next(batches), *self.frozen_args)
             self.position += 1
-            now = time.perf_counter()
-            tokens_per_second = tokens_per_step / max(now - last, 1e-9)
-            last = now
-            record = self._record(metrics, tokens_per_second, flops_per_token, peak)
-            if not metrics["finite"]:
-                progress.write(f"step {self.position}: non-finite loss ({metrics['loss']}) or gradient norm "
-                               f"({metrics['grad_norm']}); update skipped")
-                if int(self.state.skipped) >= cfg.max_nonfinite_steps:
-                    log.write(record)
-                    raise RunError(f"{int(self.state.skipped)} non-finite steps in a row at step {self.position}; "
-                                   f"stopping (lower optimizer.learning_rate or check the data); "
-                                   f"last checkpoint: {self.checkpoints.latest_step()}")
-            if self.position % cfg.log_every == 0 or self.position == cfg.steps or not metrics["finite"]:
-                log.write(record)
-                if board:
-                    board.write(record)
-            progress.update(1, float(metrics["loss"]), tokens_per_second)
-            self._periodic_evaluation(log, board, progress)   # before the save: a checkpoint's evaluation is logged
-            self.save()
+            if pending is not None:
+                self._finish_step(*pending, log, board, progress, tokens_per_step, flops_per_token, peak)
+            pending = (self.position, metrics)
+            evaluation_due = bool(cfg.eval_every) and self.position % cfg.eval_every == 0
+            save_due = self.checkpoints.due(self.position)
+            if evaluation_due or save_due or self.position >= cfg.steps or signals.received is not None:
+                self._finish_step(*pending, log, board, progress, tokens_per_step, flops_per_token, peak)
+                pending = None
+                self._periodic_evaluation(log, board, progress)   # before the save: a checkpoint's evaluation is logged
+                if save_due:
+                    self.save(force=True)
+        if pending is not None:
+            self._finish_step(*pending, log, board, progress, tokens_per_step, flops_per_token, peak)
 
-    def _record(self, metrics: dict, tokens_per_second: float, flops_per_token: float, peak: float) -> dict:
-        record = {"step": self.position, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+    def _finish_step(self, step: int, metrics, log: MetricsLog, board, progress: Progress, tokens_per_step: int,
+                     flops_per_token: float, peak: float) -> None:
+        """Read step ``step``'s metrics (waiting for it), log them, and stop the run after
+        ``train.max_nonfinite_steps`` non-finite steps in a row."""
+        cfg = self.config.train
+        metrics = jax.device_get(metrics)
+        now = time.perf_counter()
+        tokens_per_second = tokens_per_step / max(now - self._last_finished, 1e-9)
+        self._last_finished = now
+        record = self._record(step, metrics, tokens_per_second, flops_per_token, peak)
+        if not metrics["finite"]:
+            progress.write(f"step {step}: non-finite loss ({metrics['loss']}) or gradient norm "
+                           f"({metrics['grad_norm']}); update skipped")
+            if int(metrics["skipped"]) >= cfg.max_nonfinite_steps:
+                log.write(record)
+                raise RunError(f"{int(metrics['skipped'])} non-finite steps in a row at step {step}; "
+                               f"stopping (lower optimizer.learning_rate or check the data); "
+                               f"last checkpoint: {self.checkpoints.latest_step()}")
+        if step % cfg.log_every == 0 or step == cfg.steps or not metrics["finite"]:
+            log.write(record)
+            if board:
+                board.write(record)
+        progress.update(1, float(metrics["loss"]), tokens_per_second)
+
+    def _record(self, step: int, metrics: dict, tokens_per_second: float, flops_per_token: float,
+                peak: float) -> dict:
+        record = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
                   "learning_rate": float(metrics["learning_rate"]), "tokens_per_second": tokens_per_second,
                   "model_tflops": tokens_per_second * flops_per_token / 1e12,
                   "utilization": tokens_per_second * flops_per_token / peak,
