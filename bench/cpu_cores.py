@@ -29,19 +29,23 @@ from bench.common import table, write_json
 MODES = {"one device": ["mesh.cpu_devices=1"], "all cores": ["mesh.cpu_devices=auto"]}
 
 
-def trial(overrides: list[str], steps: int, warmup: int, config: str) -> dict:
-    """One training run of ``steps`` steps in a subprocess: its median tokens/s after ``warmup``
-    steps, its training seconds and the device count it used."""
+def trial(overrides: list[str], steps: int | None, warmup: int, config: str, tree: pathlib.Path | None = None) -> dict:
+    """One training run in a subprocess (``steps`` steps, or the config's own with every other
+    setting as the config has it when None): its median tokens/s after ``warmup`` logged records,
+    its training seconds, its held-out MQAR recall and the device count it used. ``tree``: the
+    source tree to run (its directory first on the import path; default: this one)."""
     with tempfile.TemporaryDirectory(prefix="k3jax-cpu-cores-") as run_dir:
-        command = [sys.executable, "-m", "train", config, f"run_dir={run_dir}", f"train.steps={steps}",
-                   "train.log_every=1", "train.eval_batches=1", f"checkpoint.every={steps + 1}",
+        shortened = [] if steps is None else [f"train.steps={steps}", "train.log_every=1", "train.eval_batches=1",
+                                              f"checkpoint.every={steps + 1}"]
+        command = [sys.executable, "-m", "train", config, f"run_dir={run_dir}", *shortened,
                    "logging.progress=false", *overrides]
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tree, env=env)
         records = [json.loads(line) for line in (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
         steady = [r["tokens_per_second"] for r in records if "tokens_per_second" in r][warmup:]
         summary = json.loads((pathlib.Path(run_dir) / "summary.json").read_text())
     return {"tokens_per_second": statistics.median(steady), "train_seconds": summary["train_seconds"],
-            "devices": summary.get("devices")}
+            "devices": summary.get("devices"), "heldout_mqar_recall": summary.get("heldout_mqar_recall")}
 
 
 def main(argv=None) -> None:
