@@ -461,48 +461,51 @@ class Trainer:
         step, a stop signal), step n is finished before anything else is dispatched."""
         cfg = self.config.train
         tokens_per_step = cfg.batch_size * self.config.data.seq_len
-        self._last_finished = time.perf_counter()
+        last_finished = [time.perf_counter()]
+
+        def finish(step: int, metrics) -> None:
+            """Read step ``step``'s metrics (waiting for it) and log them."""
+            metrics = jax.device_get(metrics)
+            now = time.perf_counter()
+            tokens_per_second = tokens_per_step / max(now - last_finished[0], 1e-9)
+            last_finished[0] = now
+            self._log_step(self._record(step, metrics, tokens_per_second, flops_per_token, peak), log, board, progress)
+
         pending = None   # (step, metrics) of the step dispatched last, not yet read
         while self.position < cfg.steps and signals.received is None:
             self.state, metrics = self.train_step(self.state, next(batches), *self.frozen_args)
             self.position += 1
             if pending is not None:
-                self._finish_step(*pending, log, board, progress, tokens_per_step, flops_per_token, peak)
+                finish(*pending)
             pending = (self.position, metrics)
             evaluation_due = bool(cfg.eval_every) and self.position % cfg.eval_every == 0
             save_due = self.checkpoints.due(self.position)
             if evaluation_due or save_due or self.position >= cfg.steps or signals.received is not None:
-                self._finish_step(*pending, log, board, progress, tokens_per_step, flops_per_token, peak)
+                finish(*pending)
                 pending = None
                 self._periodic_evaluation(log, board, progress)   # before the save: a checkpoint's evaluation is logged
                 if save_due:
                     self.save(force=True)
         if pending is not None:
-            self._finish_step(*pending, log, board, progress, tokens_per_step, flops_per_token, peak)
+            finish(*pending)
 
-    def _finish_step(self, step: int, metrics, log: MetricsLog, board, progress: Progress, tokens_per_step: int,
-                     flops_per_token: float, peak: float) -> None:
-        """Read step ``step``'s metrics (waiting for it), log them, and stop the run after
-        ``train.max_nonfinite_steps`` non-finite steps in a row."""
+    def _log_step(self, record: dict, log: MetricsLog, board, progress: Progress) -> None:
+        """Log one step's record; stop the run after ``train.max_nonfinite_steps`` non-finite steps in a row."""
         cfg = self.config.train
-        metrics = jax.device_get(metrics)
-        now = time.perf_counter()
-        tokens_per_second = tokens_per_step / max(now - self._last_finished, 1e-9)
-        self._last_finished = now
-        record = self._record(step, metrics, tokens_per_second, flops_per_token, peak)
-        if not metrics["finite"]:
-            progress.write(f"step {step}: non-finite loss ({metrics['loss']}) or gradient norm "
-                           f"({metrics['grad_norm']}); update skipped")
-            if int(metrics["skipped"]) >= cfg.max_nonfinite_steps:
+        step = record["step"]
+        if record["skipped"]:
+            progress.write(f"step {step}: non-finite loss ({record['loss']}) or gradient norm "
+                           f"({record['grad_norm']}); update skipped")
+            if record["skipped_in_a_row"] >= cfg.max_nonfinite_steps:
                 log.write(record)
-                raise RunError(f"{int(metrics['skipped'])} non-finite steps in a row at step {step}; "
+                raise RunError(f"{record['skipped_in_a_row']} non-finite steps in a row at step {step}; "
                                f"stopping (lower optimizer.learning_rate or check the data); "
                                f"last checkpoint: {self.checkpoints.latest_step()}")
-        if step % cfg.log_every == 0 or step == cfg.steps or not metrics["finite"]:
+        if step % cfg.log_every == 0 or step == cfg.steps or record["skipped"]:
             log.write(record)
             if board:
                 board.write(record)
-        progress.update(1, float(metrics["loss"]), tokens_per_second)
+        progress.update(1, record["loss"], record["tokens_per_second"])
 
     def _record(self, step: int, metrics: dict, tokens_per_second: float, flops_per_token: float,
                 peak: float) -> dict:
@@ -510,7 +513,7 @@ class Trainer:
                   "learning_rate": float(metrics["learning_rate"]), "tokens_per_second": tokens_per_second,
                   "model_tflops": tokens_per_second * flops_per_token / 1e12,
                   "utilization": tokens_per_second * flops_per_token / peak,
-                  "skipped": not bool(metrics["finite"])}
+                  "skipped": not bool(metrics["finite"]), "skipped_in_a_row": int(metrics["skipped"])}
         for name in ("expert_load_max_over_mean", "experts_idle_fraction", "moe_dropped_assignments"):
             if name in metrics:
                 record[name] = np.asarray(metrics[name]).tolist()
