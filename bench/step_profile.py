@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import os
 import platform
@@ -51,6 +52,25 @@ def step_seconds(step, state, batch, steps: int) -> tuple[object, list[float]]:
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - started)
     return state, times
+
+
+@contextlib.contextmanager
+def scratch_trainer(config_path: str, overrides: list[str]):
+    """The job's `train.run.Trainer` for ``config_path`` with ``overrides``, in a scratch run
+    directory removed afterwards, on the CPU devices the config asks for (`use_cpu_cores`)."""
+    from k3jax.config import load_config
+    from k3jax.host import keep_freed_memory, use_cpu_cores
+    from train.run import Trainer
+
+    keep_freed_memory()
+    with tempfile.TemporaryDirectory(prefix="k3jax-bench-run-") as run_dir:
+        config = load_config(config_path, [*overrides, f"run_dir={run_dir}/run", "logging.progress=false"])
+        use_cpu_cores(config)
+        trainer = Trainer(config)
+        try:
+            yield trainer
+        finally:
+            trainer.close()
 
 
 def operation_times(trace_dir: str) -> tuple[collections.Counter, collections.Counter]:
@@ -102,19 +122,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="bench/step_profile.json")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides (e.g. mesh.cpu_devices=2)")
     args = parser.parse_args(argv)
-    from k3jax.config import load_config
-    from k3jax.host import keep_freed_memory, use_cpu_cores
-    from train.run import Trainer
-
-    keep_freed_memory()
-    with tempfile.TemporaryDirectory(prefix="k3jax-step-profile-run-") as run_dir:
-        config = load_config(args.config, [*args.overrides, f"run_dir={run_dir}/run", "logging.progress=false"])
-        use_cpu_cores(config)
-        trainer = Trainer(config)
-        try:
-            result = profile(trainer, args.calls)
-        finally:
-            trainer.close()
+    with scratch_trainer(args.config, args.overrides) as trainer:
+        result = profile(trainer, args.calls)
     print(f"{args.config} {' '.join(args.overrides)}: {result['devices']} device(s), {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f}")
     print(table(["step ms", "traced ms", "busy ms", "busy / wall", "operations", "mean us / op"],

@@ -24,7 +24,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 
 from bench.common import table, write_json
 
@@ -40,23 +39,12 @@ FLAG_SETS = {
 
 def child(config_path: str, steps: int) -> dict:
     """In this process (its XLA_FLAGS already set): the median and minimum train-step ms of the job."""
-    import k3jax  # noqa: F401  (before JAX starts)
-    from bench.step_profile import step_seconds
-    from k3jax.config import load_config
-    from k3jax.host import keep_freed_memory, use_cpu_cores
-    from train.run import Trainer
+    from bench.step_profile import scratch_trainer, step_seconds   # imports k3jax before JAX starts
 
-    keep_freed_memory()
-    with tempfile.TemporaryDirectory(prefix="k3jax-xla-flags-") as run_dir:
-        config = load_config(config_path, [f"run_dir={run_dir}/run", "logging.progress=false"])
-        use_cpu_cores(config)
-        trainer = Trainer(config)
-        try:
-            state, batch = trainer.state, trainer._device_batch(trainer._host_batch(0))
-            state, _ = step_seconds(trainer.train_step, state, batch, 3)
-            state, times = step_seconds(trainer.train_step, state, batch, steps)
-        finally:
-            trainer.close()
+    with scratch_trainer(config_path, []) as trainer:
+        state, batch = trainer.state, trainer._device_batch(trainer._host_batch(0))
+        state, _ = step_seconds(trainer.train_step, state, batch, 3)
+        state, times = step_seconds(trainer.train_step, state, batch, steps)
     return {"step_ms": 1e3 * statistics.median(times), "min_step_ms": 1e3 * min(times)}
 
 
