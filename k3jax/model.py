@@ -36,6 +36,7 @@ from k3jax.layers.linear import project
 from k3jax.layers.mla import MLALayer
 from k3jax.layers.moe import ExpertCodes, MoE
 from k3jax.layers.params import logical_axes, param, truncated_normal
+from k3jax.layers.scope import scoped
 from k3jax.memory import Memory, SharedPools, check_memory, join_pools, split_pools, updated_pools
 from k3jax.ops.moe import MoEStats, updated_router_bias
 from k3jax.ops.norms import rms_norm
@@ -236,6 +237,7 @@ class K3Model(nnx.Module):
             self.lm_head = param(rngs, truncated_normal(config.init_std), (d, vocab), ("embed", "vocab"))
         self.activation_layout: ActivationLayout | None = None   # set by `k3jax.sharding.parallelize`
 
+    @scoped
     def __call__(self, tokens: jax.Array, memory: Memory | None = None, segment_ids: jax.Array | None = None) -> ModelOutput:
         """tokens ``[B, T]`` int; memory from `k3jax.memory.init_memory` (or a previous call) to
         continue sequences, None for a training forward; segment_ids ``[B, T]`` for packed

@@ -150,7 +150,8 @@ def _forward_loss(parts: ModelParts, params, buffers, batch, frozen=None, dropou
     """``(loss sum, (mask sum, MoE stats))`` of one micro-batch."""
     model = parts.merge(params, buffers, frozen, dropout_key)
     out = model(batch["tokens"], segment_ids=batch["segment_ids"])
-    loss_sum, count = masked_cross_entropy(out.logits, batch["targets"], batch["loss_mask"])
+    with jax.named_scope("Loss"):            # names for profiles (`k3jax.layers.scope`)
+        loss_sum, count = masked_cross_entropy(out.logits, batch["targets"], batch["loss_mask"])
     return loss_sum, (count, out.moe_stats)
 
 
@@ -204,8 +205,9 @@ def make_train_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
         grads = jax.tree.map(lambda g: g / count, grads)
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        with jax.named_scope("Optimizer"):
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
         buffers = state.buffers
         if stats is not None and parts.balance:
             model = parts.merge(params, buffers, frozen)

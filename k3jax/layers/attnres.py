@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.layers.params import param
+from k3jax.layers.scope import scoped
 from k3jax.ops.attnres import append_source, attnres_mix
 
 
@@ -49,6 +50,7 @@ class AttnRes(nnx.Module):
         self.key_norm = param(rngs, nnx.initializers.ones, (d_model,), ("embed",))
         self.norm_eps = norm_eps
 
+    @scoped
     def __call__(self, stream: ResidualStream) -> jax.Array:
         """``Mix(p, sources)`` ``[B, T, d]`` fp32."""
         return attnres_mix(stream.partial, stream.sources, stream.count, self.query[...], self.key_norm[...], self.norm_eps)

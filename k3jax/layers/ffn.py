@@ -15,6 +15,7 @@ from flax import nnx
 
 from k3jax.layers.lora import adapted_project
 from k3jax.layers.params import param, truncated_normal
+from k3jax.layers.scope import scoped
 from k3jax.ops.moe import glu_activation
 
 
@@ -55,6 +56,7 @@ class DenseGLU(nnx.Module):
         self.situ_beta_linear = situ_beta_linear
         self.dtype = dtype
 
+    @scoped
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., d] -> y [..., d] in ``dtype``."""
         activation = glu_activation(self.activation, self.situ_beta, self.situ_beta_linear)

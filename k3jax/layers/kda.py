@@ -26,6 +26,7 @@ from flax import nnx
 from k3jax.config import KDAConfig
 from k3jax.layers.lora import adapted_project
 from k3jax.layers.params import param, truncated_normal
+from k3jax.layers.scope import scoped
 from k3jax.memory import KDAMemory, KDAPool
 from k3jax.ops.conv import causal_depthwise_conv
 from k3jax.ops.kda import kda, kda_gate, kda_step, l2_normalize
@@ -89,6 +90,7 @@ class KDALayer(nnx.Module):
         self.dtype = dtype
         self.context_parallel = None     # a `k3jax.sharding.context.ContextParallel`, set by parallelize
 
+    @scoped
     def __call__(
         self, x: jax.Array, memory: KDAMemory | KDAPool | None = None, segment_ids: jax.Array | None = None
     ) -> tuple[jax.Array, KDAMemory | KDAPool]:

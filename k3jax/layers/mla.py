@@ -25,6 +25,7 @@ from k3jax.config import MLAConfig
 from k3jax.layers.linear import project
 from k3jax.layers.lora import adapted_project, adapted_weight
 from k3jax.layers.params import param, truncated_normal
+from k3jax.layers.scope import scoped
 from k3jax.memory import MLAMemory, MLAPages
 from k3jax.ops.attention import attention
 from k3jax.ops.norms import rms_norm
@@ -83,6 +84,7 @@ class MLALayer(nnx.Module):
         self.dtype = dtype
         self.context_parallel = None     # a `k3jax.sharding.context.ContextParallel`, set by parallelize
 
+    @scoped
     def __call__(
         self, x: jax.Array, memory: MLAMemory | None = None, segment_ids: jax.Array | None = None
     ) -> tuple[jax.Array, MLAMemory | None]:

@@ -28,6 +28,7 @@ from k3jax.config import MoEConfig
 from k3jax.layers.ffn import DenseGLU
 from k3jax.layers.lora import ADAPTER_SUFFIX, adapted_weight
 from k3jax.layers.params import logical_axes, param, truncated_normal
+from k3jax.layers.scope import scoped
 from k3jax.ops.moe import (
     EXPERT_MATMULS,
     ROUTER_SCORES,
@@ -78,6 +79,7 @@ class Router(nnx.Module):
         self.score, self.renormalize = config.router_score, config.renormalize
         self.expert_groups, self.topk_groups = config.expert_groups, config.topk_groups
 
+    @scoped
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [N, d] -> (indices [N, k] int32, weights [N, k] fp32, scores [N, E] fp32), all in fp32."""
         logits = einsum("nd,de->ne", x.astype(jnp.float32), self.weight[...].astype(jnp.float32))
@@ -179,6 +181,7 @@ class RoutedExperts(nnx.Module):
         return Mxfp4Experts(getattr(self, f"{name}_packed")[...], getattr(self, f"{name}_scale")[...], self.tile,
                             self.implementation, **factors)
 
+    @scoped
     def __call__(self, x: jax.Array, indices: jax.Array, weights: jax.Array,
                  dispatch: ExpertDispatchFn | None = None) -> tuple[jax.Array, jax.Array]:
         """x [N, in], indices / weights [N, k] -> (sum_i weights_i E_{indices_i}(x) [N, in] in ``dtype``,
@@ -236,6 +239,7 @@ class MoE(nnx.Module):
         self.dtype = dtype
         self.expert_dispatch: ExpertDispatchFn | None = None
 
+    @scoped
     def __call__(self, x: jax.Array, token_mask: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
         """x [B, T, d] (already RMS-normed by the block), token_mask [B, T] bool or None (False:
         padding, routed and computed but not counted for balancing) -> (y [B, T, d] in ``dtype``,
