@@ -117,7 +117,8 @@ def component(op_name: str) -> str:
 def instruction_op_names(hlo_text: str) -> dict[str, str]:
     """``{instruction name: op_name}`` of a compiled module's text. A fusion without its own
     op_name takes the most frequent one inside its fused computation; an instruction still
-    without one (a layout copy or reduction XLA made up) takes its first named operand's."""
+    without one (a layout copy or reduction XLA made up) takes its first named operand's (the
+    text lists each computation's instructions after their operands)."""
     named, calls, operands, inside = {}, {}, {}, collections.defaultdict(collections.Counter)
     computation = None
     for line in hlo_text.splitlines():
@@ -137,14 +138,8 @@ def instruction_op_names(hlo_text: str) -> dict[str, str]:
     for name, computation in calls.items():
         if name not in named and inside[computation]:
             named[name] = inside[computation].most_common(1)[0][0]
-
-    def through_operands(name: str, depth: int = 8) -> str | None:
-        if name in named or depth == 0:
-            return named.get(name)
-        return next(filter(None, (through_operands(o, depth - 1) for o in operands.get(name, ()))), None)
-
-    for name in operands:
-        if name not in named and (found := through_operands(name)) is not None:
+    for name, inputs in operands.items():      # in text order: an instruction's operands come before it
+        if name not in named and (found := next((named[o] for o in inputs if o in named), None)):
             named[name] = found
     return named
 
