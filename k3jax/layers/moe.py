@@ -26,6 +26,7 @@ from flax import nnx
 
 from k3jax.config import MoEConfig
 from k3jax.layers.ffn import DenseGLU
+from k3jax.layers.linear import project
 from k3jax.layers.lora import ADAPTER_SUFFIX, adapted_weight
 from k3jax.layers.params import logical_axes, param, truncated_normal
 from k3jax.layers.scope import scoped
@@ -272,8 +273,8 @@ class MoE(nnx.Module):
         and the count of dropped assignments."""
         if self.config.latent_dim is None:
             return self.experts(tokens, indices, weights, self.expert_dispatch)
-        latent, dropped = self.experts(tokens @ self.latent_down[...].astype(self.dtype), indices, weights,
+        latent, dropped = self.experts(project(tokens, self.latent_down[...], self.dtype), indices, weights,
                                        self.expert_dispatch)
         if self.config.latent_norm:
             latent = rms_norm(latent, self.latent_norm_weight[...], self.norm_eps)
-        return latent @ self.latent_up[...].astype(self.dtype), dropped
+        return project(latent, self.latent_up[...], self.dtype), dropped

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.ops.mxfp4 import Mxfp4Experts, grouped_matmul
+from k3jax.ops.products import product
 
 ACTIVATIONS = ("situ", "swiglu")
 BALANCING = ("sign", "quantile")
@@ -262,7 +263,7 @@ def dense_experts(
     routing = jnp.einsum("nk,nke->ne", _at_least_fp32(weights),
                          jax.nn.one_hot(indices, num_experts, dtype=_at_least_fp32(weights).dtype))
     side_by_side = lambda w: jnp.moveaxis(w, 0, 1).reshape(width, num_experts * hidden)  # noqa: E731
-    h = activation(x @ side_by_side(w_gate), x @ side_by_side(w_up)).reshape(-1, num_experts, hidden)
+    h = activation(product(x, side_by_side(w_gate)), product(x, side_by_side(w_up))).reshape(-1, num_experts, hidden)
     h = (h * routing[..., None].astype(h.dtype)).reshape(-1, num_experts * hidden)
     y = jnp.matmul(h, w_down.reshape(num_experts * hidden, -1), preferred_element_type=_at_least_fp32(h).dtype)
     return y.astype(x.dtype)

@@ -32,6 +32,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops.products import held_transpose
+
 EXACT = jax.lax.Precision.HIGHEST
 FACTORED_DECAY_LIMIT = 80.0  # exp(80) ~ 5.5e34: products of such factors stay finite in fp32
 
@@ -63,7 +65,7 @@ class Dots:
 
     def mm_tn(self, a, b):
         if self.transposed_operands:
-            return self.mm(jax.lax.optimization_barrier(jnp.swapaxes(a, -1, -2)), b)
+            return self.mm(held_transpose(a), b)
         return _contract(a, b, -2, -2, self.precision)
 
     @staticmethod
