@@ -14,11 +14,6 @@ and the median over rounds of its ratio to the default set's step time in the sa
     XNNPACK off           --xla_cpu_use_xnnpack=false
     Eigen one thread      --xla_cpu_multi_thread_eigen=false
     concurrency scheduler --xla_cpu_enable_concurrency_optimized_scheduler=true
-    memory scheduler      --xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED
-    YNN elementwise off   YNN library fusions for dots only (elementwise fusions left to XLA's emitters)
-    XNN graph fusion      --xla_cpu_experimental_xnn_graph_fusion_mode=XNN_GRAPH_FUSION_MODE_GREEDY
-    oneDNN                --xla_cpu_use_onednn=true
-    512-bit vectors       --xla_cpu_prefer_vector_width=512 (the machine has AVX-512)
 """
 from __future__ import annotations
 
@@ -39,11 +34,6 @@ FLAG_SETS = {
     "XNNPACK off": f"{DEFAULT} --xla_cpu_use_xnnpack=false",
     "Eigen one thread": f"{DEFAULT} --xla_cpu_multi_thread_eigen=false",
     "concurrency scheduler": f"{DEFAULT} --xla_cpu_enable_concurrency_optimized_scheduler=true",
-    "memory scheduler": f"{DEFAULT} --xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
-    "YNN elementwise off": f"{DEFAULT},-LIBRARY_FUSION_TYPE_ELTWISE",
-    "XNN graph fusion": f"{DEFAULT} --xla_cpu_experimental_xnn_graph_fusion_mode=XNN_GRAPH_FUSION_MODE_GREEDY",
-    "oneDNN": f"{DEFAULT} --xla_cpu_use_onednn=true",
-    "512-bit vectors": f"{DEFAULT} --xla_cpu_prefer_vector_width=512",
 }
 
 

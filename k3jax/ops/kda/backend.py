@@ -16,8 +16,9 @@ shared 2-core machine; median per-round ratio of process CPU time against main's
 default choices giving 0.975x):
 
   * ``transposed_operands`` (XLA): a^T b is taken as a plain product of a transposed copy of a
-    held behind an optimization barrier, because XLA:CPU runs a dot whose lhs is contracted
-    over its rows through a slower library path (without it: 0.872x).
+    held behind an optimization barrier (`k3jax.ops.products.held_transpose`), because XLA:CPU
+    runs a dot whose lhs is contracted over its rows through a slower library path (without
+    it: 0.872x).
   * ``factored_diagonal`` (XLA): a diagonal 16 x 16 score block whose tokens decay by at most
     `FACTORED_DECAY_LIMIT` is one product of exp(Gamma)-scaled rows and exp(-Gamma)-scaled
     columns (branch taken per chunk by `lax.cond`); the Pallas kernels always use the exact
