@@ -32,7 +32,7 @@ from bench.context_memory import mib, write_result  # noqa: E402
 from k3jax.config import ConfigError, load_config  # noqa: E402
 from k3jax.layers.mla import MLALayer  # noqa: E402
 from k3jax.sharding.context import CONTEXT_ATTENTION, ContextParallel  # noqa: E402
-from train.plan import CONTEXT_AXIS, collective_bytes  # noqa: E402
+from k3jax.training.plan import CONTEXT_AXIS, collective_bytes  # noqa: E402
 
 
 def loss_and_grads(layer: MLALayer, segments: jax.Array):

@@ -34,7 +34,7 @@ from bench.common import table, write_json  # noqa: E402
 from k3jax.config import ConfigError, MeshConfig, load_config  # noqa: E402
 from k3jax.sharding import abstract, make_mesh, step_shardings  # noqa: E402
 from k3jax.training import abstract_model, abstract_train_state, make_train_step  # noqa: E402
-from train.plan import BATCH_DTYPES, collective_bytes  # noqa: E402
+from k3jax.training.plan import BATCH_DTYPES, collective_bytes  # noqa: E402
 
 
 def batch_shapes(length: int, sharding=None) -> dict:

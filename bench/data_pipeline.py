@@ -3,7 +3,7 @@
     pipeline alone   tokens/s of ``ds.batch(step, B)`` for each source kind (MQAR, JSONL, Parquet,
                      prepared tokens) at the config's batch size and sequence length
     train step       tokens/s of the trainer's loop body (read batch, device put, step, fetch metrics,
-                     as `train.run.Trainer` does) with the batches read in line (data.prefetch=0) and
+                     as `k3jax.training.Trainer` does) with the batches read in line (data.prefetch=0) and
                      read ahead on the prefetch thread (data.prefetch=2), and the step alone on a
                      batch already on the device (the ceiling)
 
@@ -35,7 +35,7 @@ from bench.common import table, write_json
 from k3jax.config import load_config
 from k3jax.data import Prefetcher, TextDataset, TokensDataset, make_dataset
 from k3jax.data.prepare import prepare
-from train.run import Trainer
+from k3jax.training import Trainer
 
 WORDS = ["alpha", "beta", "gamma", "delta", "memory", "state", "gate", "expert", "router", "chunk", "token",
          "latent", "residual", "block", "the", "of", "and", "a", "in", "to"]

@@ -24,7 +24,8 @@ import numpy as np
 
 from bench.common import interleaved_times, table, write_json
 from k3jax.ops.moe import glu_activation, routed_experts
-from k3jax.ops.mxfp4 import Mxfp4Experts, encode
+from k3jax.ops.mxfp4 import Mxfp4Experts
+from k3jax.ops.mxfp4_format import encode
 
 
 def make_inputs(args, key):

@@ -10,8 +10,8 @@ It measures, on this machine's default backend:
                  interleaved rounds, median per-round ratio)
     train step   tokens/s of the README's main job (configs/tiny.yaml, `bench.cpu_cores.trial`: a
                  fresh ``python -m train`` subprocess, median over steps after the first 10) and
-                 its MFU: tokens/s x `k3jax.training.training_flops_per_token` / the measured
-                 fp32 matmul rate (`train.run.measured_matmul_flops`, the trainer's default peak)
+                 its MFU: tokens/s x `k3jax.flops.training_flops` / the measured
+                 fp32 matmul rate (`k3jax.flops.measured_peak_flops`, the trainer's default peak)
     inference    prefill tokens/s (one sequence of each context length) and decode tokens/s (one
                  token at a time after that prefill, median of ``--repeats`` x 8 steps) of the tiny
                  K3 (3 KDA : 1 MLA) vs the same width with every layer MLA (model.mla_layers)
@@ -35,10 +35,9 @@ from bench.common import median_step_seconds, seconds, write_json
 from bench.cpu_cores import trial
 from bench.kda import measure_shape
 from k3jax.config import load_config
+from k3jax.flops import measured_peak_flops, training_flops
 from k3jax.memory import init_memory
 from k3jax.model import K3Model
-from k3jax.training import training_flops_per_token
-from train.run import measured_matmul_flops
 
 CONFIG = "configs/tiny.yaml"
 DECODE_STEPS = 8
@@ -58,8 +57,8 @@ def train_step(steps: int) -> dict:
     """The main job's tokens/s (one device, the trainer's default) and MFU against the matmul rate."""
     config = load_config(CONFIG)
     tokens_per_second = trial(["mesh.cpu_devices=1"], steps, 10, CONFIG)["tokens_per_second"]
-    flops = training_flops_per_token(config.model, config.data.seq_len)
-    peak = measured_matmul_flops(config.model.compute_dtype)
+    flops = training_flops(config.model, config.data.seq_len).total
+    peak = measured_peak_flops(config.model.compute_dtype)
     return {"tokens_per_second": tokens_per_second, "flops_per_token": flops, "peak_flops": peak,
             "mfu": tokens_per_second * flops / peak}
 

@@ -3,7 +3,7 @@
     python -m bench.step_profile [--config configs/tiny.yaml] [--calls 5] [--out bench/step_profile.json]
                                  [key=value ...]
 
-It builds the job's trainer (`train.run.Trainer`, in a scratch run directory) and times its train
+It builds the job's trainer (`k3jax.training.Trainer`, in a scratch run directory) and times its train
 step (median wall time of 20 steps after 3), then traces ``--calls`` steps with `jax.profiler`
 and reads the trace back (`jax.profiler.ProfileData`). Per step it reports
 
@@ -62,11 +62,11 @@ def step_seconds(step, state, batch, steps: int) -> tuple[object, list[float]]:
 
 @contextlib.contextmanager
 def scratch_trainer(config_path: str, overrides: list[str]):
-    """The job's `train.run.Trainer` for ``config_path`` with ``overrides``, in a scratch run
+    """The job's `k3jax.training.Trainer` for ``config_path`` with ``overrides``, in a scratch run
     directory removed afterwards, on the CPU devices the config asks for (`use_cpu_cores`)."""
     from k3jax.config import load_config
     from k3jax.host import keep_freed_memory, use_cpu_cores
-    from train.run import Trainer
+    from k3jax.training import Trainer
 
     keep_freed_memory()
     with tempfile.TemporaryDirectory(prefix="k3jax-bench-run-") as run_dir:

@@ -3,7 +3,7 @@
     python -m bench.xla_flags [--rounds 3] [--steps 40] [--out bench/xla_flags.json]
 
 XLA reads ``XLA_FLAGS`` once, when it creates its CPU backend, so every flag set runs in its own
-subprocess: it builds the main job's trainer (`train.run.Trainer`, tiny config, a scratch run
+subprocess: it builds the main job's trainer (`k3jax.training.Trainer`, tiny config, a scratch run
 directory), runs 3 warm-up steps (the first compiles) and reports the median wall time of
 ``--steps`` more. Each round runs every flag set once, in order, so a slow spell of a shared
 machine falls on all of them alike; the table gives each set's median step time over the rounds

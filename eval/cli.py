@@ -23,7 +23,7 @@ from tqdm import tqdm
 from k3jax.data import DataError
 from k3jax.host import keep_freed_memory
 from k3jax.model import param_counts
-from k3jax.run_metrics import read_metrics
+from k3jax.training import read_metrics
 from .loading import EvalInputError, LoadedRun, load_run
 from .report import build_report, markdown_table, write_report
 from .tasks import TASKS, EvalContext, run_task

@@ -311,7 +311,7 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """`k3jax.optim`: AdamW, or per-head Muon for matrices with AdamW for the rest."""
+    """`k3jax.training.optim`: AdamW, or per-head Muon for matrices with AdamW for the rest."""
 
     name: Literal["adamw", "muon"] = "adamw"
     learning_rate: float = 1e-3
@@ -391,7 +391,7 @@ DEFAULT_LORA_TARGETS = ("mixer/*_proj", "ffn/shared/w_*", "ffn/w_*")
 
 @dataclasses.dataclass(frozen=True)
 class FinetuneConfig:
-    """LoRA fine-tuning on a frozen base (`k3jax.finetune`); ``lora_rank`` 0 trains every parameter.
+    """LoRA fine-tuning on a frozen base (`k3jax.training.finetune`); ``lora_rank`` 0 trains every parameter.
 
     ``lora_targets`` select the adapted weights among those a layer can adapt (`k3jax.layers.lora`):
     a glob over the weight's parameter path matched at any depth (``mixer/q_proj`` matches

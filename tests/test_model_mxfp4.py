@@ -11,7 +11,7 @@ from flax import nnx
 
 from k3jax.config import load_config
 from k3jax.model import K3Model
-from k3jax.ops.mxfp4 import decode
+from k3jax.ops.mxfp4_format import decode
 from k3jax.training import init_train_state, make_train_step, split_model
 
 MICRO = pathlib.Path(__file__).resolve().parent / "train" / "micro.yaml"

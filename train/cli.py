@@ -24,7 +24,7 @@ import logging
 import os
 import sys
 
-from .signals import StopRequested, StopSignals   # light: the handlers go in before JAX loads
+from k3jax.training.signals import StopRequested, StopSignals   # light: the handlers go in before JAX loads
 
 
 def parse_args(argv):
@@ -44,7 +44,7 @@ def one_line_failure(error: BaseException) -> str | None:
     from k3jax.checkpoint import CheckpointError
     from k3jax.config import ConfigError
     from k3jax.data import DataError
-    from .run import RunError
+    from k3jax.training import RunError
 
     if isinstance(error, (ConfigError, DataError, CheckpointError, RunError)):
         return str(error)
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
             from k3jax.config import load_config
             from k3jax.sharding import initialize_distributed
             from .configs import resolve_config
-            from .run import Trainer  # after argument parsing: --help stays instant
+            from k3jax.training import Trainer  # after argument parsing: --help stays instant
 
             signals.check()
             config = load_config(resolve_config(args.config), args.overrides)

@@ -23,9 +23,11 @@ import numpy as np
 from tqdm import tqdm
 
 from k3jax.config import Config
+from k3jax.flops import forward_flops
 from k3jax.model import K3Model
 from k3jax.training import make_eval_step, split_model
-from ..cost import Cost, forward_flops_per_token
+
+from ..cost import Cost
 
 
 class TaskSkipped(Exception):
@@ -83,7 +85,7 @@ class HeldoutForward:
         its tokens and estimated FLOPs are added to ``cost``."""
         loss_sum, count, predictions = self._step(self._params, self._buffers, batch)
         rows, length = batch["tokens"].shape
-        cost.add(rows * length, forward_flops_per_token(self.config, length))
+        cost.add(rows * length, forward_flops(self.config, length).total)
         return BatchOutput(float(loss_sum), float(count), np.asarray(predictions))
 
 

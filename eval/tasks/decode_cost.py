@@ -25,9 +25,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import ModelConfig
+from k3jax.flops import decode_flops
 from k3jax.memory import KDAMemory, Memory, MLAMemory, init_memory, memory_bytes
 from k3jax.model import K3Model
-from ..cost import decode_flops_per_token
+
 from ..stats import t_interval
 from .common import TaskOutput, canonical_json, sha256_text
 
@@ -94,7 +95,7 @@ class DecodeCostTask:
             token, memory = _decode_step(graphdef, state, token, memory)
         jax.block_until_ready(token)
         elapsed = time.perf_counter() - started
-        cost.add(self.warmup_steps + self.timed_steps, decode_flops_per_token(config, context))
+        cost.add(self.warmup_steps + self.timed_steps, decode_flops(config, context).total)
         return 1e3 * elapsed / self.timed_steps
 
     def run(self, context, cost, progress) -> TaskOutput:
@@ -119,8 +120,8 @@ class DecodeCostTask:
                 "k3_bank_bytes": k3_bytes,
                 "all_mla_bank_bytes": mla_bytes,
                 "memory_ratio": k3_bytes / mla_bytes,
-                "k3_decode_flops": decode_flops_per_token(k3_config, length),
-                "all_mla_decode_flops": decode_flops_per_token(mla_config, length),
+                "k3_decode_flops": decode_flops(k3_config, length).total,
+                "all_mla_decode_flops": decode_flops(mla_config, length).total,
             })
         data = {"fill": "synthetic: random KDA states and conv tails, random MLA latent rows", "batch": 1,
                 "k3_model": dataclasses.asdict(k3_config)}

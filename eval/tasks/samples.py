@@ -16,9 +16,10 @@ from typing import Callable, ClassVar, NamedTuple
 import numpy as np
 
 from k3jax.data import DataError, MQARDataset, load_tokenizer
+from k3jax.flops import decode_flops, forward_flops
 from k3jax.generate import generate
+
 from ..chat_turns import ChatTurns
-from ..cost import decode_flops_per_token, forward_flops_per_token
 from ..stats import t_interval
 from .common import TaskOutput, TaskSkipped, canonical_json, require_vocabulary, sha256_text
 from .mqar import base_mqar_dataset
@@ -98,8 +99,8 @@ class SamplesTask:
                                temperature=self.temperature, top_p=self.top_p, seed=seed, eos_id=prompt_set.eos_id)
                 new = np.asarray(out.tokens)[: int(out.lengths)]
                 context_length = prompt.tokens.size + self.max_new_tokens
-                cost.add(prompt.tokens.size, forward_flops_per_token(config, prompt.tokens.size))
-                cost.add(new.size, decode_flops_per_token(config, context_length))
+                cost.add(prompt.tokens.size, forward_flops(config, prompt.tokens.size).total)
+                cost.add(new.size, decode_flops(config, context_length).total)
                 seed_lengths.append(new.size)
                 seed_distinct.append(np.unique(new).size / new.size)
                 if prompt.expected is not None:

@@ -26,8 +26,9 @@ from typing import ClassVar
 import numpy as np
 
 from k3jax.data import DataError
+from k3jax.flops import forward_flops
 from k3jax.sessions import SessionStore
-from ..cost import forward_flops_per_token
+
 from ..stats import t_interval
 from .common import TaskOutput, TaskSkipped, require_vocabulary
 from .mqar import base_mqar_dataset
@@ -59,7 +60,7 @@ class SessionsTask:
 
     def _one_seed(self, context, cost, dataset, seed: int) -> dict[str, dict]:
         """Per turn: correct answers, answers, tokens and seconds of one seed's sessions."""
-        flops = forward_flops_per_token(context.config.model, dataset.seq_len)
+        flops = forward_flops(context.config.model, dataset.seq_len).total
         turns = {turn: {"correct": 0, "answers": 0, "tokens": 0, "seconds": 0.0, "agree": 0} for turn in TURNS}
 
         def timed(turn, run, tokens=0):

@@ -16,7 +16,7 @@ Each tensor is read from the checkpoint as one region and written to its shard a
 converted, so the host holds about one tensor at a time. The output appears under its name only
 when complete.
 
-A LoRA run (`k3jax.finetune`) exports as a normal checkpoint: each adapted weight region is read
+A LoRA run (`k3jax.training.finetune`) exports as a normal checkpoint: each adapted weight region is read
 from the base the run recorded and merged, W' = W + (alpha / r) A B in fp32, then cast; the router
 biases are the run's. The HF description and the tokenizer come from the base run. A QLoRA run's
 adapted MXFP4 experts are decoded and merged one expert at a time, W_e' = decode(codes_e) + s A B_e,
@@ -195,7 +195,7 @@ class MergedAdapters:
 
 def _lora_reader(config, step_dir: pathlib.Path, meta: dict) -> tuple[MergedAdapters, pathlib.Path]:
     """The merging reader of a LoRA run's latest checkpoint, and its base's run directory."""
-    from k3jax.finetune import BASE_META, adapted_weights
+    from k3jax.training.finetune import BASE_META, adapted_weights
 
     base = meta.get(BASE_META)
     if not isinstance(base, dict):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from k3jax.ops.mxfp4 import BLOCK, E2M1_MAX, SCALE_BIAS   # the format's constants, one definition
+from k3jax.ops.mxfp4_format import BLOCK, E2M1_MAX, SCALE_BIAS   # the format's constants, one definition
 
 
 def _e2m1_values(codes: np.ndarray) -> np.ndarray:

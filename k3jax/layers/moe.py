@@ -40,7 +40,8 @@ from k3jax.ops.moe import (
     router_scores,
     select_experts,
 )
-from k3jax.ops.mxfp4 import BLOCK, Mxfp4Experts, encode, tile_size
+from k3jax.ops.mxfp4 import Mxfp4Experts, tile_size
+from k3jax.ops.mxfp4_format import BLOCK, encode
 from k3jax.ops.norms import rms_norm
 from k3jax.ops.precision import einsum
 

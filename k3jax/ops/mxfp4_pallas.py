@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from k3jax.ops.mxfp4 import BLOCK, e2m1_values, e8m0_values
+from k3jax.ops.mxfp4_format import BLOCK, e2m1_values, e8m0_values
 
 CODES_PER_SCALE = BLOCK // 2     # code bytes under one E8M0 scale
 

@@ -42,7 +42,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from k3jax.config import MeshConfig
 from k3jax.ops.moe import (GLUActivation, combine_assignments, equal_groups_glu, expert_glu, sort_by_expert,
                            unsort_and_combine)
-from k3jax.ops.mxfp4 import BLOCK, Mxfp4Experts
+from k3jax.ops.mxfp4 import Mxfp4Experts
+from k3jax.ops.mxfp4_format import BLOCK
 from k3jax.sharding.mesh import AnyMesh, axes_size
 
 DISPATCHES = ("capacity", "ragged")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from k3jax.config import Config, load_config
-from train.run import Trainer
+from k3jax.training import Trainer
 from eval.cli import evaluate
 from eval.loading import load_run
 from eval.tasks import DecodeCostTask, MQARLengthTask, PasskeyTask, PerplexityTask, SamplesTask

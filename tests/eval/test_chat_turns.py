@@ -21,7 +21,7 @@ from k3jax.data.chat_format import ChatEncoder, generation_prompt, render_conver
 from k3jax.sessions import SessionStore
 from tests.data.chat_tokenizer import write_chat_tokenizer
 from tests.train.test_chat_learning import MICRO, SMALL
-from train.run import Trainer
+from k3jax.training import Trainer
 
 CONVERSATIONS = pathlib.Path(__file__).resolve().parents[2] / "configs" / "chat" / "conversations.jsonl"
 

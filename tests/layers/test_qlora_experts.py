@@ -12,7 +12,8 @@ from flax import nnx
 
 from k3jax.layers.lora import LoRA, attach_adapters
 from k3jax.layers.moe import EXPERT_WEIGHTS
-from k3jax.ops.mxfp4 import Mxfp4Experts, encode, grouped_matmul
+from k3jax.ops.mxfp4 import Mxfp4Experts, grouped_matmul
+from k3jax.ops.mxfp4_format import encode
 from tests.layers.test_moe_mxfp4 import D_MODEL, MXFP4, build_pair
 from tests.layers.test_moe import moe_config
 from tests.ops import numpy_mxfp4

@@ -9,6 +9,7 @@ import pytest
 
 from k3jax.convert.mxfp4 import encode_mxfp4
 from k3jax.ops import mxfp4
+from k3jax.ops.mxfp4_format import decode, encode
 from tests.ops import numpy_mxfp4 as ref
 
 EXPERTS, IN, OUT, ROWS = 12, 64, 96, 40
@@ -30,27 +31,27 @@ def test_decode_matches_the_spec_formulas_for_every_code_and_scale():
     packed = np.arange(256, dtype=np.uint8).reshape(2, 4, 32)
     scale = rng.integers(2, 256, (2, 4, 2)).astype(np.uint8)
     scale[0, 0] = (2, 255)
-    decoded = np.asarray(jax.jit(mxfp4.decode)(packed, scale), np.float64)
+    decoded = np.asarray(jax.jit(decode)(packed, scale), np.float64)
     expected = ref.decode(packed, scale)
     np.testing.assert_array_equal(np.isnan(decoded), np.isnan(expected))
     np.testing.assert_array_equal(decoded[~np.isnan(expected)], expected[~np.isnan(expected)])
-    assert mxfp4.decode(packed, scale, jnp.bfloat16).dtype == jnp.bfloat16
+    assert decode(packed, scale, jnp.bfloat16).dtype == jnp.bfloat16
 
 
 def test_jitted_encode_is_the_release_encoder_bit_for_bit():
     w = random_weights(1, (3, 8, 64))
-    codes, scales = jax.jit(mxfp4.encode)(w)
+    codes, scales = jax.jit(encode)(w)
     for e in range(3):
         packed, scale = encode_mxfp4(w[e])
         np.testing.assert_array_equal(np.asarray(codes[e]), packed)
         np.testing.assert_array_equal(np.asarray(scales[e]), scale)
     with pytest.raises(ValueError, match="multiple of 32"):
-        mxfp4.encode(jnp.zeros((4, 48)))
+        encode(jnp.zeros((4, 48)))
 
 
 def make_experts(tile, seed=2, implementation="xla"):
     w_t = np.random.default_rng(seed).standard_normal((EXPERTS, OUT, IN)).astype(np.float32)
-    codes, scales = mxfp4.encode(w_t)
+    codes, scales = encode(w_t)
     return mxfp4.Mxfp4Experts(codes, scales, tile=tile, implementation=implementation)
 
 
@@ -107,7 +108,7 @@ def compiled_temporary(grouped, weight, x, sizes) -> int:
 def test_tiled_temporary_is_far_below_decoding_every_expert():
     """256 experts, decoded 4 at a time, against the same product on all experts decoded at once."""
     experts = 256
-    codes, scales = mxfp4.encode(jnp.ones((experts, OUT, IN)))
+    codes, scales = encode(jnp.ones((experts, OUT, IN)))
     weight = mxfp4.Mxfp4Experts(codes, scales, tile=4, implementation="xla")
     sizes = jnp.full((experts,), 1, jnp.int32)
     x = jnp.ones((experts, IN))

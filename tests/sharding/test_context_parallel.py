@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from train.plan import COLLECTIVES
+from k3jax.training.plan import COLLECTIVES
 from tests.sharding.test_multi_device import MICRO, ROOT, finish, program, program_result, start
 
 pytestmark = pytest.mark.slow   # subprocesses of 8 devices

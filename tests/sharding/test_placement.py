@@ -11,12 +11,11 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 from k3jax.config import ConfigError, MeshConfig, load_config
-from k3jax.optim import build_optimizer
 from k3jax.sharding import (MESH_AXES, batch_sharding, expert_placement, mesh_shape, partition_spec,
                             state_shardings)
 from k3jax.sharding.expert_parallel import capacity_slots, expert_capacity, local_expert_grouping
-from k3jax.training import init_train_state
-from train import plan
+from k3jax.training import init_train_state, plan
+from k3jax.training.optim import build_optimizer
 
 RULES = MeshConfig().rules
 
@@ -184,8 +183,3 @@ def test_collective_bytes_count_each_loop_trip():
     assert totals["all-gather"] == 7 * 16 * 8 * 2
     assert totals["all-reduce"] == 4
     assert totals["reduce-scatter"] == totals["collective-permute"] == 0
-
-
-def test_plan_needs_a_device_count_for_a_filled_axis(capsys):
-    assert plan.main(["tests/train/micro.yaml"]) == 2
-    assert capsys.readouterr().err.strip() == "error: mesh: a mesh axis is -1: give the device count with --devices"

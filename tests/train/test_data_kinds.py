@@ -7,7 +7,7 @@ import pytest
 from k3jax.config import load_config
 from k3jax.data.prepare import prepare
 from tests.train.test_heldout_eval import MICRO, write_corpus
-from train.run import Trainer
+from k3jax.training import Trainer
 
 
 def losses(run_dir) -> list[tuple[int, float]]:

@@ -21,7 +21,7 @@ import pytest
 from k3jax.checkpoint import RunCheckpoints
 from k3jax.config import load_config
 from tests.train.test_cli import MICRO, ROOT, command, losses, wait_for_step
-from train.run import lay_out_run
+from k3jax.training import lay_out_run
 
 pytestmark = pytest.mark.slow
 LONG = ("train.steps=100000", "optimizer.schedule_steps=40", "checkpoint.every=100000")
@@ -322,7 +322,7 @@ def _devices_env(count: int) -> dict:
 
 LOAD = ("import jax, sys; from eval.loading import load_run; run = load_run(sys.argv[1]); "
         "print(jax.device_count(), run.step)")
-WRITE_TWO_DEVICE_CHECKPOINT = ("import sys; from k3jax.config import load_config; from train.run import Trainer; "
+WRITE_TWO_DEVICE_CHECKPOINT = ("import sys; from k3jax.config import load_config; from k3jax.training import Trainer; "
                                "t = Trainer(load_config(sys.argv[1], sys.argv[2:])); t.save(force=True); "
                                "t.checkpoints.wait(); t.close()")
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from k3jax.config import ConfigError, load_config
-from train.run import Trainer
+from k3jax.training import Trainer
 
 MICRO = str(pathlib.Path(__file__).with_name("micro.yaml"))
 ROOT = pathlib.Path(__file__).resolve().parents[2]

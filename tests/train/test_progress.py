@@ -1,8 +1,8 @@
 """Progress without a terminal: a plain line every N steps, its ETA timed from after the first step."""
 import re
 
-from train import metrics
-from train.metrics import Progress
+from k3jax.training import metrics
+from k3jax.training.metrics import Progress
 
 
 def test_plain_lines_every_n_steps_with_an_eta_that_leaves_out_the_first_step(capsys, monkeypatch):

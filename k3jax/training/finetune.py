@@ -34,7 +34,7 @@ from k3jax.config import ConfigError, FinetuneConfig, ModelConfig
 from k3jax.layers.lora import LoRA, LoRADropoutSeed, attach_adapters, select_weights, set_adapter_dropout
 from k3jax.layers.moe import ExpertCodes, RouterBias
 from k3jax.model import K3Model
-from k3jax.training import ModelParts, StateCodec
+from k3jax.training.state import ModelParts, StateCodec
 
 BASE_META = "lora_base"
 

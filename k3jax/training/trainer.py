@@ -18,20 +18,11 @@ rows of every batch and writes its shards of each checkpoint; only process 0 wri
 """
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import pathlib
-import shutil
-import signal
-import socket
-import sys
-import tempfile
 import time
-from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import yaml
 
@@ -40,88 +31,19 @@ from k3jax.config import Config, ConfigError, to_dict
 from k3jax.data import ChatDataset, MQARDataset, PackedDataset, make_dataset, mqar_recall
 from k3jax.data.byte_metrics import bits_per_byte, scored_bytes, token_byte_lengths
 from k3jax.data.prefetch import Prefetcher
-from k3jax.finetune import BASE_META, abstract_lora_model, base_fingerprint, initial_adapters, restore_base
-from k3jax.optim import build_optimizer, learning_rate_schedule
-from k3jax.sharding import (StepShardings, abstract, check_run_fits, compiled_together, global_batch, make_mesh,
-                            named_shardings, process_rows, step_shardings, to_host, wait_for_all_processes)
-from k3jax.training import (TrainState, abstract_model, abstract_train_state, make_eval_step, make_train_step,
-                            sharded_state_from_params, sharded_train_state, training_flops_per_token)
-from .metrics import MetricsLog, Progress, TensorBoard
-from .signals import StopSignals
+from k3jax.flops import measured_peak_flops, training_flops
+from k3jax.sharding import compiled_together, global_batch, process_rows, to_host, wait_for_all_processes
+from k3jax.training.finetune import BASE_META, base_fingerprint, initial_adapters, restore_base
+from k3jax.training.layout import lay_out_run
+from k3jax.training.metrics import MetricsLog, Progress, TensorBoard
+from k3jax.training.run_dir import RunError, RunLock, prepare_run_dir, remove_if_empty, say, set_aside, write_atomically
+from k3jax.training.signals import StopSignals
+from k3jax.training.state import TrainState, sharded_state_from_params, sharded_train_state
+from k3jax.training.steps import make_eval_step, make_train_step
 
 # Data with a tokenizer: their held-out evaluation also reports bits per byte of the scored targets
 # (for chat, the UTF-8 bytes of the tokens in the loss mask: the assistant's output by default).
 TOKENIZED_DATA = (PackedDataset, ChatDataset)
-
-
-class RunError(RuntimeError):
-    """A run that cannot start or continue (the message is one line)."""
-
-
-def say(message: str) -> None:
-    """One line on stderr, at once."""
-    print(message, file=sys.stderr, flush=True)
-
-
-def prepare_run_dir(path: str) -> pathlib.Path:
-    """Create the run directory and make sure it (and its checkpoints/, if present) is writable."""
-    run_dir = pathlib.Path(path).expanduser().resolve()
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        for directory in (run_dir, run_dir / "checkpoints"):
-            if directory.is_dir():
-                with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
-                    pass
-    except OSError as error:
-        raise RunError(f"cannot write run directory {run_dir}: {error.strerror or error}") from None
-    return run_dir
-
-
-def remove_if_empty(run_dir: pathlib.Path) -> None:
-    """Remove ``run_dir`` when it holds nothing but empty directories and the lock file."""
-    files = [path for path in run_dir.rglob("*") if not path.is_dir() and path.name != ".lock"]
-    if not files:
-        shutil.rmtree(run_dir, ignore_errors=True)
-
-
-class RunLock:
-    """An advisory, exclusive `fcntl` lock on ``<run_dir>/.lock``, which records who holds it. The
-    kernel releases it when the process ends, however it ends."""
-
-    def __init__(self, run_dir: pathlib.Path):
-        self._file = open(run_dir / ".lock", "a+", encoding="utf-8")
-        try:
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self._file.seek(0)
-            holder = self._file.read().strip() or "another process"
-            self._file.close()
-            raise RunError(f"run directory {run_dir} is in use by another trainer ({holder}); "
-                           f"wait for it to end or choose another run_dir") from None
-        self._file.seek(0)
-        self._file.truncate()
-        self._file.write(f"host {socket.gethostname()}, pid {os.getpid()}\n")
-        self._file.flush()
-
-    def release(self) -> None:
-        if not self._file.closed:
-            fcntl.flock(self._file, fcntl.LOCK_UN)
-            self._file.close()
-
-
-def set_aside(run_dir: pathlib.Path, steps: list[int], reason: str) -> None:
-    """Move the step directories ``steps`` of ``run_dir/checkpoints`` to ``run_dir/checkpoints-set-aside``."""
-    if not steps:
-        return
-    target = run_dir / "checkpoints-set-aside"
-    target.mkdir(exist_ok=True)
-    for step in steps:
-        destination = target / str(step)
-        suffix = 1
-        while destination.exists():
-            destination, suffix = target / f"{step}.{suffix}", suffix + 1
-        os.replace(run_dir / "checkpoints" / str(step), destination)
-    say(f"moved checkpoints {', '.join(map(str, steps))} ({reason}) to {target}")
 
 
 def evaluation_line(step: int, result: dict) -> str:
@@ -132,12 +54,6 @@ def evaluation_line(step: int, result: dict) -> str:
     if "heldout_mqar_recall" in result:
         parts.append(f"MQAR recall {result['heldout_mqar_recall']:.3f}")
     return "  ".join(parts) + f"  ({result['heldout_tokens']} tokens)"
-
-
-def write_atomically(path: pathlib.Path, text: str) -> None:
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, path)
 
 
 def _flat_items(tree: dict, prefix: str = "") -> dict:
@@ -171,69 +87,11 @@ def check_same_base(meta: dict, base: dict, source: str) -> None:
                        f"init_from={base['init_from']} step {base['step']} has {base['fingerprint'][:12]}")
 
 
-def measured_matmul_flops(dtype: str) -> float:
-    """An attainable peak: the best of three 2048^3 matmuls in ``dtype`` on the default device."""
-    a = jnp.ones((2048, 2048), dtype)
-    matmul = jax.jit(lambda x: x @ x)
-    jax.block_until_ready(matmul(a))
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        jax.block_until_ready(matmul(a))
-        best = min(best, time.perf_counter() - start)
-    return 2 * 2048**3 / best
-
-
 def enable_compilation_cache(directory: str | None) -> None:
     """Keep compiled programs on disk so a resumed or repeated run starts in seconds."""
     if directory:
         jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(directory).expanduser()))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-
-
-def run_optimizer(config: Config, axes: dict):
-    """``(schedule, optimizer)`` of a run, for parameters with these logical axes."""
-    opt = config.optimizer
-    schedule = learning_rate_schedule(opt.schedule, opt.learning_rate, opt.schedule_steps or config.train.steps,
-                                      opt.warmup_steps, opt.min_lr_ratio, opt.decay_fraction)
-    optimizer = build_optimizer(name=opt.name, schedule=schedule, axes=axes, weight_decay=opt.weight_decay,
-                                beta1=opt.beta1, beta2=opt.beta2, eps=opt.eps, grad_clip=opt.grad_clip)
-    return schedule, optimizer
-
-
-class RunLayout(NamedTuple):
-    """What a run's train step is built from, before any array exists: the device mesh, the
-    model's parts, the schedule and optimizer, and the train state as `jax.ShapeDtypeStruct`s
-    carrying the shardings it lives with on the mesh (``shardings`` also lays out the batches).
-    A LoRA run (`k3jax.finetune`) trains only its adapters; ``frozen`` is its base, laid out the
-    same way (None otherwise)."""
-
-    mesh: Any
-    parts: Any
-    schedule: Any
-    optimizer: Any
-    state: TrainState
-    shardings: StepShardings
-    frozen: Any = None
-
-
-def lay_out_run(config: Config) -> RunLayout:
-    """The `RunLayout` of ``config`` on all devices (shapes only; nothing is allocated)."""
-    mesh = make_mesh(config.mesh)
-    check_run_fits(config, mesh)
-    frozen = None
-    if config.finetune.lora:
-        lora = abstract_lora_model(config.model, config.finetune, config.train.seed, mesh, config.mesh)
-        parts, params, buffers, frozen = lora
-    else:
-        parts, params, buffers = abstract_model(config.model, mesh, config.mesh)
-    schedule, optimizer = run_optimizer(config, parts.params.axes())
-    shapes = abstract_train_state(params, buffers, optimizer)
-    shardings = step_shardings(shapes, parts.params.axes(), parts.buffers.axes(), mesh, config.mesh)
-    if frozen is not None:
-        shardings = shardings._replace(frozen=named_shardings(parts.frozen.axes(), frozen, config.mesh.rules, mesh))
-        frozen = abstract(frozen, shardings.frozen)
-    return RunLayout(mesh, parts, schedule, optimizer, abstract(shapes, shardings.state), shardings, frozen)
 
 
 class Trainer:
@@ -417,9 +275,9 @@ class Trainer:
         log = MetricsLog(self.run_dir / log_name, self.position)
         board = TensorBoard(self.run_dir / "tensorboard") if self.config.logging.tensorboard and self.primary else None
         progress = Progress(self.config.logging.progress, self.position, cfg.steps, cfg.log_every)
-        flops_per_token = training_flops_per_token(self.config.model, self.config.data.seq_len)
+        flops_per_token = training_flops(self.config.model, self.config.data.seq_len).total
         peak = (self.config.logging.peak_tflops * 1e12 if self.config.logging.peak_tflops
-                else measured_matmul_flops(self.config.model.compute_dtype))
+                else measured_peak_flops(self.config.model.compute_dtype))
         if self.resumed_from is not None:
             progress.write(f"resumed from checkpoint {self.resumed_from} in {self.run_dir}")
         started = time.perf_counter()

@@ -5,7 +5,7 @@ one ``{"kind": "eval", "step": N, "heldout_loss": ..., ...}`` per periodic held-
 (readers that look for ``loss`` skip them). On resume the lines of steps
 after the restored checkpoint are dropped first (they are about to be recomputed), so the file
 always reads as one uninterrupted run. A line that does not parse (a crash can leave the last one
-torn) is dropped there, and skipped by `k3jax.run_metrics.read_metrics`.
+torn) is dropped there, and skipped by `read_metrics`.
 """
 from __future__ import annotations
 
@@ -19,7 +19,24 @@ from typing import Any
 
 from tqdm import tqdm
 
-from k3jax.run_metrics import parsed_lines
+
+def parsed_lines(path: pathlib.Path) -> list[dict]:
+    """The JSON objects of the lines of ``path`` that parse as one (torn or foreign lines skipped)."""
+    records = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    """The records of a run's metrics file (empty when there is none)."""
+    path = pathlib.Path(run_dir) / "metrics.jsonl"
+    return parsed_lines(path) if path.exists() else []
 
 
 def _jsonable(value: Any) -> Any:

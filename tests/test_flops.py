@@ -1,4 +1,4 @@
-"""The trainer's FLOP count (`k3jax.training.forward_flops_per_token`) against XLA's own count of
+"""`k3jax.flops` against XLA's own count of
 the compiled forward (`compiled.cost_analysis()`), on a micro K3 whose forward has no loop (one
 period of layers, one KDA chunk: XLA counts a loop's body once, whatever its trip count).
 
@@ -17,7 +17,7 @@ from flax import nnx
 
 from k3jax.config import load_config
 from k3jax.model import K3Model
-from k3jax.training import attn_res_mix_sources, forward_flops_per_token, training_flops_per_token
+from k3jax.flops import attn_res_mix_sources, decode_flops, forward_flops, training_flops
 
 MICRO = "tests/train/micro.yaml"
 
@@ -35,17 +35,17 @@ def test_forward_flops_bracket_xla_cost_analysis(micro_config):
     forward = jax.jit(lambda s, tokens: nnx.merge(graph, s)(tokens).logits)
     compiled = forward.lower(state, jnp.zeros((1, length), jnp.int32)).compile()
     executed = compiled.cost_analysis()["flops"] / length
-    counted = sum(forward_flops_per_token(micro_config, length).values())
+    counted = forward_flops(micro_config, length).total
     assert 1.0 <= executed / counted <= 1.6, (executed, counted)
 
 
 def test_training_is_three_forwards_and_attention_grows_with_the_context(micro_config):
-    short, long = forward_flops_per_token(micro_config, 32), forward_flops_per_token(micro_config, 64)
-    assert training_flops_per_token(micro_config, 32) == pytest.approx(3 * sum(short.values()))
+    short, long = forward_flops(micro_config, 32), forward_flops(micro_config, 64)
+    assert training_flops(micro_config, 32).total == pytest.approx(3 * short.total)
     mla = micro_config.mla
     per_key = 2 * mla.num_heads * (mla.qk_head_dim + mla.value_head_dim) * len(micro_config.mla_layer_indices)
-    assert long["mla"] - short["mla"] == pytest.approx(per_key * 32 / 2)   # (T + 1) / 2 keys on average
-    assert long["weights"] == short["weights"]
+    assert long.mla - short.mla == pytest.approx(per_key * 32 / 2)   # (T + 1) / 2 keys on average
+    assert long.weights == short.weights
 
 
 def test_attn_res_sources_follow_the_block_procedure(micro_config):

@@ -1,0 +1,52 @@
+"""The library of training: everything a run is made of, importable by the launcher (``python -m
+train``), tests, benchmarks and users' own scripts.
+
+    state      the train state: a model split into flat param / buffer dicts (`split_model`,
+               `StateCodec`, `ModelParts`), `TrainState`, its abstract and sharded creation
+    steps      the masked loss, the train step (accumulation, non-finite skip, router balance)
+               and the eval step
+    optim      learning-rate schedules, AdamW and per-head Muon
+    finetune   LoRA / QLoRA: the adapted model's split, the adapters' first values, the frozen base
+    layout     a run's mesh, parts, optimizer and state shapes before any array exists (`lay_out_run`)
+    trainer    `Trainer`: set up or resume, the train loop, checkpoints, held-out evaluation
+    run_dir    the run directory: creation, the lock, atomic writes, `RunError`
+    metrics    metrics.jsonl (written and read), TensorBoard, the progress line
+    signals    SIGTERM / SIGINT recorded for a clean stop (no JAX: the CLI installs it first)
+    restore    `restore_model`: a trained model back from a run's checkpoints
+    plan       a train step's per-device memory, FLOPs and collectives, compiled ahead of time
+
+FLOP counts live in `k3jax.flops`. The names below are importable from the package itself
+(``from k3jax.training import Trainer``); each submodule loads on first use, so that importing
+one light module (`signals`, `metrics`) does not start JAX.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "state": ("BUFFER_TYPES", "ModelParts", "StateCodec", "TrainState", "abstract_model", "abstract_train_state",
+              "init_train_state", "sharded_state_from_params", "sharded_train_state", "split_model"),
+    "steps": ("make_eval_step", "make_train_step", "masked_cross_entropy"),
+    "optim": ("build_optimizer", "learning_rate_schedule"),
+    "layout": ("RunLayout", "lay_out_run"),
+    "trainer": ("Trainer",),
+    "run_dir": ("RunError",),
+    "metrics": ("read_metrics",),
+    "signals": ("StopRequested", "StopSignals"),
+    "restore": ("RestoredModel", "restore_model"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,102 @@
+"""The import graph of the repository, read from the source (no module is imported):
+
+- no cycles among the modules of k3jax/, train/ and eval/, counting imports inside functions too
+  (a submodule's implicit import of its own parent package is not an edge);
+- the library (k3jax/) never imports the launcher (train/) or the evaluation programs (eval/);
+- tests and benchmarks import nothing from train/ but the tests of its CLIs.
+"""
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PROGRAMS = ("k3jax", "train", "eval")
+CLI_TESTS = {"tests/train/test_cli.py", "tests/train/test_launcher.py"}
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def python_files(*tops: str) -> list[pathlib.Path]:
+    return sorted(path for top in tops for path in (ROOT / top).rglob("*.py"))
+
+
+def imported(path: pathlib.Path, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``path`` imports anywhere in it: ``from a import b`` counts as
+    ``a.b`` when that is a module, else as ``a``; relative imports are resolved."""
+    name = module_name(path) if path.is_relative_to(ROOT / "k3jax") or path.parts[-2] in PROGRAMS else ""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+    return {module for module in found if module in known}
+
+
+def program_graph() -> dict[str, set[str]]:
+    files = {module_name(path): path for path in python_files(*PROGRAMS)}
+    known = set(files)
+    graph = {}
+    for name, path in files.items():
+        ancestors = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+        graph[name] = imported(path, known) - ancestors - {name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    assert cycles(program_graph()) == []
+
+
+def test_the_library_never_imports_the_programs():
+    graph = program_graph()
+    offenders = {name: sorted(t for t in targets if t.split(".")[0] in ("train", "eval"))
+                 for name, targets in graph.items() if name.startswith("k3jax")}
+    assert {name: targets for name, targets in offenders.items() if targets} == {}
+
+
+def test_tests_and_benchmarks_use_the_launcher_only_to_test_its_clis():
+    known = set(program_graph())
+    users = [str(path.relative_to(ROOT)) for path in python_files("tests", "bench")
+             if any(module.split(".")[0] == "train" for module in imported(path, known))]
+    assert sorted(set(users) - CLI_TESTS) == []
