@@ -6,7 +6,7 @@
 For each context size P it compiles the forward + backward of one `k3jax.layers.mla.MLALayer`
 (the tiny model's MLA shapes, batch 1, packed documents) with ``ContextParallel(attention_method=
 "all_gather" | "ring")`` and reports, per device: the result bytes of the context region's
-collectives in the optimized HLO (`train.plan.collective_bytes`; an all-gather's result includes
+collectives in the optimized HLO (`k3jax.training.plan.collective_bytes`; an all-gather's result includes
 the shard's own part), the compiled temporaries, and the wall time
 (interleaved rounds, `bench.common.interleaved_times`; the 8 "devices" share this machine's cores,
 so times compare the two methods' compute and copies, not a network). Writes JSON atomically.

@@ -10,7 +10,7 @@ For each length T (batch 1) it compiles (XLA:CPU, nothing run) one training step
     one device       MLA attention ``dense`` (the [B, H, T, T] score matrix) and ``xla`` (blockwise)
     mesh.context = P blockwise, the model `parallelize`d on P of 8 fake CPU devices (data = 1), the
                      batch split [rows, sequence over context]; also the bytes its collectives move
-                     per device (`train.plan.collective_bytes`)
+                     per device (`k3jax.training.plan.collective_bytes`)
 
 Temporaries should grow linearly in T and fall about linearly in P. Rewrites the JSON atomically
 after every compile (a stopped run keeps what it measured) and prints each figure as it comes.

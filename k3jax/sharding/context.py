@@ -204,7 +204,7 @@ class ContextParallel:
         sequence = PartitionSpec(None, self.axis)
         specs = tuple(PartitionSpec() if spec is None else sequence for spec in (a[1] for a in args))
         shard_index = jnp.arange(self.mesh.shape[self.axis], dtype=jnp.int32)
-        with jax.named_scope(CONTEXT_SCOPE):      # names its collectives for `train.plan`
+        with jax.named_scope(CONTEXT_SCOPE):      # names its collectives for `k3jax.training.plan`
             return jax.shard_map(lambda *a: fn(*a[:-1], shard_index=a[-1]), mesh=self.mesh,
                                  in_specs=(*specs, PartitionSpec(self.axis)), out_specs=out_specs,
                                  axis_names={self.axis}, check_vma=False)(*(a[0] for a in args), shard_index)
