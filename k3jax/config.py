@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import math
 import pathlib
+import reprlib
 import types
 import typing
 from typing import Any, Literal
@@ -530,6 +531,15 @@ class Config:
 # ---------------------------------------------------------------------------------------------
 
 
+def _shown(value: Any) -> str:
+    """A short repr of a parsed YAML value for an error message: bounded in depth and length, so a
+    nested or aliased value (a YAML alias bomb) is never expanded."""
+    shown = reprlib.Repr()
+    shown.maxlevel, shown.maxlist, shown.maxtuple, shown.maxdict = 2, 4, 4, 4
+    shown.maxstring = shown.maxother = 60
+    return shown.repr(value)
+
+
 def _type_name(tp) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
@@ -547,26 +557,29 @@ def _convert(value: Any, tp, key: str) -> Any:
                 return _convert(value, option, key)
             except ConfigError as error:
                 errors.append(error)
-        raise errors[0] if len(errors) == 1 else ConfigError(key, f"{value!r} is not one of {[_type_name(o) for o in options]}")
+        raise errors[0] if len(errors) == 1 else ConfigError(key, f"{_shown(value)} is not one of {[_type_name(o) for o in options]}")
     if origin is Literal:
-        if value not in args:
-            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+        if not isinstance(value, (str, int, float, bool)) or value not in args:
+            close = difflib.get_close_matches(_shown(value), [str(a) for a in args], n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(key, f"{value!r} is not one of {list(args)}{hint}")
+            raise ConfigError(key, f"{_shown(value)} is not one of {list(args)}{hint}")
         return value
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(key, f"expected a list, got {value!r}")
+            raise ConfigError(key, f"expected a list, got {_shown(value)}")
         return tuple(_convert(item, args[0], f"{key}[{i}]") for i, item in enumerate(value))
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key)
-    if tp is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+    if tp is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
         try:   # ints, and YAML 1.1 exponents without a dot ("1e-5"), which PyYAML reads as strings
-            return float(value)
-        except ValueError:
-            raise ConfigError(key, f"expected float, got {value!r}") from None
+            value = float(value)
+        except (ValueError, OverflowError):
+            raise ConfigError(key, f"expected float, got {_shown(value)}") from None
+        if not math.isfinite(value):
+            raise ConfigError(key, f"must be a finite number, got {value}")
+        return value
     if tp in (int, float, str, bool) and (type(value) is not tp):
-        raise ConfigError(key, f"expected {tp.__name__}, got {value!r}")
+        raise ConfigError(key, f"expected {tp.__name__}, got {_shown(value)}")
     return value
 
 
@@ -574,10 +587,12 @@ def _build(cls, data: Any, prefix: str):
     """Construct dataclass ``cls`` from mapping ``data``; keys are reported under ``prefix``."""
     join = lambda name: f"{prefix}.{name}" if prefix else name  # noqa: E731
     if not isinstance(data, dict):
-        raise ConfigError(prefix, f"expected a mapping of {cls.__name__} fields, got {data!r}")
+        raise ConfigError(prefix, f"expected a mapping of {cls.__name__} fields, got {_shown(data)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     for name in data:
+        if not isinstance(name, str):
+            raise ConfigError(prefix, f"keys must be names, got {_shown(name)}")
         if name not in fields:
             close = difflib.get_close_matches(str(name), fields, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; {cls.__name__} keys: {', '.join(fields)}"
@@ -610,11 +625,15 @@ def _read_yaml(path: pathlib.Path, seen: tuple[pathlib.Path, ...] = ()) -> dict:
     if path in seen:
         raise ConfigError("base", f"{path} includes itself")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except OSError as error:
         raise ConfigError("", f"cannot read config {path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError("", f"{path} is not UTF-8 text (byte {error.start})") from None
     except yaml.YAMLError as error:
-        raise ConfigError("", f"{path} is not valid YAML: {' '.join(str(error).split())}") from None
+        raise ConfigError("", f"{path} is not valid YAML: {' '.join(str(error).split())[:300]}") from None
+    except RecursionError:
+        raise ConfigError("", f"{path} is nested too deeply to be a config") from None
     if not isinstance(data, dict):
         raise ConfigError("", f"{path} must hold a mapping at the top level")
     base = data.pop("base", None)
@@ -631,8 +650,8 @@ def apply_override(data: dict, override: str) -> dict:
         raise ConfigError("", f"override {override!r} is not of the form dotted.key=value")
     try:
         value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        raise ConfigError(key, f"cannot parse the value {text!r}") from None
+    except (yaml.YAMLError, RecursionError):
+        raise ConfigError(key, f"cannot parse the value {_shown(text)}") from None
     update = value
     for part in reversed(key.split(".")):
         update = {part: update}

@@ -109,3 +109,36 @@ def test_finetune_defaults_to_full_training_and_scales_lora_by_alpha_over_rank()
     finetune = load_config(CONFIGS / "tiny.yaml", ["finetune.lora_rank=8", "finetune.lora_alpha=4"]).finetune
     assert finetune.lora and finetune.lora_scale == 0.5
     assert finetune.lora_targets == ("mixer/*_proj", "ffn/shared/w_*", "ffn/w_*") and not finetune.update_router_bias
+
+
+def _alias_bomb(levels: int = 7) -> str:
+    """A YAML value whose aliases expand to 9^levels leaves (never expanded by a correct loader; the
+    old error message expanded it: 4.6 GB at 9^9)."""
+    rows = ["[&l0 [x, x, x, x, x, x, x, x, x]"]
+    rows += [f"&l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return ", ".join(rows) + "]"
+
+
+@pytest.mark.parametrize("where", ["optimizer:\n  learning_rate: {bomb}\n", "model:\n  kda:\n    implementation: {bomb}\n",
+                                   "finetune:\n  lora_targets: {bomb}\n", "? {bomb}\n: 1\n"])
+def test_an_alias_bomb_is_refused_in_one_short_line_without_expanding_it(tmp_path, where):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(f"base: {pathlib.Path('configs/tiny.yaml').resolve()}\n" + where.format(bomb=_alias_bomb()))
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert len(str(error.value)) < 600 and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "1e999"])
+def test_non_finite_numbers_are_refused(value):
+    with pytest.raises(ConfigError, match="optimizer.learning_rate: must be a finite number"):
+        load_config("configs/tiny.yaml", [f"optimizer.learning_rate={value}"])
+
+
+def test_non_utf8_and_deeply_nested_files_are_one_line_errors(tmp_path):
+    (tmp_path / "latin1.yaml").write_bytes("run_dir: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_config(tmp_path / "latin1.yaml")
+    (tmp_path / "deep.yaml").write_text("run_dir: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_config(tmp_path / "deep.yaml")
