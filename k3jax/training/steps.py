@@ -3,7 +3,8 @@
 One train step (jitted, donated):
     loss    = sum(mask * CE(logits, targets)) / sum(mask)     over the global batch; with
               gradient accumulation the batch is split into micro-batches whose gradients add up
-    update  optax; skipped (state unchanged) when the loss or the gradient norm is not finite
+    update  optax; skipped (state unchanged) when the loss, the gradient norm or any updated
+            parameter is not finite
     balance the routers' selection biases from this step's routing statistics (SPEC §4)
 """
 from __future__ import annotations
@@ -19,6 +20,11 @@ from k3jax.layers.lora import set_adapter_dropout
 from k3jax.ops.moe import MoEStats, load_metrics
 from k3jax.sharding import StepShardings
 from k3jax.training.state import BUFFER_TYPES, ModelParts, TrainState
+
+
+def all_finite(tree) -> jax.Array:
+    """True when every element of every leaf of ``tree`` is finite (a bool scalar)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
 
 
 def masked_cross_entropy(logits, targets, mask):
@@ -86,10 +92,10 @@ def make_train_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
         loss = loss_sum / count
         grads = jax.tree.map(lambda g: g / count, grads)
         grad_norm = optax.global_norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         with jax.named_scope("Optimizer"):
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(params)
         buffers = state.buffers
         if stats is not None and parts.balance:
             model = parts.merge(params, buffers, frozen)

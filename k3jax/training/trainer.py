@@ -352,8 +352,8 @@ class Trainer:
         cfg = self.config.train
         step = record["step"]
         if record["skipped"]:
-            progress.write(f"step {step}: non-finite loss ({record['loss']}) or gradient norm "
-                           f"({record['grad_norm']}); update skipped")
+            progress.write(f"step {step}: non-finite loss ({record['loss']}), gradient norm "
+                           f"({record['grad_norm']}) or updated parameters; update skipped")
             if record["skipped_in_a_row"] >= cfg.max_nonfinite_steps:
                 log.write(record)
                 raise RunError(f"{record['skipped_in_a_row']} non-finite steps in a row at step {step}; "
