@@ -171,6 +171,10 @@ class ChatDataset:
                             f"tokens ({self.dropped} dropped); raise seq_len or set data.chat_overflow=truncate")
         count = len(self.conversations)
         heldout = min(max(int(heldout_fraction * count), 1), count - 1) if heldout_fraction and count > 1 else 0
+        if not any(flags[1:].any() for _, flags in self.conversations[:count - heldout]):
+            raise DataError(f"{', '.join(self.paths)}: no training conversation has a token the loss counts "
+                            f"(loss={loss!r}; {self.truncated} cut to seq_len + 1 = {seq_len + 1} tokens, "
+                            f"before the reply); raise seq_len, or set data.chat_loss=all")
         self.num_heldout_conversations = heldout
         self.splits = {"train": pack_conversations(self.conversations[:count - heldout], seq_len + 1),
                        "heldout": pack_conversations(self.conversations[count - heldout:], seq_len + 1)}

@@ -70,6 +70,14 @@ def test_overflow_truncate_or_drop_is_counted(tmp_path, chat_tokenizer):
     assert (dropped["truncated_conversations"], dropped["dropped_conversations"], dropped["num_conversations"]) == (0, 1, 2)
 
 
+def test_data_whose_every_reply_is_cut_off_is_refused_instead_of_training_on_nothing(tmp_path, chat_tokenizer):
+    long_question = {"messages": [{"role": "user", "content": " ".join(["q"] * 400)},
+                                  {"role": "assistant", "content": "a"}]}
+    with pytest.raises(DataError, match=r"no training conversation has a token the loss counts .*data.chat_loss=all"):
+        dataset(tmp_path, chat_tokenizer, [long_question] * 4)
+    assert dataset(tmp_path, chat_tokenizer, [long_question] * 4, loss="all").num_rows() > 0
+
+
 @pytest.mark.parametrize("lines, message", [
     (['{"messages": [{"role": "user", "content": "x"}]}', "{oops"], r"chat.jsonl:2: malformed JSON"),
     (['{"text": "x"}'], r"chat.jsonl:1: expected a JSON object with a 'messages' field"),
