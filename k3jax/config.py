@@ -351,6 +351,7 @@ class TrainConfig:
     max_nonfinite_steps: int = 5          # consecutive skipped steps before the run stops
     compilation_cache: str | None = "~/.cache/k3jax/xla"   # persistent XLA cache; None: off
     resume_step: int | None = None        # resume from this checkpoint; None: the newest one that restores
+    allow_data_change: bool = False       # resume even though the data settings or content changed
 
     def __post_init__(self):
         _positive(self, "steps", "batch_size", "grad_accum", "log_every", "max_nonfinite_steps")

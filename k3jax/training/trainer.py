@@ -64,18 +64,40 @@ def _flat_items(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def model_differences(saved: dict, current: dict) -> list[str]:
-    """``model.key: checkpoint X, config Y`` for every model setting that differs."""
-    old, new = _flat_items(saved, "model"), _flat_items(current, "model")
+def setting_differences(section: str, saved: dict, current: dict) -> list[str]:
+    """``section.key: checkpoint X, config Y`` for every setting of ``section`` that differs."""
+    old, new = _flat_items(saved, section), _flat_items(current, section)
     return [f"{key}: checkpoint {old.get(key)!r}, config {new.get(key)!r}"
             for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
 
 
+def _first_of(differences: list[str]) -> str:
+    return differences[0] + (f" (and {len(differences) - 1} more)" if len(differences) > 1 else "")
+
+
 def check_same_model(meta: dict, config: Config, source: str) -> None:
-    differences = model_differences(meta.get("config", {}).get("model", {}), to_dict(config.model))
+    differences = setting_differences("model", meta.get("config", {}).get("model", {}), to_dict(config.model))
     if differences:
-        more = f" (and {len(differences) - 1} more)" if len(differences) > 1 else ""
-        raise RunError(f"{source} was written by a different model: {differences[0]}{more}")
+        raise RunError(f"{source} was written by a different model: {_first_of(differences)}")
+
+
+# Data settings that change how batches are read, not which: they may differ on resume.
+READING_SETTINGS = ("prefetch",)
+
+
+def check_same_data(meta: dict, config: Config, content_hash: str, source: str) -> None:
+    """Refuse to resume a checkpoint trained on other data settings, or on data whose content has
+    changed since (``train.allow_data_change`` allows both)."""
+    if config.train.allow_data_change:
+        return
+    saved, current = meta.get("config", {}).get("data", {}), to_dict(config.data)
+    differences = setting_differences("data", {k: v for k, v in saved.items() if k not in READING_SETTINGS},
+                                      {k: v for k, v in current.items() if k not in READING_SETTINGS})
+    if meta.get("data_hash", content_hash) != content_hash:
+        differences.append(f"the data's content: checkpoint {meta['data_hash'][:12]}, now {content_hash[:12]}")
+    if differences:
+        raise RunError(f"{source} was trained on other data: {_first_of(differences)}; resume with the same data "
+                       f"or set train.allow_data_change=true")
 
 
 def check_same_base(meta: dict, base: dict, source: str) -> None:
@@ -132,6 +154,7 @@ class Trainer:
             except ImportError:
                 raise ConfigError("logging.tensorboard", "needs tensorboardX: pip install 'k3jax[tensorboard]'") from None
         self.data = make_dataset(config.data)
+        self.data_hash = self.data.content_hash()   # saved with each checkpoint, checked on resume
         self._stop_point()
         if self.data.vocab_size > config.model.vocab_size:
             raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the data's "
@@ -170,6 +193,7 @@ class Trainer:
     def _restore_checkpoint(self, step: int) -> tuple[TrainState, dict]:
         meta = self.checkpoints.meta(step)
         check_same_model(meta, self.config, f"checkpoint {step} in {self.run_dir}")
+        check_same_data(meta, self.config, self.data_hash, f"checkpoint {step} in {self.run_dir}")
         if self.base is not None:
             check_same_base(meta, self.base, f"checkpoint {step} in {self.run_dir}")
         return self.checkpoints.restore(step, self.abstract_state)
@@ -237,7 +261,7 @@ class Trainer:
 
     def _meta(self) -> dict:
         meta = {"config": to_dict(self.config), "data_position": self.position,
-                "data": self.data.describe(), "optimizer_step": int(self.state.step),
+                "data": self.data.describe(), "data_hash": self.data_hash, "optimizer_step": int(self.state.step),
                 "jax_version": jax.__version__}
         return meta if self.base is None else {**meta, BASE_META: self.base}
 

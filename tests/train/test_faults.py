@@ -150,6 +150,20 @@ def test_resume_step_picks_a_checkpoint_and_sets_the_newer_ones_aside(tmp_path, 
     assert len(error_lines(missing.stderr)) == 1
 
 
+def test_a_resume_on_other_data_is_refused_with_the_difference_named_unless_allowed(tmp_path, cache, clean_run):
+    run_dir = shutil.copytree(clean_run, tmp_path / "run")
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    result, seconds = timed_run(run_dir, cache, "data.seed=1")
+    lines = error_lines(result.stderr)
+    record("resume with other data settings", result.returncode, seconds, lines[0])
+    assert result.returncode == 2 and len(lines) == 1
+    assert "was trained on other data: data.seed: checkpoint 0, config 1" in lines[0]
+    assert "train.allow_data_change=true" in lines[0]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+    allowed, _ = timed_run(run_dir, cache, "data.seed=1", "train.allow_data_change=true")
+    assert allowed.returncode == 0, allowed.stderr
+
+
 def test_every_checkpoint_corrupted_is_one_line_and_nothing_changes(tmp_path, cache, clean_run):
     run_dir = shutil.copytree(clean_run, tmp_path / "run")
     for step_dir in (run_dir / "checkpoints").iterdir():
