@@ -43,6 +43,17 @@ def _require(condition: bool, key: str, message: str) -> None:
         raise ConfigError(key, message)
 
 
+# Counts beyond any model: every per-layer and per-expert structure is refused above these before
+# it is built (a config.json with 10^7 layers once took 17 GB of host memory before any error).
+MAX_LAYERS = 4096
+MAX_EXPERTS = 65536
+
+
+def _at_most(section, name: str, limit: int) -> None:
+    value = getattr(section, name)
+    _require(value <= limit, name, f"{value} is more than any model has (at most {limit})")
+
+
 def _positive(section, *names: str) -> None:
     for name in names:
         value = getattr(section, name)
@@ -169,6 +180,7 @@ class MoEConfig:
     mxfp4_implementation: Literal["auto", "xla", "pallas"] = "auto"
 
     def __post_init__(self):
+        _at_most(self, "num_experts", MAX_EXPERTS)
         _positive(self, "num_experts", "top_k", "expert_width", "latent_dim", "routed_scale", "bias_update_rate",
                   "quantile_bins", "expert_groups", "topk_groups", "expert_tile")
         _require(self.expert_format != "mxfp4" or self.expert_matmul == "ragged_dot", "expert_matmul",
@@ -234,6 +246,7 @@ class ModelConfig:
     remat: Literal["none", "full", "dots"] = "none"
 
     def __post_init__(self):
+        _at_most(self, "num_layers", MAX_LAYERS)
         _positive(self, "vocab_size", "d_model", "num_layers", "dense_width", "mla_period", "norm_eps",
                   "init_std", "embed_init_std", "situ_beta", "situ_linear_beta")
         _require(0 <= self.dense_layers <= self.num_layers, "dense_layers",

@@ -70,7 +70,7 @@ import copy
 import typing
 from typing import Any
 
-from k3jax.config import ConfigError, ModelConfig, config_from_dict, periodic_mla_layers
+from k3jax.config import MAX_EXPERTS, MAX_LAYERS, ConfigError, ModelConfig, config_from_dict, periodic_mla_layers
 
 K3_MODEL_TYPE = "kimi_k3"
 TEXT_MODEL_TYPE = "kimi_linear"
@@ -142,6 +142,19 @@ class _Section:
         return {key: copy.deepcopy(value) for key, value in self.data.items() if key not in self.used}
 
 
+def _count(section: _Section, key: str, limit: int) -> int:
+    """A required positive count of at most ``limit``, checked before anything of that count is built."""
+    value = section.take(key, int)
+    if not 1 <= value <= limit:
+        raise HFConfigError(section.field(key), f"{value} is outside 1..{limit}")
+    return value
+
+
+def _listed(numbers: list[int]) -> str:
+    """A layer list for an error message, at most 12 numbers shown."""
+    return str(numbers) if len(numbers) <= 12 else f"[{', '.join(map(str, numbers[:12]))}, ... ({len(numbers)} in all)]"
+
+
 def _one_based_layers(section: _Section, key: str, num_layers: int, required: bool) -> list[int] | None:
     """A 1-based layer list of ``linear_attn_config``, checked to lie in [1, num_layers] without repeats."""
     layers = section.take(key, list, _REQUIRED if required else None, optional=not required)
@@ -153,7 +166,7 @@ def _one_based_layers(section: _Section, key: str, num_layers: int, required: bo
             raise HFConfigError(section.field(key),
                                 f"layer {number} is outside 1..{num_layers} (the lists are 1-based)")
     if len(set(layers)) != len(layers):
-        raise HFConfigError(section.field(key), f"names a layer twice: {layers}")
+        raise HFConfigError(section.field(key), f"names a layer twice: {_listed(layers)}")
     return sorted(layers)
 
 
@@ -175,7 +188,8 @@ def _layer_placement(linear: _Section, num_layers: int) -> dict:
     complement = sorted(set(range(1, num_layers + 1)) - set(kda))
     if full is not None and full != complement:
         raise HFConfigError(linear.field("full_attn_layers"),
-                            f"{full} and kda_layers must partition layers 1..{num_layers}; expected {complement}")
+                            f"{_listed(full)} and kda_layers must partition layers 1..{num_layers}; "
+                            f"expected {_listed(complement)}")
     return _mla_placement([number - 1 for number in complement], num_layers)
 
 
@@ -284,7 +298,7 @@ def _moe_fields(text: _Section, block_res: bool) -> dict:
     if latent_norm and latent_dim is None:
         raise HFConfigError(text.field("latent_moe_use_norm"), "true needs routed_expert_hidden_size (a latent MoE)")
     fields = {
-        "num_experts": text.take("num_experts", int),
+        "num_experts": _count(text, "num_experts", MAX_EXPERTS),
         "top_k": top_k,
         "expert_width": text.take("moe_intermediate_size", int),
         "latent_dim": latent_dim,
@@ -310,7 +324,7 @@ def _text_sections(hf: dict) -> tuple[_Section, _Section | None]:
 
 def _model_fields(text: _Section, wrapper: _Section | None) -> tuple[dict, _Section]:
     """The ``model:`` mapping and the ``linear_attn_config`` section it consumed."""
-    num_layers = text.take("num_hidden_layers", int)
+    num_layers = _count(text, "num_hidden_layers", MAX_LAYERS)
     if text.peek("num_nextn_predict_layers", int, 0, optional=False) != 0:
         raise HFConfigError(text.field("num_nextn_predict_layers"), "multi-token-prediction layers are not supported")
     linear = _Section(text.take("linear_attn_config", dict), text.field("linear_attn_config."))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import shutil
 from typing import Callable, Sequence
 
@@ -83,6 +84,23 @@ def _check_tensor(spec: TensorMap, info: TensorInfo, name: str, dtypes: Sequence
     if not ok:
         raise ConvertError(f"tensor {name} in shard {info.shard}: shape {list(info.shape)}, expected {list(shape)}"
                            + (" (or zero-padded)" if spec.layout == "narrow" else ""))
+
+
+_LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERT_NUMBER = re.compile(r"\.experts\.(\d+)\.")
+
+
+def check_counts(model, manifest: dict[str, TensorInfo]) -> None:
+    """The config's layer and routed-expert counts against the numbers the checkpoint's index uses
+    (``layers.{i}.``, ``experts.{e}.``), before any per-layer or per-expert structure is built."""
+    names = [name for name in manifest if not is_vision(name)]
+    for what, pattern, count in (("layers", _LAYER_NUMBER, model.num_layers),
+                                 ("routed experts", _EXPERT_NUMBER, model.moe.num_experts)):
+        numbers = {int(match.group(1)) for name in names if (match := pattern.search(name))}
+        held = max(numbers) + 1 if numbers else 0
+        if held != count:
+            raise ConvertError(f"config.json describes {count} {what}, but the checkpoint's index holds "
+                               f"tensors of {held}")
 
 
 def plan_import(maps: list[TensorMap], manifest: dict[str, TensorInfo]) -> tuple[set[str], int]:
@@ -325,6 +343,7 @@ def _import_checkpoint(hf_dir: pathlib.Path, out_dir: pathlib.Path, overrides, l
     has_tokenizer = (hf_dir / BPE_FILE_NAME).is_file()
     config, _ = _resolved_config(hf, out_dir, has_tokenizer, overrides)
     checkpoint = SafetensorsCheckpoint(hf_dir)
+    check_counts(config.model, checkpoint.manifest)
     maps = model_maps(config.model, flavour)
     if getattr(config.model, "tie_embeddings", False):
         maps = [spec for spec in maps if spec.key != "lm_head"]     # the head is the embedding

@@ -4,6 +4,7 @@ import errno
 import json
 import pathlib
 import shutil
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -127,6 +128,26 @@ def test_unsupported_config_field(broken, tmp_path):
     hf["mla_use_nope"] = False
     (broken / "config.json").write_text(json.dumps(hf))
     _fails(broken, tmp_path / "run", "mla_use_nope")
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(num_hidden_layers=10**7), ("num_hidden_layers", "outside 1..4096")),
+    (dict(num_experts=10**8), ("num_experts", "outside 1..65536")),
+    (dict(num_hidden_layers=4096, linear_attn_config={**small_config()["linear_attn_config"],
+                                                      "kda_layers": list(range(1, 4096)), "full_attn_layers": [4096]}),
+     ("describes 4096 layers", "holds tensors of 2")),
+    (dict(num_experts=65536), ("describes 65536 routed experts", "holds tensors of")),
+])
+def test_absurd_counts_are_refused_before_anything_is_built(broken, tmp_path, change, words):
+    hf = {**small_config(), **change}
+    (broken / "config.json").write_text(json.dumps(hf))
+    tracemalloc.start()
+    try:
+        _fails(broken, tmp_path / "run", *words)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 2**20, peak    # per-layer / per-expert structures of these counts take gigabytes
 
 
 def test_bad_override(source, tmp_path):
