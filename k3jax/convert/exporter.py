@@ -33,7 +33,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from k3jax.checkpoint import CheckpointError, checkpoint_directory, latest_meta
+from k3jax.checkpoint import CHECKSUMS, CheckpointError, checkpoint_directory, latest_meta
 from k3jax.config import ConfigError, config_from_dict
 from k3jax.convert.errors import ConvertError, atomic_directory, require_new
 from k3jax.convert.hf_config import HFConfigError, checkpoint_flavour, hf_config_from_model, model_config_from_hf
@@ -169,6 +169,11 @@ class MergedAdapters:
         """Whether the run holds ``key`` itself (its router biases), not its base (QLoRA: the codes)."""
         return top == "buffers" and self.adapters.has(top, key)
 
+    def verify(self) -> None:
+        """`StateReader.verify` of the base and of the adapters."""
+        self.base.verify()
+        self.adapters.verify()
+
     def has(self, top: str, key: str) -> bool:
         return self._own(top, key) or self.base.has(top, key)
 
@@ -212,8 +217,8 @@ def _lora_reader(config, step_dir: pathlib.Path, meta: dict) -> tuple[MergedAdap
         adapted = dict(adapted_weights(config.model, config.finetune))
     except ConfigError as error:
         raise ConvertError(f"{step_dir}: {error}") from None
-    reader = MergedAdapters(StateReader(checkpoint_directory(base_dir) / str(base["step"])), StateReader(step_dir),
-                            adapted, config.finetune.lora_scale)
+    reader = MergedAdapters(StateReader(checkpoint_directory(base_dir) / str(base["step"]), base_meta.get(CHECKSUMS)),
+                            StateReader(step_dir, meta.get(CHECKSUMS)), adapted, config.finetune.lora_scale)
     return reader, base_dir
 
 
@@ -229,7 +234,7 @@ def export_checkpoint(run_dir, hf_dir, *, mxfp4: bool = False, float32: bool = F
     if config.finetune.lora:
         reader, model_dir = _lora_reader(config, step_dir, meta)
     else:
-        reader = StateReader(step_dir)
+        reader = StateReader(step_dir, meta.get(CHECKSUMS))
     source = model_dir / SOURCE_DIR
     carried, manifest = None, {}
     try:
@@ -251,6 +256,7 @@ def export_checkpoint(run_dir, hf_dir, *, mxfp4: bool = False, float32: bool = F
         for name, shard in zip(names, shards):
             write_shard(temporary / name, shard, itertools.islice(tensors, len(shard)))
             log(f"  wrote {name} ({len(shard)} tensors)")
+        reader.verify()   # every array read whole against its saved checksum: a corrupted one exports nothing
         weight_map = {entry[0]: name for name, shard in zip(names, shards) for entry in shard}
         (temporary / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         (temporary / "config.json").write_text(json.dumps(hf, indent=2))

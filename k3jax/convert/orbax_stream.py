@@ -102,18 +102,13 @@ class StreamedStateWriter:
 
     def _add_checksum(self, top: str, key: str, index: tuple[int, ...], value: np.ndarray) -> None:
         """Add the checksum part of ``array[index] = value`` (a block of whole trailing rows)."""
-        shape = self.leaves[top][key].shape
-        offset = int(np.ravel_multi_index(index, shape[: len(index)])) * value.size if index else 0
-        flat = value.reshape(-1)
-        for start in range(0, flat.size, _CHECKSUM_PIECE):   # bounded pieces: bounded transient memory
-            part = region_checksum(flat[start : start + _CHECKSUM_PIECE], offset + start)
-            self._checksums[top, key] = (self._checksums[top, key] + part) % 2**32
+        part = block_checksum(self.leaves[top][key].shape, index, value)
+        self._checksums[top, key] = (self._checksums[top, key] + part) % 2**32
 
     def checksums(self) -> dict[str, int]:
         """``{path: checksum}`` of the arrays so far, named as `k3jax.checkpoint.tree_checksums`
         names the restored ``{top: {key: array}}``."""
-        return {jax.tree_util.keystr((jax.tree_util.DictKey(top), jax.tree_util.DictKey(key))): total
-                for (top, key), total in self._checksums.items()}
+        return {checksum_name(top, key): total for (top, key), total in self._checksums.items()}
 
     def _wait_oldest(self) -> None:
         future, nbytes = self._pending.popleft()
@@ -169,18 +164,37 @@ def merge_process_stores(state_dir: pathlib.Path) -> None:
         raise ConvertError(f"{state_dir}: merging the processes' stores failed ({' '.join(str(error).split())[:200]})") from None
 
 
+def checksum_name(top: str, key: str) -> str:
+    """The path `k3jax.checkpoint.tree_checksums` gives array ``key`` of state item ``top``."""
+    return jax.tree_util.keystr((jax.tree_util.DictKey(top), jax.tree_util.DictKey(key)))
+
+
+def block_checksum(shape: tuple[int, ...], index: tuple[int, ...], value: np.ndarray) -> int:
+    """The part of the checksum of an array of ``shape`` that its block ``array[index] = value`` (whole
+    trailing rows: a contiguous region) contributes (`k3jax.checkpoint.region_checksum`)."""
+    offset = int(np.ravel_multi_index(index, shape[: len(index)])) * value.size if index else 0
+    flat, total = value.reshape(-1), 0
+    for start in range(0, flat.size, _CHECKSUM_PIECE):   # bounded pieces: bounded transient memory
+        total = (total + region_checksum(flat[start : start + _CHECKSUM_PIECE], offset + start)) % 2**32
+    return total
+
+
 def summed_checksums(parts: list[dict[str, int]]) -> dict[str, int]:
     """Per-array checksums from the parts several writers summed (the sums add mod 2^32)."""
     return {name: sum(part.get(name, 0) for part in parts) % 2**32 for name in parts[0]}
 
 
 class StateReader:
-    """Regions of the arrays in a checkpoint step's ``state`` item."""
+    """Regions of the arrays in a checkpoint step's ``state`` item. Each distinct region read adds
+    its part to its array's checksum; `verify` compares every array read whole with the checksum
+    saved with the checkpoint (``saved``: the meta's ``{path: checksum}``), as every restore does."""
 
-    def __init__(self, step_dir: pathlib.Path):
+    def __init__(self, step_dir: pathlib.Path, saved: dict[str, int] | None = None):
         self.state_dir = step_dir / STATE
+        self.saved = saved
         self._context = ts.Context()
         self._arrays: dict[tuple[str, str], Any] = {}
+        self._parts: dict[tuple[str, str], dict[tuple[int, ...], tuple[int, int]]] = collections.defaultdict(dict)
 
     def array(self, top: str, key: str):
         if (top, key) not in self._arrays:
@@ -200,4 +214,19 @@ class StateReader:
         return True
 
     def read(self, top: str, key: str, index: tuple[int, ...] = ()) -> np.ndarray:
-        return np.asarray(self.array(top, key)[index].read().result())
+        array = self.array(top, key)
+        value = np.asarray(array[index].read().result())
+        if self.saved is not None and index not in self._parts[top, key]:
+            self._parts[top, key][index] = (block_checksum(tuple(array.shape), index, value), value.size)
+        return value
+
+    def verify(self) -> None:
+        """Raise `ConvertError` naming the first array read whole whose checksum is not the saved one."""
+        for (top, key), parts in self._parts.items():
+            if sum(size for _, size in parts.values()) != int(np.prod(self.array(top, key).shape, dtype=np.int64)):
+                continue   # read in part (an adapter's shared factor, say): nothing to compare
+            found = sum(part for part, _ in parts.values()) % 2**32
+            saved = self.saved.get(checksum_name(top, key))
+            if found != saved:
+                raise ConvertError(f"{self.state_dir}: array {top}/{key} is corrupted (checksum {found:#010x}, "
+                                   f"saved {saved if saved is None else f'{saved:#010x}'})")
