@@ -67,6 +67,7 @@ def main(argv=None) -> int:
             from k3jax.sharding import initialize_distributed
             from .configs import resolve_config
             from k3jax.training import Trainer  # after argument parsing: --help stays instant
+            from k3jax.training.metrics import jsonable
 
             signals.check()
             config = load_config(resolve_config(args.config), args.overrides)
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
             print(f"error: {message}", file=sys.stderr, flush=True)
             return 2
     if "stopped_by" not in summary:
-        print(json.dumps(summary), flush=True)
+        print(json.dumps(jsonable(summary), allow_nan=False), flush=True)
         if "heldout_mqar_recall" in summary:
             print(f"held-out MQAR recall {summary['heldout_mqar_recall']:.3f} after {summary['step']} steps "
                   f"({summary['train_seconds']:.0f} s of training)", flush=True)

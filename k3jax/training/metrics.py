@@ -39,14 +39,17 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     return parsed_lines(path) if path.exists() else []
 
 
-def _jsonable(value: Any) -> Any:
-    """Plain JSON values from numpy / jax scalars and arrays (non-finite floats become strings)."""
+def jsonable(value: Any) -> Any:
+    """Plain JSON values from numpy / jax scalars and arrays, in lists and dicts (non-finite floats
+    become the strings "nan", "inf", "-inf": strict JSON has no literal for them)."""
     if hasattr(value, "tolist"):
         value = value.tolist()
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {key: jsonable(v) for key, v in value.items()}
     return value
 
 
@@ -67,7 +70,7 @@ class MetricsLog:
         os.replace(temporary, self.path)
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+        self._file.write(json.dumps({k: jsonable(v) for k, v in record.items()}) + "\n")
         self._file.flush()
 
     def close(self) -> None:

@@ -35,7 +35,7 @@ from k3jax.flops import measured_peak_flops, training_flops
 from k3jax.sharding import compiled_together, global_batch, process_rows, to_host, wait_for_all_processes
 from k3jax.training.finetune import BASE_META, base_fingerprint, initial_adapters, restore_base
 from k3jax.training.layout import lay_out_run
-from k3jax.training.metrics import MetricsLog, Progress, TensorBoard
+from k3jax.training.metrics import MetricsLog, Progress, TensorBoard, jsonable
 from k3jax.training.run_dir import RunError, RunLock, prepare_run_dir, remove_if_empty, say, set_aside, write_atomically
 from k3jax.training.signals import StopSignals
 from k3jax.training.state import TrainState, sharded_state_from_params, sharded_train_state
@@ -329,7 +329,7 @@ class Trainer:
             print(f"{stopped_by} received: {saved}; run again to resume", flush=True)
             return {"stopped_by": stopped_by, "step": self.position}
         if self.primary:
-            write_atomically(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+            write_atomically(self.run_dir / "summary.json", json.dumps(jsonable(summary), indent=2, allow_nan=False))
         return summary
 
     def _train_loop(self, batches: Prefetcher, signals: StopSignals, log: MetricsLog, board, progress: Progress,

@@ -17,3 +17,15 @@ def test_plain_lines_every_n_steps_with_an_eta_that_leaves_out_the_first_step(ca
     assert [re.match(r"step (\d+)/10 ", line).group(1) for line in lines] == ["2", "4", "6"]
     assert lines[0] == "step 2/10  loss 2.5000  2,000 tok/s  ETA 0:00:08"      # 8 steps left at 1 s each
     assert lines[-1].endswith("ETA 0:00:04")
+
+
+def test_records_and_summaries_with_non_finite_values_are_strict_json():
+    import json
+
+    import numpy as np
+
+    summary = {"heldout_bits_per_byte": float("nan"), "loss": np.float32(np.inf), "by_layer": [1.0, -np.inf],
+               "nested": {"x": np.array([np.nan, 2.0])}}
+    text = json.dumps(metrics.jsonable(summary), allow_nan=False)   # raises on a bare NaN / Infinity
+    assert json.loads(text) == {"heldout_bits_per_byte": "nan", "loss": "inf", "by_layer": [1.0, "-inf"],
+                                "nested": {"x": ["nan", 2.0]}}
