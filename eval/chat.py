@@ -17,8 +17,8 @@ session keeps the reply as the renderer writes it: the sampled ids when they are
 rendering (the rest, such as the closing tags of a reply cut short by --max-new-tokens, appended),
 else the rendering in place of the sampled ids. So the session's tokens are always
 `render_conversation` of the turns so far plus the generation prompt. ``--raw`` (and every other
-run) takes turns as plain text through the run's tokenizer; a model whose vocabulary is smaller
-than the tokenizer's (MQAR runs) takes turns as space-separated token ids and answers with ids. Sampling
+run) takes turns as `eval.generate` takes prompts (`eval.generate.Codec`): plain text through the
+run's tokenizer, or space-separated token ids on MQAR runs, answered with ids. Sampling
 flags are those of `k3jax.generate.generate`. Bad input (a missing checkpoint, a bad flag, an
 unknown command or session, a name that exists) prints one ``error:`` line; startup errors exit 2.
 """
@@ -30,11 +30,13 @@ import sys
 
 import numpy as np
 
-from k3jax.data import DataError, load_tokenizer
+from k3jax.data import DataError
+from k3jax.sessions import SessionStore
+
 from .chat_turns import ChatTurns, chat_turns_for
 from .cli import quiet_checkpoint_logging
+from .generate import Codec
 from .loading import EvalInputError, load_run
-from k3jax.sessions import SessionStore
 
 
 class ChatInputError(Exception):
@@ -65,31 +67,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-class TokenCodec:
-    """Text <-> token ids: the run's tokenizer, or space-separated ids when the model's vocabulary
-    is smaller than the tokenizer's."""
-
-    def __init__(self, config):
-        tokenizer = load_tokenizer(config.data.tokenizer)
-        self.tokenizer = tokenizer if tokenizer.vocab_size <= config.model.vocab_size else None
-        self.eos_id = None if self.tokenizer is None else self.tokenizer.eos_id
-
-    def encode(self, line: str) -> list[int]:
-        if self.tokenizer is not None:
-            return self.tokenizer.encode(line)
-        try:
-            return [int(word) for word in line.split()]
-        except ValueError:
-            raise ChatInputError("this model takes turns as space-separated token ids") from None
-
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode(list(ids)) if self.tokenizer is not None else " ".join(map(str, ids))
-
-
 class Chat:
     """The state of one chat: the store, the current session and each session's undo snapshots."""
 
-    def __init__(self, model, codec: TokenCodec | None, args: argparse.Namespace, sessions_dir: pathlib.Path,
+    def __init__(self, model, codec: Codec | None, args: argparse.Namespace, sessions_dir: pathlib.Path,
                  turns: ChatTurns | None = None):
         """``turns``: K3's chat format for every turn; None: ``codec`` encodes turns as they are."""
         self.model, self.codec, self.args, self.sessions_dir, self.turns = model, codec, args, sessions_dir, turns
@@ -103,7 +84,7 @@ class Chat:
             self.current = self.store.open(tokens)
             self.undo[self.current] = []
         else:
-            self.undo[self.current].append(self.store.snapshot(self.current))
+            self.undo.setdefault(self.current, []).append(self.store.snapshot(self.current))
             self.store.append(self.current, tokens)
         before_reply = self.store.snapshot(self.current) if self.turns is not None else None
         args = self.args
@@ -172,7 +153,7 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None) -> int:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         run = load_run(args.run, args.step)
         turns = None if args.raw else chat_turns_for(run.config)
-        codec = TokenCodec(run.config) if turns is None else None
+        codec = Codec(run.config, raw=True) if turns is None else None
     except (ChatInputError, EvalInputError, DataError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
@@ -183,7 +164,7 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None) -> int:
         line = line.strip()
         try:
             reply = chat.command(line) if line.startswith("/") else chat.turn(line)
-        except (ChatInputError, ValueError) as error:
+        except (ChatInputError, EvalInputError, ValueError, OSError) as error:   # one line; the chat goes on
             print(f"error: {error}", file=stdout, flush=True)
             continue
         if reply is None:

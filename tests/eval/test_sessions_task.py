@@ -48,21 +48,29 @@ def test_sessions_task_accuracy_is_a_plain_forward_over_the_row(restored):
 
 @pytest.mark.slow
 def test_chat_runs_its_commands(trained_run, tmp_path):
-    lines = ["ab", "/fork", "/rollback", "cd", "/sessions", "/rollback", "/save s1", "/save s1", "/load s1",
-             "/switch 7", "/bogus", "/quit", "never read"]
+    # An MQAR run: turns are space-separated token ids, as eval.generate takes its prompts.
+    lines = ["3 4", "/fork", "/rollback", "5 6", "/sessions", "/rollback", "/save s1", "/save s1", "/load s1",
+             "7 8", "/switch 1", "9 10", "/sessions", "a b", "/load missing", "/switch 7", "/bogus", "/quit",
+             "never read"]
     out = io.StringIO()
     code = chat_main([str(trained_run.path), "--max-new-tokens", "2", "--sessions-dir", str(tmp_path)],
                      stdin=io.StringIO("\n".join(lines) + "\n"), stdout=out)
-    replies = out.getvalue().splitlines()       # generated text may hold newlines: find the replies in order
+    replies = out.getvalue().splitlines()
     expected = ["forked: now in session 1", "error: nothing to roll back in this session",
                 "  0: 4 tokens", "* 1: 8 tokens",       # 2 typed + 2 generated; then 2 + 2 more in the fork
                 "rolled back to 4 tokens", f"saved 2 sessions to {tmp_path / 's1'}",
                 f"error: {tmp_path / 's1'} already exists; save writes a new directory",
-                "loaded 2 sessions; current 0", "error: no session '7'; /sessions lists them",
+                "loaded 2 sessions; current 0",
+                "  0: 8 tokens", "* 1: 8 tokens",       # a turn after /load and one after /switch: no crash
+                "error: this run's data are MQAR token ids; give space-separated integers, got 'a b'",
+                "error: no session '7'; /sessions lists them",
                 "error: unknown command /bogus; see python -m eval.chat --help"]
     assert code == 0
-    positions = [replies.index(line) for line in expected]
-    assert positions == sorted(positions) and replies[-1] == expected[-1]
+    position = -1
+    for line in expected:                       # in this order (generated text may hold newlines)
+        position = replies.index(line, position + 1)
+    assert replies[-1] == expected[-1]
+    assert any(line.startswith("error:") and "missing" in line for line in replies)
 
 
 def test_chat_bad_startup_is_one_line_and_status_2(tmp_path, capsys):
