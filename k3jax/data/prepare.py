@@ -16,6 +16,7 @@ checks that the corpus fills at least one row of N positions and reports the row
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -43,6 +44,19 @@ def write_atomically(path: Path, write) -> None:
         file.flush()
         os.fsync(file.fileno())
     os.replace(temporary, path)
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a source file's bytes (read in 1 MiB pieces): a continued prepare refuses sources
+    edited since it began, even when their size is unchanged."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as file:
+            for piece in iter(lambda: file.read(1 << 20), b""):
+                digest.update(piece)
+    except OSError as error:
+        raise DataError(f"{path}: cannot read ({error.strerror or error})") from None
+    return digest.hexdigest()
 
 
 def write_json(path: Path, value) -> None:
@@ -88,8 +102,8 @@ def prepare(sources: list[str], out: str | os.PathLike, *, tokenizer_path: str |
     files = [file for source in sources for file in find_data_files(source)
              if out.resolve() not in file.resolve().parents]   # OUT inside a source: its own .json files
     settings = {"format": FORMAT, "version": FORMAT_VERSION, "sources": [str(s) for s in sources],
-                "files": [{"path": str(f), "bytes": f.stat().st_size} for f in files], "jsonl_field": jsonl_field,
-                "tokenizer": tokenizer.describe(), "shard_tokens": shard_tokens}
+                "files": [{"path": str(f), "bytes": f.stat().st_size, "sha256": file_sha256(f)} for f in files],
+                "jsonl_field": jsonl_field, "tokenizer": tokenizer.describe(), "shard_tokens": shard_tokens}
     if out.exists() and not out.is_dir():
         raise DataError(f"{out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)

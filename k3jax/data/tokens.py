@@ -58,15 +58,33 @@ def array_sha256(array: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
 
 
+class ShardDigests:
+    """The SHA-256 each shard's tokens must have, checked once per shard per process, on its first read
+    (a shard is read whole once to hash it; later reads touch only the rows they need)."""
+
+    def __init__(self, names: list[str], digests: list[str]):
+        self.names, self.digests, self.checked = names, digests, set()
+
+    def check(self, number: int, tokens: np.ndarray) -> None:
+        if number in self.checked:
+            return
+        if array_sha256(tokens) != self.digests[number]:
+            raise DataError(f"{self.names[number]}: the tokens do not match the SHA-256 the index recorded "
+                            f"(changed or damaged on disk); prepare it again")
+        self.checked.add(number)
+
+
 class ShardedTokens:
     """Memory-mapped token shards read as one int32 array, or a window ``[lo, hi)`` of it.
 
     Supports what packing needs: ``size``, ``len``, a contiguous slice (another window, nothing read)
     and indexing by an integer array of any shape (a gather from the shards holding those positions).
+    With ``digests`` every shard is verified on its first read (`ShardDigests`).
     """
 
-    def __init__(self, shards: list[np.ndarray], lo: int = 0, hi: int | None = None):
-        self.shards = shards
+    def __init__(self, shards: list[np.ndarray], lo: int = 0, hi: int | None = None,
+                 digests: ShardDigests | None = None):
+        self.shards, self.digests = shards, digests
         self.starts = np.cumsum([0] + [shard.size for shard in shards], dtype=np.int64)
         self.lo, self.hi = lo, int(self.starts[-1]) if hi is None else hi
 
@@ -82,11 +100,13 @@ class ShardedTokens:
             start, stop, stride = key.indices(self.size)
             if stride != 1:
                 raise DataError("sharded tokens take contiguous slices only")
-            return ShardedTokens(self.shards, self.lo + start, self.lo + max(start, stop))
+            return ShardedTokens(self.shards, self.lo + start, self.lo + max(start, stop), self.digests)
         positions = np.asarray(key, dtype=np.int64).ravel() + self.lo
         which = np.searchsorted(self.starts, positions, side="right") - 1
         out = np.empty(positions.size, dtype=np.int32)
         for shard in np.unique(which):
+            if self.digests is not None:
+                self.digests.check(int(shard), self.shards[shard])
             here = which == shard
             out[here] = self.shards[shard][positions[here] - self.starts[shard]]
         return out.reshape(np.shape(key))
@@ -103,6 +123,9 @@ def open_shard(directory: Path, entry: dict) -> tuple[np.ndarray, np.ndarray]:
     if tokens.dtype != np.int32 or tokens.size != entry["num_tokens"] or docs.size != entry["num_documents"]:
         raise DataError(f"{directory / name}: {tokens.size} {tokens.dtype} tokens and {docs.size} documents, "
                         f"the index says {entry['num_tokens']} int32 and {entry['num_documents']}; prepare it again")
+    if array_sha256(docs) != entry["docs_sha256"]:
+        raise DataError(f"{directory / name}: the document offsets do not match the SHA-256 the index recorded "
+                        f"(changed or damaged on disk); prepare it again")
     return tokens, docs
 
 
@@ -142,7 +165,9 @@ class TokensDataset(PackedDataset):
         shards = [open_shard(directory, entry) for entry in self.index["shards"]]
         firsts = np.cumsum([0] + [tokens.size for tokens, _ in shards[:-1]], dtype=np.int64)
         doc_starts = np.concatenate([docs + first for (_, docs), first in zip(shards, firsts)] or [np.zeros(0, np.int64)])
-        self._set_stream(TokenStream(ShardedTokens([tokens for tokens, _ in shards]), doc_starts))
+        digests = ShardDigests([str(directory / entry["name"]) for entry in self.index["shards"]],
+                               [entry["tokens_sha256"] for entry in self.index["shards"]])
+        self._set_stream(TokenStream(ShardedTokens([tokens for tokens, _ in shards], digests=digests), doc_starts))
 
     def _tokenizer(self, tokenizer_path):
         made_with = self.index["tokenizer"]

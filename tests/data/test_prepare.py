@@ -63,6 +63,29 @@ def test_other_settings_into_the_same_directory_are_refused(tmp_path, corpus):
         prepare([str(corpus)], tmp_path / "out", shard_tokens=31, **QUIET)
 
 
+def test_a_source_edited_before_a_continue_is_refused_even_at_the_same_size(tmp_path, corpus):
+    out = tmp_path / "out"
+    prepare([str(corpus)], out, shard_tokens=30, **QUIET)
+    (out / "index.json").unlink()                       # an unfinished prepare
+    source = corpus / "a.txt"
+    text = source.read_bytes()
+    source.write_bytes(text[:-2] + text[-1:] + text[-2:-1])   # two bytes swapped: the same size
+    with pytest.raises(DataError, match="prepared .* from other sources or settings"):
+        prepare([str(corpus)], out, shard_tokens=30, **QUIET)
+
+
+@pytest.mark.parametrize("damage", ["tokens", "docs"])
+def test_a_shard_changed_on_disk_is_refused_when_training_reads_it(tmp_path, corpus, damage):
+    prepare([str(corpus)], tmp_path / "out", shard_tokens=30, **QUIET)
+    path = tmp_path / "out" / f"shard-00001.{damage}.npy"
+    values = np.load(path)
+    values[-1] += 1                                       # same shape, same dtype, other values
+    np.save(path, values)
+    with pytest.raises(DataError, match=r"shard-00001: the .* do not match the SHA-256 the index recorded"):
+        ds = TokensDataset(tmp_path / "out", 8, heldout_fraction=0)
+        ds.batch(0, ds.num_rows())                        # every row: shard 1 is read
+
+
 def test_tokens_need_the_tokenizer_they_were_made_with(tmp_path, corpus, bpe_file):
     prepare([str(corpus)], tmp_path / "out", **QUIET)
     with pytest.raises(DataError, match="prepared with the tokenizer bytes, not .*tiny.tiktoken"):
