@@ -21,6 +21,9 @@ sequence has produced ``eos_id`` or after ``max_new_tokens``. Sampling per step,
 from __future__ import annotations
 
 import functools
+import math
+import numbers
+import os
 from typing import NamedTuple, Sequence
 
 import jax
@@ -28,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax.memory import init_memory
+from k3jax.memory import init_memory, memory_bytes
 from k3jax.model import K3Model, check_token_range
 
 MIN_PROMPT_BUCKET = 8
@@ -58,6 +61,46 @@ def sample_logits(logits: jax.Array, key: jax.Array, temperature, top_k, top_p) 
     choice = jax.random.categorical(key, jnp.where(keep, ranked, -jnp.inf), axis=-1)
     choice = jnp.where(temperature > 0, choice, 0)
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def _is_integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_sampling(max_new_tokens, temperature, top_k, top_p, seed) -> None:
+    """ValueError (one line) unless ``max_new_tokens`` is an integer >= 1, ``temperature`` a finite
+    number >= 0, ``top_k`` None or an integer >= 1, ``top_p`` None or a number in (0, 1] and ``seed``
+    an integer (what `generate` and `k3jax.sessions.SessionStore.generate` take)."""
+    if not _is_integer(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not (_is_real(temperature) and temperature >= 0) or not (top_k is None or _is_integer(top_k) and top_k >= 1) \
+            or not (top_p is None or _is_real(top_p) and 0 < top_p <= 1):
+        raise ValueError(f"need a finite temperature >= 0, an integer top_k >= 1 (or None) and 0 < top_p <= 1 "
+                         f"(or None); got {temperature!r}, {top_k!r}, {top_p!r}")
+    if not _is_integer(seed):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+
+
+def memory_limit(device=None) -> int:
+    """Bytes one device can hold: its allocator's limit where it reports one (GPU, TPU), else the
+    host's physical memory (CPU)."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() or {}
+    return int(stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def check_bank_fits(config, sequences: int, length: int, what: str) -> None:
+    """ValueError when a memory bank of ``sequences`` x ``length`` tokens could not fit on the device
+    at all (checked from shapes, before anything is allocated)."""
+    needed = sequences * sum(memory_bytes(config, length).values())
+    limit = memory_limit()
+    if needed > limit:
+        raise ValueError(f"{what}: a memory bank of {sequences} sequence(s) x {length} tokens needs "
+                         f"{needed / 2**30:.1f} GiB, more than the device holds ({limit / 2**30:.1f} GiB)")
 
 
 def prompt_bucket(length: int) -> int:
@@ -155,12 +198,11 @@ def generate(
         raise ValueError("prompt tokens must be integer ids")
     for prompt in prompts:
         check_token_range(prompt, model.config.vocab_size)
-    if eos_id is not None and not 0 <= eos_id < model.config.vocab_size:
-        raise ValueError(f"eos_id must be in [0, {model.config.vocab_size}), got {eos_id}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
-        raise ValueError(f"need temperature >= 0, top_k >= 1, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
+    if eos_id is not None and not (_is_integer(eos_id) and 0 <= eos_id < model.config.vocab_size):
+        raise ValueError(f"eos_id must be an integer in [0, {model.config.vocab_size}), got {eos_id!r}")
+    check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
+    check_bank_fits(model.config, len(prompts), prompt_bucket(max(p.size for p in prompts)) + max_new_tokens - 1,
+                    f"max_new_tokens={max_new_tokens}")
     sampling = (jnp.float32(temperature), jnp.int32(top_k or 0), jnp.float32(1.0 if top_p is None else top_p))
     prompt, segments = pad_prompts(prompts)
     graphdef, state = nnx.split(model)

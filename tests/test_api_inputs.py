@@ -75,12 +75,19 @@ def _bad_generate_calls(model):
         "negative temperature": (lambda: generate(model, prompt, max_new_tokens=2, temperature=-1), "temperature"),
         "top_p 0": (lambda: generate(model, prompt, max_new_tokens=2, top_p=0.0), "top_p"),
         "float tokens": (lambda: generate(model, [1.5, 2.0], max_new_tokens=2), "integer ids"),
+        "fractional max_new_tokens": (lambda: generate(model, prompt, max_new_tokens=2.5), "max_new_tokens"),
+        "NaN temperature": (lambda: generate(model, prompt, max_new_tokens=2, temperature=float("nan")), "temperature"),
+        "text temperature": (lambda: generate(model, prompt, max_new_tokens=2, temperature="hot"), "temperature"),
+        "fractional top_k": (lambda: generate(model, prompt, max_new_tokens=2, top_k=1.5), "top_k"),
+        "text seed": (lambda: generate(model, prompt, max_new_tokens=2, seed="a"), "seed"),
+        "a bank larger than the device": (lambda: generate(model, prompt, max_new_tokens=2**40), "more than the device"),
     }
 
 
 @pytest.mark.parametrize("case", ["id >= vocab", "negative id in a ragged batch", "empty prompt", "3-D prompt",
                                   "eos out of range", "max_new_tokens 0", "negative temperature", "top_p 0",
-                                  "float tokens"])
+                                  "float tokens", "fractional max_new_tokens", "NaN temperature", "text temperature",
+                                  "fractional top_k", "text seed", "a bank larger than the device"])
 def test_bad_generate_input_is_a_clear_value_error(case, model):
     call, message = _bad_generate_calls(model)[case]
     with pytest.raises(ValueError, match=message):
