@@ -41,7 +41,9 @@ def _read_json(path: pathlib.Path) -> dict:
     except FileNotFoundError:
         raise ConvertError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ConvertError(f"{path}: not readable JSON ({' '.join(str(error).split())})") from None
+        raise ConvertError(f"{path}: not readable JSON ({' '.join(str(error).split())[:200]})") from None
+    except RecursionError:
+        raise ConvertError(f"{path}: nested too deeply to be a checkpoint's JSON") from None
     if not isinstance(data, dict):
         raise ConvertError(f"{path}: expected a JSON object")
     return data
@@ -58,6 +60,10 @@ class SafetensorsCheckpoint:
             weight_map = _read_json(index).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ConvertError(f"{index}: no 'weight_map' of tensor names to shard files")
+            for name, shard in weight_map.items():
+                if not isinstance(shard, str) or pathlib.PurePath(shard).name != shard or shard in ("", ".", ".."):
+                    raise ConvertError(f"{index}: tensor {name} maps to {str(shard)[:80]!r}, not a shard file name "
+                                       f"in {self.directory}")
         elif (self.directory / SINGLE_NAME).exists():
             weight_map = None
         else:

@@ -150,6 +150,21 @@ def test_absurd_counts_are_refused_before_anything_is_built(broken, tmp_path, ch
     assert peak < 64 * 2**20, peak    # per-layer / per-expert structures of these counts take gigabytes
 
 
+@pytest.mark.parametrize("entry, words", [(7, "maps to '7', not a shard file name"),
+                                          (["a"], "not a shard file name"),
+                                          ("../model-00001-of-00003.safetensors", "not a shard file name")])
+def test_a_malformed_index_entry_is_one_line(broken, tmp_path, entry, words):
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    index["weight_map"][next(iter(index["weight_map"]))] = entry
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    _fails(broken, tmp_path / "run", words)
+
+
+def test_a_deeply_nested_index_is_one_line(broken, tmp_path):
+    (broken / "model.safetensors.index.json").write_text("[" * 100_000 + "]" * 100_000)
+    _fails(broken, tmp_path / "run", "nested too deeply")
+
+
 def test_bad_override(source, tmp_path):
     _fails(source, tmp_path / "run", "model.moe.expert_matmul", overrides=["model.moe.expert_matmul=fast"])
 
