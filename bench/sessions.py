@@ -2,8 +2,9 @@
 
     decode   64 sessions of different lengths step together (one batched jitted step per token)
              vs the same 64 sessions decoded one at a time: tokens/s of each and their ratio; and
-             the batched step over the pools (pool kernels, in place) vs the reference step that
-             gathers a contiguous bank, decodes and scatters it back (``decode_kernel=None``)
+             the batched step over the pools (the kernels of ``model.kda.implementation``, in
+             place) vs the baseline step that gathers a contiguous bank, decodes and scatters it
+             back (the store's private ``_gathered_decode``, `k3jax.sessions.paged.decode_step`)
     prefix   opening a session whose prompt starts with a cached 4K-token prefix (prefill only
              the suffix) vs a cold prefill of the same prompt in a store without the cache
 
@@ -39,20 +40,19 @@ def decode_trials(store: SessionStore, sids, handles, new_tokens: int, trials: i
         for sid, handle in zip(sids, handles):
             store.rollback(sid, handle)
 
-    kernel = store.decode_kernel
-    modes = {"batched": (kernel, lambda: store.generate(sids, new_tokens)),
-             "batched_gathered": (None, lambda: store.generate(sids, new_tokens)),
-             "one_at_a_time": (kernel, lambda: [store.generate([sid], new_tokens) for sid in sids])}
+    modes = {"batched": (False, lambda: store.generate(sids, new_tokens)),
+             "batched_gathered": (True, lambda: store.generate(sids, new_tokens)),
+             "one_at_a_time": (False, lambda: [store.generate([sid], new_tokens) for sid in sids])}
     trial_seconds = {name: [] for name in modes}
     for trial in range(trials + WARMUP_TRIALS):
         order = list(modes) if trial % 2 == 0 else list(modes)[::-1]
         for name in order:
             reset()
-            store.decode_kernel = modes[name][0]
+            store._gathered_decode = modes[name][0]
             elapsed = seconds(modes[name][1])
             if trial >= WARMUP_TRIALS:
                 trial_seconds[name].append(elapsed)
-    store.decode_kernel = kernel
+    store._gathered_decode = False
     return trial_seconds
 
 
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
         "batched_speedup": median["one_at_a_time"] / median["batched"],
         "batched_gathered_tokens_per_s": tokens / median["batched_gathered"],
         "pooled_vs_gathered_speedup": median["batched_gathered"] / median["batched"],
-        "decode_kernel": store.stats()["decode_kernel"],
+        "kda_implementation": config.kda.implementation,
         "cold_prefill_s": median["cold_prefill"], "prefix_hit_s": median["prefix_hit"],
         "prefix_speedup": median["cold_prefill"] / median["prefix_hit"],
         "prefix_hit_max_logit_difference": difference,
@@ -142,7 +142,8 @@ def main(argv=None) -> int:
         ["one-at-a-time decode, tokens/s", f"{result['one_at_a_time_tokens_per_s']:.1f}"],
         ["  ratio (batched / one at a time)", f"{result['batched_speedup']:.2f}"],
         ["batched, gather/decode/scatter, tokens/s", f"{result['batched_gathered_tokens_per_s']:.1f}"],
-        [f"  ratio (pooled {result['decode_kernel']} / gathered)", f"{result['pooled_vs_gathered_speedup']:.2f}"],
+        [f"  ratio (pooled, kda.implementation={config.kda.implementation} / gathered)",
+         f"{result['pooled_vs_gathered_speedup']:.2f}"],
         [f"cold prefill of {args.prefix}+16 tokens, s", f"{result['cold_prefill_s']:.3f}"],
         ["prefix-cache hit (prefill 16 tokens), s", f"{result['prefix_hit_s']:.3f}"],
         ["  ratio (cold / hit)", f"{result['prefix_speedup']:.2f}"],

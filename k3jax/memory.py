@@ -21,7 +21,8 @@ in place, as `k3jax.sessions` keeps it): the bank is a `Memory` of
 
       kda: KDAPool     state [N, HV, K, V] fp32, conv [N, W-1, C]: pools of rows shared by every
                        KDA layer; rows [N_kda, B] int32: the row of each (layer, sequence), distinct
-                       within a layer (`k3jax.ops.kda.decode_pool`); kernel: its options
+                       within a layer (`k3jax.ops.kda.decode_pool`, with the kernels of the
+                       config's kda.implementation)
       mla: MLAPages    latent [N, page, kv_lora + r]: a pool of pages shared by every MLA layer;
                        tables [N_mla, B, P] int32: each sequence's pages in order (entries >= N
                        read as zeros and drop writes); length [N_mla, B] int32: tokens so far
@@ -59,22 +60,12 @@ class Memory(NamedTuple):
     mla: MLAMemory
 
 
-class PoolKernel(NamedTuple):
-    """Options of the pool decode kernels (`k3jax.ops.kda.decode_pool`): implementation None picks
-    "pallas" on GPU/TPU and "xla" elsewhere; backend / interpret force a Pallas family (tests)."""
-
-    implementation: str | None = None
-    backend: str | None = None
-    interpret: bool = False
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KDAPool:
     state: jax.Array
     conv: jax.Array
     rows: jax.Array
-    kernel: PoolKernel = dataclasses.field(default=PoolKernel(), metadata=dict(static=True))
 
 
 class MLAPages(NamedTuple):

@@ -11,7 +11,10 @@ For x in R^d, with H query/key heads, HV = m H value heads, K = V = head_dim, P 
                                                                          RMSNorm eps config.output_norm_eps
 
 The low-rank gates have rank K. Parameters are stored per head ([d, H, K] etc.) so per-head
-optimizers and head sharding see the head axis.
+optimizers and head sharding see the head axis. ``config.implementation`` picks the KDA kernels
+of all three paths, by the one rule of `k3jax.ops.kda`: the forward over a sequence (`kda`), the
+one-token decode of a contiguous bank (`kda_step`) and the pooled decode (`kda_pool_step` and
+`conv_pool_step`); the short convolution of a contiguous bank is XLA in every implementation.
 """
 from __future__ import annotations
 
@@ -118,7 +121,8 @@ class KDALayer(nnx.Module):
 
         state = None if memory is None else memory.state
         if length == 1 and state is not None:
-            o, state = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+            o, state = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state,
+                                implementation=cfg.implementation)
             o = o[:, None]
         elif split:
             o, state = self.context_parallel.kda(q, k, v, g, beta, segments, chunk_size=cfg.chunk_size,
@@ -132,16 +136,19 @@ class KDALayer(nnx.Module):
 
     def decode_pooled(self, x: jax.Array, memory: KDAPool) -> tuple[jax.Array, KDAPool]:
         """One token per sequence, x ``[B, 1, d]``, whose state and conv tail are rows
-        ``memory.rows [B]`` of the pools: `conv_pool_step` and `kda_pool_step` read and write only
-        those rows (in place when the pools are donated). -> ``(y [B, 1, d], KDAPool with the
-        updated pools)``; the same numbers as ``__call__`` on the gathered rows."""
+        ``memory.rows [B]`` of the pools: `conv_pool_step` and `kda_pool_step` (the kernels of
+        ``config.implementation``) read and write only those rows (in place when the pools are
+        donated). -> ``(y [B, 1, d], KDAPool with the updated pools)``; the same numbers as
+        ``__call__`` on the gathered rows."""
         if x.shape[1] != 1:
             raise ValueError(f"pooled KDA decode takes one token per sequence, got x {x.shape}")
-        kernel = memory.kernel._asdict()
-        mixed, conv = conv_pool_step(memory.conv, memory.rows, self._projections(x)[:, 0], self._conv_weight(), **kernel)
+        implementation = self.config.implementation
+        mixed, conv = conv_pool_step(memory.conv, memory.rows, self._projections(x)[:, 0], self._conv_weight(),
+                                     implementation=implementation)
         q, k, v = self._heads(mixed[:, None])
         g, beta = self._gates(x)
-        o, state = kda_pool_step(memory.state, memory.rows, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], **kernel)
+        o, state = kda_pool_step(memory.state, memory.rows, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                                 implementation=implementation)
         return self._output(o[:, None], x), dataclasses.replace(memory, state=state, conv=conv)
 
     def _projections(self, x: jax.Array) -> jax.Array:

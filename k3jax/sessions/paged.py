@@ -9,9 +9,9 @@ A sequence b on device is (slot[b], page table[b] [P], length[b]); token positio
 page table[b][t // page], row t % page. The batched decode step runs the model over the pools
 themselves (`pooled_bank`: the pools reshaped to rows, KDA row slot * N_kda + layer and MLA page
 layer * N_pages + page, so every layer's kernels read and write only the rows and pages of the
-batch, in place in the donated pools). Prefill (and the reference decode, ``kernel=None``)
-gathers the selected sequences into the
-contiguous bank of `k3jax.memory` (capacity P * page; pages past the table are index N_pages,
+batch, in place in the donated pools, with the kernels of the model's ``kda.implementation``).
+Prefill (and the gather/decode/scatter baseline of `decode_step`) gathers the selected sequences
+into the contiguous bank of `k3jax.memory` (capacity P * page; pages past the table are index N_pages,
 read as zeros), runs the model, and scatters back what changed: the KDA states and conv tails
 of the slots and the latent rows at positions [length, length + T). Padding rows of a batch use
 page N_pages (reads are zeros, writes are dropped) and, for decode, a free slot of their own
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.generate import sample_logits
-from k3jax.memory import KDAMemory, KDAPool, Memory, MLAMemory, MLAPages, PoolKernel
+from k3jax.memory import KDAMemory, KDAPool, Memory, MLAMemory, MLAPages
 
 
 class Pools(NamedTuple):
@@ -113,7 +113,7 @@ def prefill_piece(graphdef, params, pools: Pools, slot, table, length, tokens):
     return out.logits[0], scatter_bank(pools, slots, tables, lengths, out.memory, tokens.shape[0])
 
 
-def pooled_bank(pools: Pools, slots: jax.Array, tables: jax.Array, lengths: jax.Array, kernel: PoolKernel) -> Memory:
+def pooled_bank(pools: Pools, slots: jax.Array, tables: jax.Array, lengths: jax.Array) -> Memory:
     """The pooled bank (`k3jax.memory`) of B sequences: the pools reshaped to rows (no copy),
     KDA rows ``slot * N_kda + layer`` ``[N_kda, B]`` and MLA pages ``layer * N_pages + page``
     ``[N_mla, B, P]`` (table entries N_pages become N_mla * N_pages, outside the pool)."""
@@ -123,7 +123,7 @@ def pooled_bank(pools: Pools, slots: jax.Array, tables: jax.Array, lengths: jax.
     layer_pages = jnp.where(tables < num_pages, layer_pages, num_mla * num_pages)
     return Memory(
         kda=KDAPool(pools.state.reshape(-1, *pools.state.shape[2:]), pools.conv.reshape(-1, *pools.conv.shape[2:]),
-                    rows, kernel),
+                    rows),
         mla=MLAPages(pools.latent.reshape(-1, *pools.latent.shape[2:]), layer_pages,
                      jnp.broadcast_to(lengths, (num_mla, slots.shape[0]))),
     )
@@ -135,24 +135,26 @@ def pools_of(bank: Memory, like: Pools) -> Pools:
                  bank.mla.latent.reshape(like.latent.shape))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "kernel"), donate_argnames=("pools",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "gathered"), donate_argnames=("pools",))
 def decode_step(graphdef, params, pools: Pools, slots, tables, lengths, logits, seed, row_ids, sampling,
-                kernel: PoolKernel | None = PoolKernel()):
+                gathered: bool = False):
     """Every row samples its next token from ``logits [B, vocab]`` (`k3jax.generate.sample_logits`
     with the key fold_in(fold_in(key(seed), row_id), length)) and feeds it: -> (tokens [B], their
     logits [B, vocab] fp32, pools). Slots must be distinct (padding rows: free slots). The model
-    decodes over `pooled_bank` with the pool kernels ``kernel``; None runs the reference instead:
-    gather the contiguous bank, decode, scatter back. One program for every subset of sessions
-    of a batch bucket and page bucket."""
+    decodes over `pooled_bank` (its KDA kernels are its config's ``kda.implementation``). One
+    program for every subset of sessions of a batch bucket and page bucket.
+
+    ``gathered`` is private, a baseline for `bench.sessions` and the tests: gather the contiguous
+    bank, decode, scatter back (the same numbers up to rounding, more memory traffic)."""
     def sample_row(row_logits, row_id, length):
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), row_id), length)
         return sample_logits(row_logits[None], key, *sampling)[0]
     tokens = jax.vmap(sample_row)(logits, row_ids, lengths)
     model = nnx.merge(graphdef, params)
-    if kernel is None:
+    if gathered:
         out = model(tokens[:, None], memory=gather_bank(pools, slots, tables, lengths))
         return tokens, out.logits[:, 0], scatter_bank(pools, slots, tables, lengths, out.memory, 1)
-    out = model(tokens[:, None], memory=pooled_bank(pools, slots, tables, lengths, kernel))
+    out = model(tokens[:, None], memory=pooled_bank(pools, slots, tables, lengths))
     return tokens, out.logits[:, 0], pools_of(out.memory, pools)
 
 

@@ -37,8 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax.memory import PoolKernel
-from k3jax.ops.kda.decode_pool import resolve_implementation
 from k3jax.sessions import paged
 from k3jax.sessions.tiers import HostTier, HostValue, RefCounts, read_npz, write_npz_atomically
 
@@ -112,9 +110,9 @@ class SessionStore:
     None = no disk tier. See the module docstring."""
 
     def __init__(self, model, device_bytes: int | None = None, host_bytes: int | None = None,
-                 disk_dir: str | os.PathLike | None = None, *, decode_kernel: PoolKernel | None = PoolKernel()):
+                 disk_dir: str | os.PathLike | None = None):
         config = model.config
-        self.decode_kernel = decode_kernel   # the batched decode's pool kernels; None: gather/decode/scatter
+        self._gathered_decode = False   # bench.sessions's baseline: paged.decode_step(gathered=True)
         self.model, self.config = model, config
         self._graphdef, self._params = nnx.split(model)
         self.page_size = config.kda.chunk_size
@@ -344,8 +342,6 @@ class SessionStore:
             "device_pool_bytes": sum(a.nbytes for a in self._pools),
             "slot_bytes": self.slot_bytes, "page_bytes": self.page_bytes, "page_size": self.page_size,
             "host_memory": self._host_tier.kind,
-            "decode_kernel": "gather" if self.decode_kernel is None else
-                             f"pool-{resolve_implementation(self.decode_kernel.implementation)}",
         }
 
     # ------------------------------------------------------------------ checks
@@ -429,7 +425,7 @@ class SessionStore:
         tokens, logits, self._pools = paged.decode_step(
             self._graphdef, self._params, self._pools, jnp.asarray(slots), jnp.asarray(tables),
             jnp.asarray(lengths), jnp.asarray(logits), jnp.uint32(seed),
-            jnp.asarray(list(sids) + [0] * pad, jnp.uint32), sampling, kernel=self.decode_kernel)
+            jnp.asarray(list(sids) + [0] * pad, jnp.uint32), sampling, gathered=self._gathered_decode)
         tokens, logits = np.asarray(tokens), np.asarray(logits)
         for index, (sid, value) in enumerate(zip(sids, values)):
             value.tokens.append(int(tokens[index]))

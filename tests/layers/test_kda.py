@@ -1,5 +1,10 @@
 """The KDA layer against an independent float64 NumPy layer (SPEC §1): both gate forms, full and
-low-rank output gates, grouped values, carried state and conv tail, packed documents, decode."""
+low-rank output gates, grouped values, carried state and conv tail, packed documents, decode; the
+config's ``implementation`` reaching the forward, the one-token decode and the pooled decode, and
+each implementation's decode paths against the forward over the whole history."""
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -7,7 +12,7 @@ from flax import nnx
 
 from k3jax.config import KDAConfig
 from k3jax.layers.kda import KDALayer
-from k3jax.memory import KDAMemory
+from k3jax.memory import KDAMemory, KDAPool
 from tests import numpy_reference as ref
 from tests.layers.helpers import param_values, rel_err
 
@@ -77,3 +82,65 @@ def test_output_norm_eps_matches_numpy():
     assert rel_err(y, y_ref) < 1e-4
     y_default_eps, _, _ = ref.kda_layer(p, x, KDAConfig(num_heads=2, head_dim=8))
     assert rel_err(y_default_eps, y_ref) > 1e-2
+
+
+IMPLEMENTATIONS = ("reference", "chunk", "pallas", "auto")
+apply = nnx.jit(lambda layer, x, memory: layer(x, memory))    # one compile per layer config and shapes
+
+
+def grouped_layer(implementation: str) -> KDALayer:
+    """The grouped-values layer with ``implementation`` (the same parameters for every implementation)."""
+    cfg = dataclasses.replace(CONFIGS["kimi_linear_grouped"], implementation=implementation)
+    return KDALayer(D_MODEL, cfg, init_std=0.3, rngs=nnx.Rngs(6))
+
+
+def empty_memory(cfg: KDAConfig, rows: int) -> KDAMemory:
+    return KDAMemory(jnp.zeros((rows, cfg.num_value_heads, cfg.head_dim, cfg.head_dim)),
+                     jnp.zeros((rows, cfg.conv_size - 1, cfg.conv_width)))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_the_config_implementation_reaches_all_three_paths(implementation):
+    """On a CPU, exactly "pallas" puts Pallas kernels (a pallas_call) in the forward over a sequence,
+    the one-token decode of a contiguous bank and the pooled decode; the others run XLA."""
+    layer = grouped_layer(implementation)
+    graphdef, params = nnx.split(layer)
+    x = jnp.ones((2, 3, D_MODEL))
+    contiguous = empty_memory(layer.config, 2)
+    pooled = KDAPool(*empty_memory(layer.config, 5), rows=jnp.asarray([3, 1]))
+    paths = {"forward": (x, contiguous), "one-token decode": (x[:, :1], contiguous),
+             "pooled decode": (x[:, :1], pooled)}
+    for path, (inputs, memory) in paths.items():
+        jaxpr = jax.make_jaxpr(lambda p, x, m: nnx.merge(graphdef, p)(x, m))(params, inputs, memory)
+        assert ("pallas_call" in str(jaxpr)) == (implementation == "pallas"), path
+
+
+# "auto" is "chunk" on a CPU (tests/ops/test_decode_pool.py); "pallas" compiles its interpreted
+# forward kernels for the prefill (over 10 s here).
+@pytest.mark.parametrize("implementation", ["reference", "chunk", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_decode_paths_of_every_implementation_equal_the_forward_over_the_history(implementation):
+    """A prefill of 4 tokens (this implementation's forward), then 3 one-token decodes of the
+    contiguous bank and, from the same prefill, 3 pooled decodes from rows 3 and 1 of 5: the
+    outputs, states and conv tails of the "reference" forward over all 7 tokens (fp32)."""
+    layer = grouped_layer(implementation)
+    cfg = layer.config
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((2, 7, D_MODEL)), jnp.float32)
+    y_full, full = apply(grouped_layer("reference"), x, empty_memory(cfg, 2))
+    y_prefill, memory = apply(layer, x[:, :4], empty_memory(cfg, 2))
+    rows = jnp.asarray([3, 1])
+    noise = np.random.default_rng(8)
+    pools = [jnp.asarray(noise.standard_normal((5, *a.shape[1:])), jnp.float32).at[rows].set(a) for a in memory]
+    pooled = KDAPool(*pools, rows=rows)
+    decoded, decoded_pooled = [y_prefill], [y_prefill]
+    for t in range(4, 7):
+        y, memory = apply(layer, x[:, t : t + 1], memory)
+        y_pooled, pooled = apply(layer, x[:, t : t + 1], pooled)
+        decoded.append(y)
+        decoded_pooled.append(y_pooled)
+    for ys, state, conv in ((decoded, memory.state, memory.conv),
+                            (decoded_pooled, pooled.state[rows], pooled.conv[rows])):
+        assert rel_err(jnp.concatenate(ys, axis=1), y_full) <= 1e-5
+        assert rel_err(state, full.state) <= 1e-5
+        np.testing.assert_allclose(conv, full.conv, rtol=1e-6, atol=1e-6)
+    for got, before in zip((pooled.state, pooled.conv), pools):
+        np.testing.assert_array_equal(np.asarray(got)[[0, 2, 4]], np.asarray(before)[[0, 2, 4]])

@@ -2,8 +2,7 @@
 gradients, plus lowering for TPU (Mosaic) and CUDA (Triton) from this CPU-only jaxlib.
 
 On CPU, ``implementation="pallas"`` runs the GPU (Triton) kernels in interpret mode; the TPU
-(Mosaic) kernels run through ``pallas_kda(..., backend="tpu", interpret=True)``, which uses
-``pltpu.InterpretParams()``. Interpret mode compiles slowly, so cases share shapes where they
+(Mosaic) kernels run under ``forced_kernels("tpu")`` (interpreted with ``pltpu.InterpretParams()``). Interpret mode compiles slowly, so cases share shapes where they
 can (a jitted function is reused across parameters with equal shapes).
 """
 import functools
@@ -17,7 +16,7 @@ import pytest
 from k3jax.ops import kda as kda_ops
 from k3jax.ops.kda import segment_starts
 from k3jax.ops.kda.blocks import chunk_length
-from k3jax.ops.kda.pallas import pallas_kda
+from k3jax.ops.kda.pallas import forced_kernels, pallas_kda
 from tests.ops.numpy_kda import kda_numpy
 from tests.ops.test_kda import make_inputs, rel_err
 
@@ -35,8 +34,9 @@ def run_pallas(args, segment_ids, *, backend, chunk_size=64, scale=None):
     """Forward through the given kernel family in interpret mode."""
     q, k, v, g, beta, initial_state = args
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return pallas_kda(q, k, v, g, beta, initial_state, segment_starts(segment_ids), scale=scale,
-                      chunk_size=chunk_size, backend=backend, interpret=True)
+    with forced_kernels(backend):
+        return pallas_kda(q, k, v, g, beta, initial_state, segment_starts(segment_ids), scale=scale,
+                          chunk_size=chunk_size)
 
 
 def _loss(outputs, cotangent):

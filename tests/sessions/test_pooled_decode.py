@@ -1,29 +1,35 @@
-"""The batched decode over the pools (`paged.decode_step` with pool kernels) against the reference
-step that gathers the contiguous bank, decodes and scatters back: sessions of different lengths
-in non-contiguous slots and pages of random pools, a 6-layer model whose depth scan runs twice
-(KDA layers before and inside the scanned body), the XLA kernels and both Pallas kernel families
-in interpret mode; and the store's generate on either path."""
+"""The batched decode over the pools (`paged.decode_step`, the kernels of the model's
+``kda.implementation``) against the baseline step that gathers the contiguous bank, decodes with
+the "reference" implementation and scatters back: sessions of different lengths in non-contiguous
+slots and pages of random pools, a 6-layer model whose depth scan runs twice (KDA layers before
+and inside the scanned body), the XLA forms and both Pallas kernel families in interpret mode;
+and the store's generate on either path."""
+import contextlib
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax.memory import PoolKernel
 from k3jax.model import K3Model, layer_groups
+from k3jax.ops.kda.pallas import forced_kernels
 from k3jax.sessions import SessionStore, paged
 from tests.sessions.conftest import random_tokens, tiny_config
 
 # Slow: each compiles the 6-layer model's decode twice (the store tests run the pooled step by default).
 pytestmark = pytest.mark.slow
-KERNELS = [pytest.param(PoolKernel("xla"), id="xla"), pytest.param(PoolKernel("pallas", "gpu", True), id="pallas-gpu"),
-           pytest.param(PoolKernel("pallas", "tpu", True), id="pallas-tpu")]
+# (model.kda.implementation, Pallas family forced in interpret mode or None)
+KERNELS = {"chunk": ("chunk", None), "pallas-gpu": ("pallas", "gpu"), "pallas-tpu": ("pallas", "tpu")}
 SLOTS, PAGES, PAGE = 6, 8, 16
 LENGTHS = [5, 17, 33, 0]                                   # the last row pads the batch of 4
 
 
-@pytest.fixture(scope="module")
-def deep_model():
-    model = K3Model(tiny_config("model.num_layers=6"), rngs=nnx.Rngs(1))
+@functools.cache
+def deep_model(implementation: str) -> K3Model:
+    """The same 6-layer model (same seed, so the same parameters) with ``implementation``."""
+    model = K3Model(tiny_config("model.num_layers=6", f"model.kda.implementation={implementation}"),
+                    rngs=nnx.Rngs(1))
     assert layer_groups(model.config).repeats == 2
     return model
 
@@ -43,16 +49,21 @@ def random_step(config, seed=0):
     return pools, inputs
 
 
-def run_step(model, pools, inputs, kernel):
+def run_step(model, params, pools, inputs, gathered):
+    """``model``'s decode step (its kda.implementation) with the parameters ``params``."""
     copy = paged.Pools(*(jnp.array(a) for a in pools))     # the step donates its pools
-    return paged.decode_step(*nnx.split(model), copy, *inputs, kernel=kernel)
+    return paged.decode_step(nnx.split(model)[0], params, copy, *inputs, gathered=gathered)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_pooled_step_equals_the_gather_decode_scatter_step(deep_model, kernel):
-    pools, inputs = random_step(deep_model.config)
-    tokens_ref, logits_ref, pools_ref = run_step(deep_model, pools, inputs, None)
-    tokens, logits, new_pools = run_step(deep_model, pools, inputs, kernel)
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_pooled_step_equals_the_gather_decode_scatter_step(kernels):
+    implementation, backend = KERNELS[kernels]
+    model = deep_model(implementation)
+    params = nnx.split(model)[1]
+    pools, inputs = random_step(model.config)
+    tokens_ref, logits_ref, pools_ref = run_step(deep_model("reference"), params, pools, inputs, True)
+    with contextlib.nullcontext() if backend is None else forced_kernels(backend):
+        tokens, logits, new_pools = run_step(model, params, pools, inputs, False)
     np.testing.assert_array_equal(tokens, tokens_ref)
     np.testing.assert_allclose(logits[:3], logits_ref[:3], rtol=1e-6, atol=1e-6)
     for name, got, want, before in zip(paged.Pools._fields, new_pools, pools_ref, pools):
@@ -69,10 +80,10 @@ def test_generate_is_the_same_on_either_decode_path(model):
     sids = [sids[0], sids[2], store.open(random_tokens(7, 2))]
     handles = [store.snapshot(sid) for sid in sids]
     outputs = []
-    for kernel in (None, PoolKernel("xla")):
+    for gathered in (True, False):
         for sid, handle in zip(sids, handles):
             store.rollback(sid, handle)
-        store.decode_kernel = kernel
+        store._gathered_decode = gathered
         outputs.append((store.generate(sids, 3), np.stack([store.logits(sid) for sid in sids])))
     (new_ref, logits_ref), (new, logits) = outputs
     for a, b in zip(new, new_ref):

@@ -8,11 +8,22 @@
 Recurrence per value head (state S in R^{K x V}, fp32):
     S <- Diag(exp g_t) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = S^T (scale q_t)
 
-Value head j reads query/key head j // (HV / H) (grouped values). Implementations:
-"reference" (token-serial scan), "chunk" (WY/UT chunked form in XLA), "pallas" (fused
-kernels: Mosaic on TPU, Triton on GPU, interpreted elsewhere), "auto" (or None): Pallas where
-the computation is lowered for a GPU or TPU, the XLA chunk form for CPUs. "chunk" and "pallas"
-share one definition of the block math (`blocks`) and one meaning of ``chunk_size``.
+Value head j reads query/key head j // (HV / H) (grouped values). Every KDA path takes one
+``implementation`` word, the same four everywhere (`k3jax.config.KDAConfig.implementation` passes
+its value to all three paths of the layer):
+
+    path                               "reference"        "chunk"             "pallas"
+    a sequence (`kda`)                 token-serial scan  WY/UT chunked form  fused kernels (`pallas`)
+    one token (`kda_step`)             XLA token step     XLA token step      decode kernel (`pallas_decode`)
+    one token of pool rows             gather, XLA token step, scatter        decode kernels, rows in place
+      (`decode_pool`)
+
+(a chunk of one token is the token step). "auto" (or None) is "pallas" where the computation is
+lowered for a GPU or TPU and the XLA form ("chunk") for CPUs: one rule for every path,
+`by_implementation`. Pallas kernels are Mosaic on TPU, Triton on GPU and interpreted elsewhere
+(`pallas.on_target_platform`; tests force a family with `pallas.forced_kernels`). Every
+implementation serves every path; another word is a ValueError naming the path. "chunk" and
+"pallas" share one definition of the block math (`blocks`) and one meaning of ``chunk_size``.
 Log decays below `gate.LOG_DECAY_FLOOR` (g = -inf included) are a full reset of the channel.
 """
 from __future__ import annotations
@@ -24,6 +35,7 @@ from k3jax.ops.kda.blocks import check_chunk_size
 from k3jax.ops.kda.chunk import chunk_kda
 from k3jax.ops.kda.gate import floor_log_decay, kda_gate
 from k3jax.ops.kda.pallas import pallas_kda
+from k3jax.ops.kda.pallas_decode import pallas_kda_pool_step
 from k3jax.ops.kda.reference import recurrent_kda, recurrent_step
 from k3jax.ops.norms import l2_normalize
 
@@ -80,12 +92,27 @@ def segment_starts(segment_ids: jax.Array) -> jax.Array:
     return jnp.concatenate([jnp.zeros((segment_ids.shape[0], 1), bool), changed], axis=1)
 
 
-def check_implementation(implementation: str | None) -> str:
-    """``implementation`` ("auto" for None), or ValueError."""
+def check_implementation(implementation: str | None, path: str) -> str:
+    """``implementation`` ("auto" for None), or a one-line ValueError naming ``path`` (e.g. "forward")."""
     implementation = implementation or "auto"
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+        raise ValueError(f"KDA {path}: implementation must be one of {IMPLEMENTATIONS} or None, "
+                         f"got {implementation!r}")
     return implementation
+
+
+def by_implementation(implementation: str | None, *args, path: str, xla, pallas):
+    """``pallas(*args)`` or ``xla(*args)`` (the path's XLA form) as ``implementation`` says: the one
+    rule of every KDA path (module docstring). "pallas" -> pallas; "reference", "chunk" -> xla;
+    "auto" or None -> chosen by `jax.lax.platform_dependent` when the computation is lowered:
+    pallas for a GPU or TPU, xla for a CPU (xla directly, without tracing pallas, when JAX's
+    default backend is the CPU). ValueError naming ``path`` for any other word."""
+    implementation = check_implementation(implementation, path)
+    if implementation == "pallas":
+        return pallas(*args)
+    if implementation == "auto" and jax.default_backend() != "cpu":
+        return jax.lax.platform_dependent(*args, cpu=xla, default=pallas)
+    return xla(*args)
 
 
 def kda(
@@ -126,7 +153,6 @@ def kda(
     if segment_ids is not None:
         _require_shape("segment_ids", segment_ids, (batch, length), "[B, T]")
     check_chunk_size(chunk_size)
-    implementation = check_implementation(implementation)
 
     scale = key_dim**-0.5 if scale is None else scale
     starts = None if segment_ids is None else segment_starts(segment_ids)
@@ -149,12 +175,8 @@ def kda(
             o, final_state = chunk_kda(q32, k32, v32, g32, beta32, state, starts, chunk_size)
         return o.astype(v.dtype), final_state
 
-    args = (q, k, v, g, beta, initial_state, starts)
-    if implementation == "pallas":
-        return pallas(*args)
-    if implementation == "auto" and jax.default_backend() != "cpu":
-        return jax.lax.platform_dependent(*args, cpu=xla, default=pallas)
-    return xla(*args)
+    return by_implementation(implementation, q, k, v, g, beta, initial_state, starts, path="forward",
+                             xla=xla, pallas=pallas)
 
 
 def kda_step(
@@ -166,12 +188,29 @@ def kda_step(
     state: jax.Array,
     *,
     scale: float | None = None,
+    implementation: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """One decode token: q, k ``[B, H, K]``, v ``[B, HV, V]``, g ``[B, HV, K]``, beta ``[B, HV]``,
-    state ``[B, HV, K, V]``. Returns ``(o [B, HV, V] in v.dtype, new_state fp32)``."""
+    state ``[B, HV, K, V]``. Returns ``(o [B, HV, V] in v.dtype, new_state fp32)`` (float64 when
+    an input is float64).
+
+    ``implementation`` (module docstring): "reference" and "chunk" run the XLA token step
+    (`reference.recurrent_step`); "pallas" runs the Pallas decode kernel
+    (`pallas_decode.pallas_kda_pool_step`) with the B states as a pool of B rows; "auto" (or
+    None) is the Pallas kernel where lowered for a GPU or TPU, the XLA step for a CPU.
+    """
     _, value_heads, key_dim, _ = _check_inputs(q, k, v, g, beta, state, token_axis=False)
     scale = key_dim**-0.5 if scale is None else scale
     dtype = _compute_dtype(q, k, v, g, beta, state)
-    q32, k32 = _to_value_heads(q, k, value_heads, scale, dtype)
-    o, new_state = recurrent_step(q32, k32, *(x.astype(dtype) for x in (v, g, beta, state)))
-    return o.astype(v.dtype), new_state
+
+    def xla(q, k, v, g, beta, state):
+        q32, k32 = _to_value_heads(q, k, value_heads, scale, dtype)
+        o, new_state = recurrent_step(q32, k32, *(x.astype(dtype) for x in (v, g, beta, state)))
+        return o.astype(v.dtype), new_state
+
+    def pallas(q, k, v, g, beta, state):
+        rows = jnp.arange(state.shape[0], dtype=jnp.int32)
+        return pallas_kda_pool_step(state.astype(dtype), rows, q, k, v, g, beta, scale=scale)
+
+    return by_implementation(implementation, q, k, v, g, beta, state, path="one-token decode",
+                             xla=xla, pallas=pallas)

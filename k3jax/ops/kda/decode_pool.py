@@ -12,204 +12,57 @@ Value head j reads query/key head j // (HV / H). Slots not named in ``slots`` ar
 the slots of one call must be distinct (a session is stepped once per call). Donate the pool
 (``jax.jit(..., donate_argnums=...)``) so the update happens in place instead of on a copy.
 
-Implementations: "xla" (gather, `kda_step`, ``.at[].set`` scatter) and "pallas", kernels that
-read and write only the addressed slots of the aliased pool (``input_output_aliases``): on TPU
-(Mosaic) the slot indices are prefetched to SMEM and drive the BlockSpec index maps; on GPU
-(Triton) each program loads its slot index and addresses the pool with it. None picks "pallas"
-on GPU/TPU and "xla" elsewhere.
+``implementation`` is one of the words of `k3jax.ops.kda` with its one rule (`by_implementation`):
+"reference" and "chunk" gather the slots, step them in XLA (`kda_step`; a window sum for the
+conv) and scatter them back with ``.at[].set``; "pallas" runs the kernels of `pallas_decode`,
+which read and write only the addressed slots of the aliased pool; "auto" (or None) is "pallas"
+where lowered for a GPU or TPU, the XLA form for a CPU.
 """
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
 
-from k3jax.ops.kda import kda_step
-from k3jax.ops.kda.blocks import token_step
-from k3jax.ops.kda.pallas import on_target_platform
-
-IMPLEMENTATIONS = ("xla", "pallas")
-_GPU_VALUE_BLOCK = 64      # V columns per GPU program: [K, 64] fp32 = 32 KiB of state in registers
-_GPU_CHANNEL_BLOCK = 1024  # conv channels per GPU program (largest power of two dividing C, up to this)
+from k3jax.ops.kda import by_implementation, kda_step
+from k3jax.ops.kda.pallas_decode import pallas_conv_pool_step, pallas_kda_pool_step
 
 
-def _default_implementation() -> str:
-    return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
-
-
-def resolve_implementation(implementation: str | None) -> str:
-    """The implementation that ``implementation`` (None: by platform) names; ValueError if unknown."""
-    implementation = implementation or _default_implementation()
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
-    return implementation
-
-
-def _kda_pool_kernel(*refs, scale, slot_in_index_map):
-    """Refs: (slots,) q, k, v, g, beta, pool block | o, pool block (aliased)."""
-    slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref, pool_out_ref = refs
-    if slot_in_index_map:  # TPU: the BlockSpecs already selected this session's slot
-        index = (slice(None), slice(None))
-    else:                  # GPU: whole-pool refs, indexed (in one indexer) by the slot loaded here
-        index = (slots_ref[pl.program_id(0)], pl.program_id(1), slice(None),
-                 pl.ds(pl.program_id(2) * o_ref.shape[-1], o_ref.shape[-1]))
-    dtype = pool_out_ref.dtype
-    o, state = token_step(pool_ref[index], q_ref[...].astype(dtype) * scale, k_ref[...].astype(dtype),
-                               v_ref[...].astype(dtype), g_ref[...].astype(dtype), beta_ref[...].astype(dtype))
-    o_ref[...] = o.astype(o_ref.dtype)
-    pool_out_ref[index] = state
-
-
-def _kda_pool_call(backend, interpret, *, scale, group, value_block):
-    """A pallas_call over (session, value head, V block) for `kda_pool_step`'s column-shaped inputs."""
-
-    def call(slots, q, k, v, g, beta, pool):
-        batch, value_heads = beta.shape[:2]
-        key_dim, value_dim = pool.shape[2:]
-        block = value_dim if backend == "tpu" else value_block
-        o_shape = jax.ShapeDtypeStruct((batch, value_heads, 1, value_dim), v.dtype)
-        kernel = functools.partial(_kda_pool_kernel, scale=scale, slot_in_index_map=backend == "tpu")
-        grid = (batch, value_heads, value_dim // block)
-        specs = [
-            lambda b, h, j, *_: (b, jax.lax.div(h, group), 0, 0),   # q
-            lambda b, h, j, *_: (b, jax.lax.div(h, group), 0, 0),   # k
-            lambda b, h, j, *_: (b, h, 0, j),                       # v
-            lambda b, h, j, *_: (b, h, 0, 0),                       # g
-            lambda b, h, j, *_: (b, h, 0, 0),                       # beta
-        ]
-        shapes = [(key_dim, 1), (key_dim, 1), (1, block), (key_dim, 1), (1, 1)]
-        in_specs = [pl.BlockSpec((None, None, *shape), index) for shape, index in zip(shapes, specs)]
-        o_spec = pl.BlockSpec((None, None, 1, block), lambda b, h, j, *_: (b, h, 0, j))
-        if backend == "tpu":
-            pool_spec = pl.BlockSpec((None, None, key_dim, block), lambda b, h, j, slots_ref: (slots_ref[b], h, 0, j))
-            return pl.pallas_call(
-                kernel,
-                grid_spec=pltpu.PrefetchScalarGridSpec(
-                    num_scalar_prefetch=1, grid=grid, in_specs=[*in_specs, pool_spec],
-                    out_specs=[o_spec, pool_spec]),
-                out_shape=[o_shape, jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
-                input_output_aliases={6: 1},
-                compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
-                interpret=pltpu.InterpretParams() if interpret else False,
-            )(slots, q, k, v, g, beta, pool)
-        whole = pl.BlockSpec()
-        return pl.pallas_call(
-            kernel, grid=grid, in_specs=[whole, *in_specs, whole], out_specs=[o_spec, whole],
-            out_shape=[o_shape, jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
-            input_output_aliases={6: 1}, interpret=interpret,
-            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-        )(slots, q, k, v, g, beta, pool)
-
-    return call
-
-
-def kda_pool_step(pool, slots, q, k, v, g, beta, *, scale: float | None = None,
-                  implementation: str | None = None, backend: str | None = None, interpret: bool = False):
+def kda_pool_step(pool, slots, q, k, v, g, beta, *, scale: float | None = None, implementation: str | None = None):
     """One decode token for the sessions in ``slots`` (see the module docstring).
 
-    ``backend``/``interpret`` force a Pallas kernel family ("tpu" or "gpu"; tests run both in
-    interpret mode). Returns ``(o [B, HV, V] in v.dtype, updated pool)``.
+    Returns ``(o [B, HV, V] in v.dtype, updated pool)``.
     """
-    implementation = resolve_implementation(implementation)
     value_heads, key_dim, value_dim = pool.shape[1:]
     batch = slots.shape[0]
     if slots.ndim != 1 or q.shape[0] != batch or v.shape[:2] != (batch, value_heads):
         raise ValueError(f"slots [B], q [B, H, K], v [B, HV, V] must agree with pool [N, HV, K, V] = {pool.shape}; "
                          f"got slots {slots.shape}, q {q.shape}, v {v.shape}")
     scale = key_dim**-0.5 if scale is None else scale
-    if implementation == "xla":
-        o, states = kda_step(q, k, v, g, beta, pool[slots], scale=scale)
+
+    def xla(pool, slots, q, k, v, g, beta):
+        o, states = kda_step(q, k, v, g, beta, pool[slots], scale=scale, implementation="reference")
         return o, pool.at[slots].set(states.astype(pool.dtype))
-    columns = (q[..., None], k[..., None], v[:, :, None, :], g[..., None], beta[..., None, None])
-    make_call = functools.partial(_kda_pool_call, scale=float(scale), group=value_heads // q.shape[1],
-                                  value_block=min(value_dim, _GPU_VALUE_BLOCK))
-    o, pool = on_target_platform(make_call, slots.astype(jnp.int32), *columns, pool,
-                                 backend=backend, interpret=interpret)
-    return o[:, :, 0, :], pool
+
+    def pallas(pool, slots, q, k, v, g, beta):
+        return pallas_kda_pool_step(pool, slots, q, k, v, g, beta, scale=scale)
+
+    return by_implementation(implementation, pool, slots, q, k, v, g, beta, path="pooled decode",
+                             xla=xla, pallas=pallas)
 
 
-def conv_window_step(rows, weights):
-    """Depthwise conv output for the newest token: ``sum_i weights[i] * rows[i]`` over the window
-    rows (oldest first, the new input last), each ``[1, C]``; accumulated in fp32."""
-    return sum(w.astype(jnp.float32) * r.astype(jnp.float32) for w, r in zip(weights, rows))
-
-
-def _conv_pool_kernel(*refs, taps, channel_block, tail_in_index_map, interpret):
-    """Refs: slots, x, weight^T [W, C], tail block | y, tail block (aliased)."""
-    slots_ref, x_ref, weight_ref, tail_ref, y_ref, tail_out_ref = refs
-    if tail_in_index_map:  # TPU: the BlockSpecs selected this session's tail
-        row = lambda i: (pl.ds(i, 1), slice(None))  # noqa: E731
-    else:                  # GPU: whole-pool refs, indexed (in one indexer) by the slot loaded here
-        slot, columns = slots_ref[pl.program_id(0)], pl.ds(pl.program_id(1) * channel_block, channel_block)
-        row = lambda i: (slot, pl.ds(i, 1), columns)  # noqa: E731
-    rows = [tail_ref[row(i)] for i in range(taps - 1)] + [x_ref[...]]
-    weights = [weight_ref[i : i + 1, :] for i in range(taps)]
-    y_ref[...] = conv_window_step(rows, weights).astype(y_ref.dtype)
-    if not (tail_in_index_map or interpret):
-        pltriton.debug_barrier()  # every thread's reads of the tail precede the shifted writes
-    for i in range(taps - 1):
-        tail_out_ref[row(i)] = rows[i + 1].astype(tail_out_ref.dtype)
-
-
-def _gpu_channel_block(channels: int) -> int:
-    block = 1
-    while block < _GPU_CHANNEL_BLOCK and channels % (2 * block) == 0:
-        block *= 2
-    return block
-
-
-def _conv_pool_call(backend, interpret):
-    def call(slots, x, weight_t, pool):
-        batch, taps, channels = x.shape[0], weight_t.shape[0], x.shape[-1]
-        tpu = backend == "tpu"
-        block = channels if tpu else _gpu_channel_block(channels)
-        kernel = functools.partial(_conv_pool_kernel, taps=taps, channel_block=block,
-                                   tail_in_index_map=tpu, interpret=interpret)
-        grid = (batch, channels // block)
-        x_spec = pl.BlockSpec((None, 1, block), lambda b, c, *_: (b, 0, c))
-        weight_spec = pl.BlockSpec((taps, block), lambda b, c, *_: (0, c))
-        y_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
-        pool_shape = jax.ShapeDtypeStruct(pool.shape, pool.dtype)
-        if tpu:
-            tail_spec = pl.BlockSpec((None, taps - 1, block), lambda b, c, slots_ref: (slots_ref[b], 0, c))
-            return pl.pallas_call(
-                kernel,
-                grid_spec=pltpu.PrefetchScalarGridSpec(
-                    num_scalar_prefetch=1, grid=grid, in_specs=[x_spec, weight_spec, tail_spec],
-                    out_specs=[x_spec, tail_spec]),
-                out_shape=[y_shape, pool_shape], input_output_aliases={3: 1},
-                compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-                interpret=pltpu.InterpretParams() if interpret else False,
-            )(slots, x, weight_t, pool)
-        whole = pl.BlockSpec()
-        return pl.pallas_call(
-            kernel, grid=grid, in_specs=[whole, x_spec, weight_spec, whole], out_specs=[x_spec, whole],
-            out_shape=[y_shape, pool_shape], input_output_aliases={3: 1}, interpret=interpret,
-            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-        )(slots, x, weight_t, pool)
-
-    return call
-
-
-def conv_pool_step(pool, slots, x, weight, *, implementation: str | None = None,
-                   backend: str | None = None, interpret: bool = False):
+def conv_pool_step(pool, slots, x, weight, *, implementation: str | None = None):
     """Causal depthwise conv for one new token per session in ``slots`` (see the module docstring).
 
     ``weight`` is ``[C, W]``; returns ``(y [B, C] in x.dtype, updated pool)``.
     """
-    implementation = resolve_implementation(implementation)
     channels, taps = weight.shape
     if pool.shape[1:] != (taps - 1, channels) or x.shape != (slots.shape[0], channels):
         raise ValueError(f"pool must be [N, W-1, C] = [N, {taps - 1}, {channels}] and x [B, C] with B = "
                          f"len(slots); got pool {pool.shape}, x {x.shape}, slots {slots.shape}")
-    if implementation == "xla":
+
+    def xla(pool, slots, x, weight):
         window = jnp.concatenate([pool[slots], x[:, None, :].astype(pool.dtype)], axis=1)   # [B, W, C]
         y = jnp.einsum("bwc,cw->bc", window.astype(jnp.float32), weight.astype(jnp.float32))
         return y.astype(x.dtype), pool.at[slots].set(window[:, 1:])
-    y, pool = on_target_platform(_conv_pool_call, slots.astype(jnp.int32), x[:, None, :], weight.T, pool,
-                                 backend=backend, interpret=interpret)
-    return y[:, 0, :], pool
+
+    return by_implementation(implementation, pool, slots, x, weight, path="pooled decode",
+                             xla=xla, pallas=pallas_conv_pool_step)

@@ -1,4 +1,6 @@
-"""KDA through Pallas kernels: `pallas_kda`, the ``implementation="pallas"`` of `k3jax.ops.kda.kda`.
+"""KDA through Pallas kernels: `pallas_kda`, the ``implementation="pallas"`` of `k3jax.ops.kda.kda`,
+and the choice of Pallas kernel family that every KDA Pallas kernel (this forward and backward,
+the one-token decode kernels of `pallas_decode`) shares.
 
 Same equations as the other implementations (the block math is `blocks`). This module
 owns what the kernels share: padding (T to whole chunks, K and V to powers of two >= 16),
@@ -9,6 +11,9 @@ the choice of kernels by *target* platform, made at lowering time:
     tpu  -> `pallas_tpu` (Mosaic, fused, state in VMEM across an "arbitrary" chunk axis)
     cuda -> `pallas_gpu` (Triton: parallel per-chunk terms + a V-split chunk walk)
     else -> `pallas_gpu` in interpret mode (CPU: for tests; the fast CPU path is "chunk")
+
+Tests force a family in interpret mode on any platform with `forced_kernels` (both families run
+on CPU that way); nothing else overrides the choice.
 """
 from __future__ import annotations
 
@@ -24,13 +29,31 @@ from k3jax.ops.kda.blocks import TILE, chunk_length, start_counts
 BACKENDS = {"tpu": pallas_tpu, "gpu": pallas_gpu}
 
 
+_FORCED_FAMILY = jax.make_user_context(default_value=None)
+
+
+def forced_kernels(backend: str, interpret: bool = True):
+    """A context manager (for tests) under which every KDA Pallas kernel traced is the ``backend``
+    family ("tpu": Mosaic, "gpu": Triton), interpreted when ``interpret``, whatever the platform.
+
+    It is part of jit's cache key (`jax.make_user_context`): programs traced under it are not
+    reused outside it, nor the other way round. A kernel reads it where it is entered (`pallas_kda`
+    keeps it for its backward)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {tuple(BACKENDS)}, got {backend!r}")
+    return _FORCED_FAMILY((backend, bool(interpret)))
+
+
+def forced_family() -> tuple[str | None, bool]:
+    """``(backend, interpret)`` set by the enclosing `forced_kernels`; ``(None, False)`` outside one."""
+    return _FORCED_FAMILY.value or (None, False)
+
+
 def on_target_platform(make_call, *args, backend: str | None = None, interpret: bool = False):
     """``make_call(backend, interpret)(*args)`` for the platform the computation is lowered for:
     TPU -> ("tpu", compiled), CUDA -> ("gpu", compiled), anything else -> ("gpu", interpreted).
-    An explicit ``backend`` ("tpu" or "gpu") skips the choice (tests run both in interpret mode)."""
+    An explicit ``backend`` ("tpu" or "gpu", from `forced_family`) skips the choice."""
     if backend is not None:
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {tuple(BACKENDS)} or None, got {backend!r}")
         return make_call(backend, interpret)(*args)
     return jax.lax.platform_dependent(
         *args, tpu=make_call("tpu", False), cuda=make_call("gpu", False), default=make_call("gpu", True))
@@ -91,13 +114,13 @@ def _kda_backward(config, residuals, cotangents):
 _kda.defvjp(_kda_forward, _kda_backward)
 
 
-def pallas_kda(q, k, v, g, beta, initial_state, segment_starts, *, scale: float, chunk_size: int,
-               backend: str | None = None, interpret: bool = False):
+def pallas_kda(q, k, v, g, beta, initial_state, segment_starts, *, scale: float, chunk_size: int):
     """KDA with Pallas kernels on the raw (unscaled, un-repeated) inputs of `k3jax.ops.kda.kda`.
 
     Shapes: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]``; beta ``[B, T, HV]``;
     initial_state ``[B, HV, K, V]`` or None; segment_starts ``[B, T]`` bool or None.
-    ``backend``/``interpret`` force a kernel family (see `on_target_platform`).
+    The kernel family is the target platform's (`on_target_platform`) or the one `forced_kernels`
+    sets here (the backward runs the same family).
     Returns ``(o [B, T, HV, V] in v.dtype, final_state [B, HV, K, V])``, the state in fp32
     (float64 when an input is float64).
     """
@@ -117,6 +140,7 @@ def pallas_kda(q, k, v, g, beta, initial_state, segment_starts, *, scale: float,
     state = jnp.pad(initial_state.astype(dtype), ((0, 0), (0, 0), (0, keys - key_dim), (0, values - value_dim)))
     beta = jnp.pad(jnp.swapaxes(beta.astype(dtype), 1, 2), ((0, 0), (0, 0), (0, padded - length)))[..., None]
     counts, count_rows = _start_counts(segment_starts, batch, length, padded, chunk, dtype)
+    backend, interpret = forced_family()
     config = _Config(scale=float(scale), chunk=chunk, backend=backend, interpret=interpret)
     o, final_state = _kda(pad(q, keys), pad(k, keys), pad(v, values), pad(g, keys), beta,
                           counts, count_rows, state, config)
