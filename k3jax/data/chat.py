@@ -78,6 +78,8 @@ def _parquet_value(value, where: str, column: str):
         return json.loads(value)
     except json.JSONDecodeError as error:
         raise DataError(f"{where}: column {column!r} is malformed JSON ({error.msg} at column {error.colno})") from None
+    except RecursionError:
+        raise DataError(f"{where}: column {column!r} is JSON nested too deeply") from None
 
 
 def parquet_conversations(path: Path) -> Iterator[tuple[str, dict]]:

@@ -102,6 +102,8 @@ def _parse_json(text: str, path: Path, first_line: int = 1):
     except json.JSONDecodeError as error:
         line = first_line + error.lineno - 1
         raise DataError(f"{path}:{line}: malformed JSON ({error.msg} at column {error.colno})") from None
+    except RecursionError:
+        raise DataError(f"{path}:{first_line}: JSON nested too deeply") from None
 
 
 def json_records(text: str, path: Path) -> Iterator[tuple[str, object]]:
