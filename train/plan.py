@@ -23,6 +23,9 @@ import sys
 from k3jax.training.plan import Plan, plan_train_step
 
 
+MAX_DEVICES = 16384   # fake CPU devices the planner creates (each costs host memory and start-up time)
+
+
 def _bytes(value: float) -> str:
     """``value`` bytes in the largest binary unit that keeps it at least 1."""
     unit = max((u for u in range(5) if value >= 1024**u), default=0)
@@ -89,9 +92,13 @@ def main(argv=None) -> int:
     try:
         config = load_config(resolve_config(args.config), args.overrides)
         sizes = config.mesh.sizes.values()
+        if args.devices is not None and not 1 <= args.devices <= MAX_DEVICES:
+            raise ConfigError("--devices", f"must be in 1..{MAX_DEVICES}, got {args.devices}")
         devices = args.devices or (math.prod(sizes) if -1 not in sizes else None)
         if devices is None:
             raise ConfigError("mesh", "a mesh axis is -1: give the device count with --devices")
+        if devices > MAX_DEVICES:
+            raise ConfigError("mesh", f"{devices} devices; plan at most {MAX_DEVICES} fake CPU devices")
         import jax
 
         jax.config.update("jax_platforms", "cpu")
