@@ -31,6 +31,7 @@ import sys
 import numpy as np
 
 from k3jax.data import DataError
+from k3jax.generate import check_sampling
 from k3jax.sessions import SessionStore
 
 from .chat_turns import ChatTurns, chat_turns_for
@@ -60,10 +61,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--sessions-dir", default=None, help="where /save and /load keep stores (default RUN_DIR/sessions)")
     parser.add_argument("--raw", action="store_true", help="on a chat run: plain-text turns, no chat format")
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1 or args.temperature < 0 or (args.top_k is not None and args.top_k < 1) \
-            or (args.top_p is not None and not 0 < args.top_p <= 1):
-        raise ChatInputError(f"need --max-new-tokens >= 1, --temperature >= 0, --top-k >= 1, 0 < --top-p <= 1; got "
-                             f"{args.max_new_tokens}, {args.temperature}, {args.top_k}, {args.top_p}")
+    try:
+        check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as error:
+        raise ChatInputError(str(error)) from None
     return args
 
 
