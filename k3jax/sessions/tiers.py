@@ -1,22 +1,29 @@
-"""Where a session's memory lives when it is off the device, and the bookkeeping of shared pages.
+"""Where a session's memory lives, and the moves that keep it within the byte budgets.
 
+    device      a slot and pages of the device pools (`k3jax.sessions.pools`)
     HostValue   state [N_kda, HV, K, V], conv [N_kda, W-1, C], rows [N_mla, length, L]
                 in JAX's ``pinned_host`` memory of the device when the backend has that memory kind
                 (`HostTier`), host numpy arrays otherwise
     disk        one ``.npz`` of the same arrays, written under a temporary name and renamed
 
-`RefCounts` hands out integer ids (KDA slots, MLA pages) and counts their holders: an id returns
-to the free list when its last holder releases it.
+Under a device byte budget the least-recently-used values (prefix entries holding the last
+reference to a page first, then sessions and snapshots) leave the device for the host tier; under
+a host budget (prefix entries first, then values) they go on to atomic files in ``disk_dir``. Each
+comes back on use (`Tiers.writable`).
 """
 from __future__ import annotations
 
 import os
 import pathlib
 import uuid
-from typing import NamedTuple
+from typing import Callable, Iterable, Mapping, NamedTuple
 
 import jax
 import numpy as np
+
+from k3jax.sessions.pools import DevicePools
+from k3jax.sessions.prefix import PrefixCache
+from k3jax.sessions.recency import Clock, least_recent
 
 
 class HostValue(NamedTuple):
@@ -27,6 +34,11 @@ class HostValue(NamedTuple):
     @property
     def nbytes(self) -> int:
         return self.state.nbytes + self.conv.nbytes + self.rows.nbytes
+
+    @classmethod
+    def among(cls, arrays: Mapping[str, np.ndarray]) -> HostValue:
+        """The value held in named arrays (those of an ``.npz`` file)."""
+        return cls(*(arrays[name] for name in cls._fields))
 
 
 def pinned_host_available(device) -> bool:
@@ -76,40 +88,172 @@ def read_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
         return {name: data[name] for name in data.files}
 
 
-class RefCounts:
-    """Reference-counted ids 0 … capacity-1 with a free list (lowest ids handed out first)."""
+class Value:
+    """One sequence's memory and history: on device (slot + pages), on host, or in a file."""
 
-    def __init__(self, capacity: int):
-        self.refs = [0] * capacity
-        self.free = list(range(capacity - 1, -1, -1))
-
-    @property
-    def capacity(self) -> int:
-        return len(self.refs)
-
-    @property
-    def in_use(self) -> int:
-        return self.capacity - len(self.free)
+    def __init__(self, tokens: list[int], logits):
+        self.tokens = tokens
+        self.logits = logits            # [vocab] of the last position
+        self.slot: int | None = None
+        self.pages: list[int] = []
+        self.host: HostValue | None = None
+        self.disk: pathlib.Path | None = None
+        self.used = 0
 
     @property
-    def shared(self) -> int:
-        return sum(count > 1 for count in self.refs)
+    def length(self) -> int:
+        return len(self.tokens)
 
-    def grow(self, capacity: int) -> None:
-        self.free = list(range(capacity - 1, self.capacity - 1, -1)) + self.free
-        self.refs += [0] * (capacity - self.capacity)
+    @property
+    def tier(self) -> str:
+        return "device" if self.slot is not None else "host" if self.host is not None else "disk"
 
-    def allocate(self) -> int:
-        index = self.free.pop()
-        self.refs[index] = 1
-        return index
 
-    def share(self, ids) -> None:
-        for index in ids:
-            self.refs[index] += 1
+def _held_off_device(value: Value) -> HostValue:
+    """The memory of a value that is not on device: its host-tier arrays or its file's."""
+    return value.host if value.host is not None else HostValue.among(read_npz(value.disk))
 
-    def release(self, ids) -> None:
-        for index in ids:
-            self.refs[index] -= 1
-            if self.refs[index] == 0:
-                self.free.append(index)
+
+class NoRoom(Exception):
+    """The device budget has no room left without moving a pinned value."""
+
+
+class Tiers:
+    """Moves the values that ``values()`` lists (and drops entries of ``prefix``) between the
+    ``device`` pools, the ``host`` tier and files in ``disk_dir`` to keep within ``device_budget``
+    and ``host_budget`` bytes (None: unlimited; prefix entries count on the host), least recently
+    used (``clock``) first; ``pinned`` values stay where they are."""
+
+    def __init__(self, device: DevicePools, prefix: PrefixCache, host: HostTier, clock: Clock,
+                 values: Callable[[], Iterable[Value]], device_budget: int | None, host_budget: int | None,
+                 disk_dir: pathlib.Path | None):
+        smallest = device.slot_bytes + device.page_bytes
+        for name, budget in (("device_bytes", device_budget), ("host_bytes", host_budget)):
+            if budget is not None and budget < smallest:
+                raise ValueError(f"{name}={budget} is too small for one session "
+                                 f"(one KDA slot + one MLA page = {smallest} bytes)")
+        if disk_dir is not None:
+            disk_dir.mkdir(parents=True, exist_ok=True)
+        self.device, self.prefix, self.host, self.clock, self.values = device, prefix, host, clock, values
+        self.device_budget, self.host_budget, self.disk_dir = device_budget, host_budget, disk_dir
+        self.value_host_bytes = self.disk_bytes = 0
+        self.counts = dict.fromkeys(("spills_to_host", "spills_to_disk", "loads_from_host", "loads_from_disk"), 0)
+
+    @property
+    def host_bytes(self) -> int:
+        return self.prefix.nbytes + self.value_host_bytes
+
+    def check_fits(self, length: int) -> None:
+        """A session of ``length`` tokens must fit the device budget on its own."""
+        need = self.device.slot_bytes + (self.device.pages_for(length) + 1) * self.device.page_bytes
+        if self.device_budget is not None and need > self.device_budget:
+            raise ValueError(f"a session of {length} tokens needs {need} device bytes, the budget is {self.device_budget}")
+
+    def reserve(self, slots: int, pages: int, pinned) -> None:
+        """Free device room for ``slots`` slots and ``pages`` pages (evicting the least recently
+        used values not in ``pinned``) and grow the pools so they can be allocated."""
+        need = slots * self.device.slot_bytes + pages * self.device.page_bytes
+        pinned_ids = {id(v) for v in pinned}
+        while self.device_budget is not None and self.device.used_bytes + need > self.device_budget:
+            if self.prefix.evict(freeing_pages=True):    # prefix entries that are the last holder of a page go first
+                continue
+            value = least_recent(v for v in self.values() if v.slot is not None and id(v) not in pinned_ids)
+            if value is None:
+                raise NoRoom()
+            self._to_host(value, pinned)
+        self.device.grow(slots, pages)
+
+    def writable(self, value: Value, new_tokens: int, pinned=()) -> None:
+        """Put ``value`` on device with pages for ``new_tokens`` more tokens, the page written
+        first copied if shared."""
+        self.clock.touch(value)
+        pinned = (*pinned, value)
+        if value.slot is None:
+            self._to_device(value, pinned)
+        copy = new_tokens > 0 and self.device.shared_partial_page(value.pages, value.length) is not None
+        grow = self.device.pages_for(value.length + new_tokens) - len(value.pages)
+        self.reserve(0, grow + copy, pinned)
+        if copy:
+            self.device.copy_on_write(value.pages, value.length)
+        value.pages += self.device.allocate_pages(grow)
+
+    def copy(self, source: Value, pinned=()) -> Value:
+        """A new device value equal to ``source``: its slot copied, its pages shared."""
+        self.writable(source, 0, pinned)
+        self.reserve(1, 0, (*pinned, source))
+        copy = Value(list(source.tokens), np.array(source.logits))
+        copy.slot = self.device.copy_slot(source.slot)
+        copy.pages = list(source.pages)
+        self.device.pages.share(copy.pages)
+        self.clock.touch(copy)
+        return copy
+
+    def release(self, value: Value) -> None:
+        """Free everything the value holds on device, host and disk."""
+        if value.slot is not None:
+            self.device.release(value.slot, value.pages)
+            value.slot, value.pages = None, []
+        self._clear_off_device(value)
+
+    def arrays(self, value: Value) -> HostValue:
+        """The value's memory (rows cut to its length, on the host), wherever it is: state and conv
+        tails as device arrays when it is on the device, else its host-tier arrays or its file's."""
+        if value.slot is None:
+            return _held_off_device(value)
+        return HostValue(*self.device.download(value.slot, value.pages, value.length))
+
+    def put_on_host(self, value: Value, arrays: HostValue) -> None:
+        """Hold ``arrays`` in the host tier as the memory of ``value`` (not on device)."""
+        value.host = self.host.put(arrays)
+        self.value_host_bytes += value.host.nbytes
+
+    def fit_host(self, pinned=()) -> None:
+        """Within the host budget: drop prefix entries, then move host values not in ``pinned`` to
+        disk, least recently used first."""
+        pinned_ids = {id(v) for v in pinned}
+        while self.host_budget is not None and self.host_bytes > self.host_budget:
+            if self.prefix.evict():
+                continue
+            value = least_recent(v for v in self.values() if v.host is not None and id(v) not in pinned_ids)
+            if value is None:
+                return
+            if self.disk_dir is None:
+                raise ValueError(f"the host budget of {self.host_budget} bytes is full and there is no disk tier "
+                                 f"(give disk_dir)")
+            self._to_disk(value)
+
+    def _to_device(self, value: Value, pinned) -> None:
+        """Upload a host or disk value into a fresh slot and pages."""
+        host = _held_off_device(value)
+        self.reserve(1, self.device.pages_for(value.length), pinned)
+        slot, pages = self.device.upload(self.host.to_device(host.state), self.host.to_device(host.conv), host.rows,
+                                         value.length)
+        self.counts["loads_from_host" if value.host is not None else "loads_from_disk"] += 1
+        self._clear_off_device(value)
+        value.slot, value.pages = slot, pages
+
+    def _to_host(self, value: Value, pinned) -> None:
+        arrays = self.arrays(value)
+        self.device.release(value.slot, value.pages)
+        value.slot, value.pages = None, []
+        self.put_on_host(value, arrays)
+        self.counts["spills_to_host"] += 1
+        self.fit_host(pinned)
+
+    def _to_disk(self, value: Value) -> None:
+        path = self.disk_dir / f"value-{uuid.uuid4().hex}.npz"
+        write_npz_atomically(path, **value.host._asdict())
+        self.disk_bytes += path.stat().st_size
+        self.value_host_bytes -= value.host.nbytes
+        value.host, value.disk = None, path
+        self.counts["spills_to_disk"] += 1
+
+    def _clear_off_device(self, value: Value) -> None:
+        """Forget the value's host arrays and file (it is now elsewhere or gone)."""
+        if value.host is not None:
+            self.value_host_bytes -= value.host.nbytes
+            value.host = None
+        if value.disk is not None:
+            self.disk_bytes -= value.disk.stat().st_size
+            value.disk.unlink()
+            value.disk = None

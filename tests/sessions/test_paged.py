@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.sessions.paged import Pools, gather_bank, piece_lengths, scatter_bank
-from k3jax.sessions.tiers import RefCounts
+from k3jax.sessions.pools import RefCounts
 
 SLOTS, PAGES, PAGE, WIDTH = 3, 5, 4, 2
 

@@ -1,0 +1,101 @@
+"""A saved session store: one directory, written atomically (a temporary directory renamed at the
+end), read back by a store of the same model.
+
+    manifest.json              {"format": FORMAT_VERSION, "fingerprint": the model's, "sessions": [sid, ...],
+                                "snapshots": [[sid, serial], ...], "next_session": .., "next_serial": ..}
+    session-{sid}.npz          tokens, logits, state, conv, rows   (see `k3jax.sessions.tiers`)
+    snapshot-{sid}-{serial}.npz
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import uuid
+from typing import Callable, Mapping, NamedTuple, TypeVar
+
+import numpy as np
+
+from k3jax.sessions.tiers import HostValue, read_npz, write_npz_atomically
+
+FORMAT_VERSION = 1
+Item = TypeVar("Item")
+
+
+class SavedValue(NamedTuple):
+    """One session or snapshot as saved: its token ids, last logits and memory."""
+
+    tokens: np.ndarray
+    logits: np.ndarray
+    memory: HostValue
+
+
+class SavedValues(NamedTuple):
+    sessions: dict[int, SavedValue]
+    snapshots: dict[tuple[int, int], SavedValue]
+
+
+def _session_file(sid) -> str:
+    return f"session-{sid}.npz"
+
+
+def _snapshot_file(sid, serial) -> str:
+    return f"snapshot-{sid}-{serial}.npz"
+
+
+def save(directory, *, fingerprint: str, sessions: Mapping[int, Item], snapshots: Mapping[tuple[int, int], Item],
+         next_session: int, next_serial: int, saved: Callable[[Item], SavedValue]) -> None:
+    """Write ``sessions`` and ``snapshots`` (each value as ``saved`` gives it, one at a time) and
+    the manifest into the new directory ``directory``."""
+    target = pathlib.Path(directory)
+    if target.exists():
+        raise ValueError(f"{target} already exists; save writes a new directory")
+    if not target.parent.is_dir():
+        raise ValueError(f"{target.parent} is not a directory")
+    temporary = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+    temporary.mkdir()
+    try:
+        for name, value in [(_session_file(sid), v) for sid, v in sessions.items()] + \
+                           [(_snapshot_file(s, n), v) for (s, n), v in snapshots.items()]:
+            tokens, logits, memory = saved(value)
+            write_npz_atomically(temporary / name, **memory._asdict(), tokens=tokens, logits=logits)
+        manifest = {"format": FORMAT_VERSION, "fingerprint": fingerprint, "sessions": sorted(sessions),
+                    "snapshots": sorted(map(list, snapshots)), "next_session": next_session,
+                    "next_serial": next_serial}
+        (temporary / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+        os.rename(temporary, target)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+
+
+def read_manifest(directory: pathlib.Path) -> dict:
+    """The manifest of a saved store in ``directory`` (ValueError when there is none or it has
+    another format)."""
+    try:
+        manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
+        manifest["sessions"], manifest["snapshots"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{directory} is not a saved session store ({type(error).__name__}: {error})") from None
+    if manifest.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{directory} has format {manifest.get('format')!r}, this version reads {FORMAT_VERSION}")
+    return manifest
+
+
+def read_values(directory: pathlib.Path, manifest: dict, fingerprint: str) -> SavedValues:
+    """The sessions and snapshots the ``manifest`` of ``directory`` lists, for the model of
+    ``fingerprint`` (ValueError when another model saved them or a file is unreadable)."""
+    if manifest.get("fingerprint") != fingerprint:
+        raise ValueError(f"{directory} was saved by a different model (config or weights differ)")
+    try:
+        sessions = {sid: read_npz(directory / _session_file(sid)) for sid in manifest["sessions"]}
+        snapshots = {(s, n): read_npz(directory / _snapshot_file(s, n)) for s, n in manifest["snapshots"]}
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{directory}: unreadable session file ({error})") from None
+    return SavedValues({sid: _saved_value(arrays) for sid, arrays in sessions.items()},
+                       {key: _saved_value(arrays) for key, arrays in snapshots.items()})
+
+
+def _saved_value(arrays: dict[str, np.ndarray]) -> SavedValue:
+    return SavedValue(arrays["tokens"], arrays["logits"], HostValue.among(arrays))

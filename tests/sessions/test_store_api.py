@@ -1,0 +1,23 @@
+"""The facade's published surface: the names `k3jax.sessions` exports and the keys (in order) of
+`SessionStore.stats`, which callers (bench.sessions, eval) read. No prefill: nothing compiles."""
+import k3jax.sessions
+from k3jax.sessions import SessionStore
+
+STATS_KEYS = [
+    "prefix_hits", "prefix_misses", "prefix_tokens_reused", "prefill_tokens", "spills_to_host", "spills_to_disk",
+    "loads_from_host", "loads_from_disk", "pages_copied", "decode_steps", "decode_tokens", "sessions", "snapshots",
+    "prefix_entries", "sessions_on_device", "sessions_on_host", "sessions_on_disk", "values_on_device",
+    "slots_in_use", "pages_in_use", "pages_shared", "device_bytes", "host_bytes", "disk_bytes", "device_pool_bytes",
+    "slot_bytes", "page_bytes", "page_size", "host_memory",
+]
+
+
+def test_the_package_exports_the_store_its_handles_and_the_fingerprint():
+    assert k3jax.sessions.__all__ == ["SessionStore", "Snapshot", "model_fingerprint"]
+
+
+def test_stats_has_the_published_keys_in_order(model):
+    stats = SessionStore(model, device_bytes=10**6).stats()
+    assert list(stats) == STATS_KEYS
+    assert stats["device_bytes"] == stats["host_bytes"] == stats["disk_bytes"] == stats["sessions"] == 0
+    assert stats["device_pool_bytes"] == 8 * stats["slot_bytes"] + 32 * stats["page_bytes"]   # the initial pools
