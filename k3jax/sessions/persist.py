@@ -54,8 +54,8 @@ def save(directory, *, fingerprint: str, sessions: Mapping[int, Item], snapshots
     if not target.parent.is_dir():
         raise ValueError(f"{target.parent} is not a directory")
     temporary = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
-    temporary.mkdir()
     try:
+        temporary.mkdir()
         for name, value in [(_session_file(sid), v) for sid, v in sessions.items()] + \
                            [(_snapshot_file(s, n), v) for (s, n), v in snapshots.items()]:
             tokens, logits, memory = saved(value)
@@ -63,11 +63,27 @@ def save(directory, *, fingerprint: str, sessions: Mapping[int, Item], snapshots
         manifest = {"format": FORMAT_VERSION, "fingerprint": fingerprint, "sessions": sorted(sessions),
                     "snapshots": sorted(map(list, snapshots)), "next_session": next_session,
                     "next_serial": next_serial}
-        (temporary / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+        with open(temporary / "manifest.json", "w", encoding="utf-8") as file:
+            file.write(json.dumps(manifest))
+            file.flush()
+            os.fsync(file.fileno())
         os.rename(temporary, target)
+        _fsync_directory(target.parent)
+    except OSError as error:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise ValueError(f"cannot save sessions to {target}: {error.strerror or error}") from None
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
+
+
+def _fsync_directory(directory: pathlib.Path) -> None:
+    """Make a rename inside ``directory`` durable."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def read_manifest(directory: pathlib.Path) -> dict:
@@ -75,12 +91,25 @@ def read_manifest(directory: pathlib.Path) -> dict:
     another format)."""
     try:
         manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
-        manifest["sessions"], manifest["snapshots"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{directory} is not a saved session store ({type(error).__name__}: {error})") from None
-    if manifest.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{directory} has format {manifest.get('format')!r}, this version reads {FORMAT_VERSION}")
+    except (OSError, ValueError, RecursionError) as error:
+        raise ValueError(f"{directory} is not a saved session store ({type(error).__name__}: "
+                         f"{' '.join(str(error).split())[:120]})") from None
+    if not isinstance(manifest, dict) or "format" not in manifest:
+        raise ValueError(f"{directory} is not a saved session store (its manifest names no format)")
+    if manifest["format"] != FORMAT_VERSION:
+        raise ValueError(f"{directory} has format {manifest['format']!r}, this version reads {FORMAT_VERSION}")
+    if not _well_formed(manifest):
+        raise ValueError(f"{directory}: a damaged manifest (session ids, snapshot pairs or counters)")
     return manifest
+
+
+def _well_formed(manifest: dict) -> bool:
+    """Session ids, ``[session, serial]`` snapshot pairs and the two counters: whole numbers >= 0."""
+    whole = lambda item: isinstance(item, int) and not isinstance(item, bool) and item >= 0  # noqa: E731
+    sessions, snapshots = manifest.get("sessions"), manifest.get("snapshots")
+    return (isinstance(sessions, list) and all(map(whole, sessions)) and isinstance(snapshots, list)
+            and all(isinstance(pair, list) and len(pair) == 2 and all(map(whole, pair)) for pair in snapshots)
+            and whole(manifest.get("next_session")) and whole(manifest.get("next_serial")))
 
 
 def read_values(directory: pathlib.Path, manifest: dict, fingerprint: str) -> SavedValues:
@@ -89,12 +118,11 @@ def read_values(directory: pathlib.Path, manifest: dict, fingerprint: str) -> Sa
     if manifest.get("fingerprint") != fingerprint:
         raise ValueError(f"{directory} was saved by a different model (config or weights differ)")
     try:
-        sessions = {sid: read_npz(directory / _session_file(sid)) for sid in manifest["sessions"]}
-        snapshots = {(s, n): read_npz(directory / _snapshot_file(s, n)) for s, n in manifest["snapshots"]}
-    except (OSError, ValueError) as error:
+        sessions = {sid: _saved_value(read_npz(directory / _session_file(sid))) for sid in manifest["sessions"]}
+        snapshots = {(s, n): _saved_value(read_npz(directory / _snapshot_file(s, n))) for s, n in manifest["snapshots"]}
+    except (ValueError, KeyError) as error:
         raise ValueError(f"{directory}: unreadable session file ({error})") from None
-    return SavedValues({sid: _saved_value(arrays) for sid, arrays in sessions.items()},
-                       {key: _saved_value(arrays) for key, arrays in snapshots.items()})
+    return SavedValues(sessions, snapshots)
 
 
 def _saved_value(arrays: dict[str, np.ndarray]) -> SavedValue:

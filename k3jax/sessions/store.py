@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from k3jax.generate import check_sampling
 from k3jax.sessions import batching, paged, persist
 from k3jax.sessions.pools import DevicePools
 from k3jax.sessions.prefix import PrefixCache
@@ -140,15 +141,14 @@ class SessionStore:
         power-of-two buckets); when the device budget cannot hold them all, those earlier in
         ``sids`` run first and the others join as sessions finish. A session's samples depend
         only on (seed, its id, its position), not on the batch it runs in."""
+        check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
         self._collect()
         sids = list(sids)
         values = [self._session(sid) for sid in sids]
         if len(set(sids)) != len(sids):
             raise ValueError(f"each session may appear once in sids, got {sids}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
-            raise ValueError(f"need temperature >= 0, top_k >= 1, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
+        if eos_id is not None and not (isinstance(eos_id, (int, np.integer)) and 0 <= eos_id < self.config.vocab_size):
+            raise ValueError(f"eos_id must be an integer in [0, {self.config.vocab_size}), got {eos_id!r}")
         for value in values:
             self._tiers.check_fits(value.length + max_new_tokens)
         sampling = (jnp.float32(temperature), jnp.int32(top_k or 0), jnp.float32(1.0 if top_p is None else top_p))

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import os
 import pathlib
+import tempfile
 import uuid
+import weakref
+import zipfile
 from typing import Callable, Iterable, Mapping, NamedTuple
 
 import jax
@@ -76,16 +79,27 @@ class HostTier:
 
 def write_npz_atomically(path: pathlib.Path, **arrays) -> None:
     """``np.savez`` of ``arrays`` (numpy or JAX arrays, copied to the host) to ``path`` through a
-    temporary name in the same directory, then a rename."""
+    temporary name in the same directory, fsynced, then a rename; a failed write (a full disk)
+    leaves no temporary file behind."""
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(temporary, "wb") as file:
-        np.savez(file, **{name: np.asarray(array) for name, array in arrays.items()})
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "wb") as file:
+            np.savez(file, **{name: np.asarray(array) for name, array in arrays.items()})
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def read_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
-    with np.load(path, allow_pickle=False) as data:
-        return {name: data[name] for name in data.files}
+    """The arrays of an ``.npz`` file; ValueError (naming the file) when it is missing or damaged."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {name: data[name] for name in data.files}
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as error:
+        raise ValueError(f"{path}: unreadable ({type(error).__name__}: {' '.join(str(error).split())[:120]})") from None
 
 
 class Value:
@@ -118,6 +132,23 @@ class NoRoom(Exception):
     """The device budget has no room left without moving a pinned value."""
 
 
+def _check_writable(directory: pathlib.Path) -> None:
+    """Create ``directory`` and prove a file can be written there (ValueError otherwise), so that a
+    disk tier that cannot be used is refused when the store is made, not at its first spill."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
+            pass
+    except OSError as error:
+        raise ValueError(f"disk_dir {directory} cannot be written: {error.strerror or error}") from None
+
+
+def _remove_files(paths: set[pathlib.Path]) -> None:
+    for path in list(paths):
+        path.unlink(missing_ok=True)
+    paths.clear()
+
+
 class Tiers:
     """Moves the values that ``values()`` lists (and drops entries of ``prefix``) between the
     ``device`` pools, the ``host`` tier and files in ``disk_dir`` to keep within ``device_budget``
@@ -133,11 +164,14 @@ class Tiers:
                 raise ValueError(f"{name}={budget} is too small for one session "
                                  f"(one KDA slot + one MLA page = {smallest} bytes)")
         if disk_dir is not None:
-            disk_dir.mkdir(parents=True, exist_ok=True)
+            _check_writable(disk_dir)
         self.device, self.prefix, self.host, self.clock, self.values = device, prefix, host, clock, values
         self.device_budget, self.host_budget, self.disk_dir = device_budget, host_budget, disk_dir
         self.value_host_bytes = self.disk_bytes = 0
         self.counts = dict.fromkeys(("spills_to_host", "spills_to_disk", "loads_from_host", "loads_from_disk"), 0)
+        # The spill files in use, removed when the tiers are collected or the process exits.
+        self.spill_files: set[pathlib.Path] = set()
+        weakref.finalize(self, _remove_files, self.spill_files)
 
     @property
     def host_bytes(self) -> int:
@@ -243,6 +277,7 @@ class Tiers:
     def _to_disk(self, value: Value) -> None:
         path = self.disk_dir / f"value-{uuid.uuid4().hex}.npz"
         write_npz_atomically(path, **value.host._asdict())
+        self.spill_files.add(path)
         self.disk_bytes += path.stat().st_size
         self.value_host_bytes -= value.host.nbytes
         value.host, value.disk = None, path
@@ -256,4 +291,5 @@ class Tiers:
         if value.disk is not None:
             self.disk_bytes -= value.disk.stat().st_size
             value.disk.unlink()
+            self.spill_files.discard(value.disk)
             value.disk = None

@@ -71,6 +71,13 @@ DAMAGE = {
     "a session file missing": (lambda d: (d / "session-2.npz").unlink(), "unreadable session file"),
     "a snapshot file not an npz": (lambda d: (d / "snapshot-0-1.npz").write_bytes(b"not arrays"),
                                    "unreadable session file"),
+    "a truncated snapshot file": (lambda d: (d / "snapshot-0-1.npz").write_bytes((d / "snapshot-0-1.npz").read_bytes()[:60]),
+                                  "unreadable session file"),
+    "a session file without its tokens": (lambda d: np.savez(d / "session-2.npz", logits=np.zeros(5)),
+                                          "unreadable session file"),
+    "session ids that are not numbers": (lambda d: rewrite_manifest(d, sessions=["x"]), "damaged manifest"),
+    "a manifest without its counters": (lambda d: (d / "manifest.json").write_text(
+        json.dumps({"format": FORMAT_VERSION, "sessions": [], "snapshots": []})), "damaged manifest"),
 }
 
 
@@ -83,3 +90,12 @@ def test_a_damaged_or_foreign_directory_is_a_value_error(tmp_path, damage):
     change(damaged)
     with pytest.raises(ValueError, match=message):
         persist.read_values(damaged, persist.read_manifest(damaged), "model")
+
+
+def test_a_save_that_fails_on_the_disk_is_a_value_error_and_leaves_nothing(tmp_path, monkeypatch):
+    def full_disk(path, **arrays):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(persist, "write_npz_atomically", full_disk)
+    with pytest.raises(ValueError, match="cannot save sessions to .*: No space left on device"):
+        save(tmp_path / "saved")
+    assert list(tmp_path.iterdir()) == []

@@ -1,5 +1,7 @@
 """The facade's published surface: the names `k3jax.sessions` exports and the keys (in order) of
 `SessionStore.stats`, which callers (bench.sessions, eval) read. No prefill: nothing compiles."""
+import pytest
+
 import k3jax.sessions
 from k3jax.sessions import SessionStore
 
@@ -21,3 +23,13 @@ def test_stats_has_the_published_keys_in_order(model):
     assert list(stats) == STATS_KEYS
     assert stats["device_bytes"] == stats["host_bytes"] == stats["disk_bytes"] == stats["sessions"] == 0
     assert stats["device_pool_bytes"] == 8 * stats["slot_bytes"] + 32 * stats["page_bytes"]   # the initial pools
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(max_new_tokens=2.5), "max_new_tokens must be an integer"),     # looped forever before
+    (dict(max_new_tokens=2, temperature=float("nan")), "finite temperature"),
+    (dict(max_new_tokens=2, seed="x"), "seed must be an integer"),
+])
+def test_generate_refuses_bad_arguments_before_anything_runs(model, arguments, message):
+    with pytest.raises(ValueError, match=message):
+        SessionStore(model).generate([], **arguments)

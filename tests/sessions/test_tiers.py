@@ -1,6 +1,7 @@
 """`Tiers` without a model (small random pools, sequences of a few tokens): budget checks, which
 value leaves the device or the host (least recently used, pinned ones stay, prefix entries first),
 spills to disk and loads back with the memory intact, copies sharing pages, releases."""
+import gc
 import jax
 import numpy as np
 import pytest
@@ -124,3 +125,20 @@ def test_copies_share_pages_until_they_write_and_release_frees_them():
     tiers.release(copy)
     tiers.release(source)
     assert device.slots.in_use == device.pages.in_use == 0 and tiers.host_bytes == 0
+
+
+def test_a_disk_tier_that_cannot_be_written_is_refused_when_made(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(ValueError, match="disk_dir .* cannot be written"):
+        Setup(host_budget=400, disk_dir=tmp_path / "file" / "disk")
+
+
+def test_spill_files_are_removed_when_the_tiers_are_collected(tmp_path):
+    setup = Setup(host_budget=400, disk_dir=tmp_path / "disk")
+    for seed in range(4):
+        setup.value(seed)
+    setup.tiers.fit_host()
+    assert len(list((tmp_path / "disk").iterdir())) == 2
+    del setup
+    gc.collect()
+    assert list((tmp_path / "disk").iterdir()) == []
