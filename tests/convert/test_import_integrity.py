@@ -40,15 +40,20 @@ def test_imported_meta_holds_the_checksum_of_every_array(imported):
     restore_model(imported)                                  # verifies every restored array
 
 
-def test_a_flipped_bit_in_an_imported_array_is_refused(imported, tmp_path):
-    run = tmp_path / "run"
+def with_a_flipped_embedding_bit(imported, run):
+    """A copy of the imported run in ``run`` whose embedding has one bit flipped on disk (its saved
+    checksum unchanged)."""
     shutil.copytree(imported, run)
     store = StateReader(run / "checkpoints" / "0")
     array = ts.open({**store.array("params", "embedding").spec().to_json()}, open=True, read=True, write=True).result()
     value = np.asarray(array[0, :1].read().result())
     array[0, :1].write((value.view(np.uint32) ^ np.uint32(1 << 7)).view(np.float32)).result()
+    return run
+
+
+def test_a_flipped_bit_in_an_imported_array_is_refused(imported, tmp_path):
     with pytest.raises(CheckpointError, match="embedding.* is corrupted"):
-        restore_model(run)
+        restore_model(with_a_flipped_embedding_bit(imported, tmp_path / "run"))
 
 
 def test_export_verifies_what_it_reads_and_a_flipped_bit_exports_nothing(imported, tmp_path):
@@ -56,12 +61,7 @@ def test_export_verifies_what_it_reads_and_a_flipped_bit_exports_nothing(importe
     from k3jax.convert.exporter import export_checkpoint
 
     export_checkpoint(imported, tmp_path / "good", log=QUIET)   # every array read whole matches its checksum
-    run = tmp_path / "run"
-    shutil.copytree(imported, run)
-    store = StateReader(run / "checkpoints" / "0")
-    array = ts.open({**store.array("params", "embedding").spec().to_json()}, open=True, read=True, write=True).result()
-    value = np.asarray(array[0, :1].read().result())
-    array[0, :1].write((value.view(np.uint32) ^ np.uint32(1 << 7)).view(np.float32)).result()
+    run = with_a_flipped_embedding_bit(imported, tmp_path / "run")
     with pytest.raises(ConvertError, match=r"array params/embedding is corrupted"):
         export_checkpoint(run, tmp_path / "bad", log=QUIET)
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad*"))
