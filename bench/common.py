@@ -96,14 +96,14 @@ def write_json(path: str | os.PathLike, data: Any) -> pathlib.Path:
     return path
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A text table: the first column left-aligned, the others right-aligned, each as wide as its
-    widest cell (cells are formatted by the caller)."""
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], left: int = 1) -> str:
+    """A text table: the first ``left`` columns left-aligned, the others right-aligned, each as wide
+    as its widest cell (cells are formatted by the caller)."""
     cells = [[str(cell) for cell in row] for row in (headers, *rows)]
     widths = [max(len(row[column]) for row in cells) for column in range(len(headers))]
 
     def line(row):
-        return "  ".join(cell.ljust(width) if column == 0 else cell.rjust(width)
+        return "  ".join(cell.ljust(width) if column < left else cell.rjust(width)
                          for column, (cell, width) in enumerate(zip(row, widths))).rstrip()
 
     return "\n".join([line(cells[0]), "-" * len(line(cells[0])), *map(line, cells[1:])])

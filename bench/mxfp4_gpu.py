@@ -46,7 +46,7 @@ def step_fn(activation):
     return jax.jit(jax.grad(loss))
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.mxfp4_gpu", description=__doc__.splitlines()[0])
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--width", type=int, default=3584)
@@ -60,6 +60,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.width % 32 or args.hidden % 32:
         parser.error("--width and --hidden must be multiples of 32 (MXFP4 blocks)")
+    return args
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """``{"seconds": {case: [per round]}, "median_seconds": {case: s}, "temporaries": {case: bytes}}``
+    for the dense bf16 experts first, then each MXFP4 case ``args`` asks for."""
     x, indices, routing, dense, packed = make_inputs(args, jax.random.key(0))
     cases = {"bf16 dense": dense}
     cases.update({f"mxfp4 xla tile {g}": tuple(Mxfp4Experts(c, s, tile=g, implementation="xla") for c, s in packed)
@@ -69,17 +75,23 @@ def main(argv=None) -> int:
     step = step_fn(glu_activation("situ"))
     fns = [lambda x, i, r, w=weights: step(x, i, r, w) for weights in cases.values()]
     times = interleaved_times(fns, (x, indices, routing), args.rounds)
-    medians = np.median(times, axis=0)
     temporaries = {name: step.lower(x, indices, routing, w).compile().memory_analysis().temp_size_in_bytes
                    for name, w in cases.items()}
-    rows = [(name, f"{1e3 * t:.3f}", f"{t / medians[0]:.2f}", f"{temporaries[name] / 2**20:.1f}")
-            for name, t in zip(cases, medians)]
+    return {"seconds": {name: times[:, i].tolist() for i, name in enumerate(cases)},
+            "median_seconds": dict(zip(cases, np.median(times, axis=0).tolist())), "temporaries": temporaries}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    result = measure(args)
+    dense = result["median_seconds"]["bf16 dense"]
+    rows = [(name, f"{1e3 * t:.3f}", f"{t / dense:.2f}", f"{result['temporaries'][name] / 2**20:.1f}")
+            for name, t in result["median_seconds"].items()]
     print(f"{jax.devices()[0].device_kind}: {args.experts} experts [{args.width} -> {args.hidden}], "
           f"{args.tokens} tokens top-{args.top_k}, bf16, forward + backward w.r.t. x")
     print(table(["experts as", "median ms", "vs bf16", "temporaries MiB"], rows))
     path = write_json(args.out, {"config": vars(args), "device": jax.devices()[0].device_kind, "host": platform.node(),
-                                 "seconds": {name: times[:, i].tolist() for i, name in enumerate(cases)},
-                                 "temporaries": temporaries})
+                                 **result})
     print(f"wrote {path}")
     return 0
 

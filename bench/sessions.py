@@ -100,33 +100,29 @@ def parse_args(argv):
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        config = load_config(args.config).model
-    except (ConfigError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+def measure(config, sessions: int, new_tokens: int, prefix: int, trials: int) -> dict:
+    """Both measurements (see the module doc) on a model of ``config`` (a `ModelConfig`), medians
+    over ``trials``."""
     model = K3Model(config, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     page = config.kda.chunk_size
     store = SessionStore(model)
     # lengths spread over one page bucket, so every trial runs the same compiled programs
-    lengths = rng.integers(page // 4, page // 2, args.sessions)
+    lengths = rng.integers(page // 4, page // 2, sessions)
     sids = [store.open(rng.integers(0, config.vocab_size, n)) for n in lengths]
     handles = [store.snapshot(sid) for sid in sids]
-    print(f"decode: {args.sessions} sessions x {args.new_tokens} tokens, {args.trials} trials", file=sys.stderr)
-    decode = decode_trials(store, sids, handles, args.new_tokens, args.trials)
-    shared = rng.integers(0, config.vocab_size, args.prefix)
-    suffixes = [rng.integers(0, config.vocab_size, 16) for _ in range(args.trials + WARMUP_TRIALS)]
-    print(f"prefix: {args.prefix} shared + 16 tokens, {args.trials} trials", file=sys.stderr)
-    prefix, difference = prefix_trials(model, shared, suffixes, args.trials)
+    print(f"decode: {sessions} sessions x {new_tokens} tokens, {trials} trials", file=sys.stderr)
+    decode = decode_trials(store, sids, handles, new_tokens, trials)
+    shared = rng.integers(0, config.vocab_size, prefix)
+    suffixes = [rng.integers(0, config.vocab_size, 16) for _ in range(trials + WARMUP_TRIALS)]
+    print(f"prefix: {prefix} shared + 16 tokens, {trials} trials", file=sys.stderr)
+    prefix_seconds, difference = prefix_trials(model, shared, suffixes, trials)
 
-    tokens = args.sessions * args.new_tokens
-    median = {name: statistics.median(values) for name, values in {**decode, **prefix}.items()}
-    result = {
-        "config": args.config, "sessions": args.sessions, "new_tokens": args.new_tokens, "prefix_tokens": args.prefix,
-        "suffix_tokens": 16, "trials": args.trials, "seconds": {**decode, **prefix},
+    tokens = sessions * new_tokens
+    median = {name: statistics.median(values) for name, values in {**decode, **prefix_seconds}.items()}
+    return {
+        "sessions": sessions, "new_tokens": new_tokens, "prefix_tokens": prefix,
+        "suffix_tokens": 16, "trials": trials, "seconds": {**decode, **prefix_seconds},
         "batched_tokens_per_s": tokens / median["batched"],
         "one_at_a_time_tokens_per_s": tokens / median["one_at_a_time"],
         "batched_speedup": median["one_at_a_time"] / median["batched"],
@@ -137,6 +133,16 @@ def main(argv=None) -> int:
         "prefix_speedup": median["cold_prefill"] / median["prefix_hit"],
         "prefix_hit_max_logit_difference": difference,
     }
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        config = load_config(args.config).model
+    except (ConfigError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    result = {"config": args.config, **measure(config, args.sessions, args.new_tokens, args.prefix, args.trials)}
     print(table(["measurement", "value"], [
         ["batched decode, tokens/s", f"{result['batched_tokens_per_s']:.1f}"],
         ["one-at-a-time decode, tokens/s", f"{result['one_at_a_time_tokens_per_s']:.1f}"],
@@ -147,7 +153,7 @@ def main(argv=None) -> int:
         [f"cold prefill of {args.prefix}+16 tokens, s", f"{result['cold_prefill_s']:.3f}"],
         ["prefix-cache hit (prefill 16 tokens), s", f"{result['prefix_hit_s']:.3f}"],
         ["  ratio (cold / hit)", f"{result['prefix_speedup']:.2f}"],
-        ["hit vs cold, max |logit difference|", f"{difference:.2e}"],
+        ["hit vs cold, max |logit difference|", f"{result['prefix_hit_max_logit_difference']:.2e}"],
     ]))
     print(f"wrote {write_json(args.json, result)}")
     return 0

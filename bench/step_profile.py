@@ -144,9 +144,14 @@ def instruction_op_names(hlo_text: str) -> dict[str, str]:
     return named
 
 
+def step_inputs(trainer) -> tuple[object, object]:
+    """``(state, batch)``: ``trainer``'s train state and its first batch, on the devices."""
+    return trainer.state, trainer._device_batch(trainer._host_batch(0))
+
+
 def profile(trainer, calls: int) -> dict:
     """Timings and the operation profile of ``trainer``'s train step (see the module doc)."""
-    state, batch = trainer.state, trainer._device_batch(trainer._host_batch(0))
+    state, batch = step_inputs(trainer)
     op_names = instruction_op_names(trainer.train_step.lower(state, batch).compile().as_text())
     state, times = step_seconds(trainer.train_step, state, batch, 23)
     with tempfile.TemporaryDirectory(prefix="k3jax-step-profile-") as trace_dir:

@@ -1,11 +1,8 @@
 """Config schema: the shipped files (SPEC §6), overrides, base files, one-line errors."""
-import pathlib
-
 import pytest
 
 from k3jax.config import ConfigError, load_config
-
-CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+from tests.helpers import CONFIGS
 
 
 def load(name, *overrides):

@@ -18,8 +18,7 @@ from flax import nnx
 from k3jax.config import load_config
 from k3jax.model import K3Model
 from k3jax.flops import attn_res_mix_sources, decode_flops, forward_flops, training_flops
-
-MICRO = "tests/train/micro.yaml"
+from tests.helpers import MICRO
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """The K3 stack: prefill/decode consistency, causality, packed documents, AttnRes at init,
 training, gradients, parameter metadata and counts, memory bank, generation (SPEC §§0-6)."""
 import functools
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +14,9 @@ from k3jax.generate import generate
 from k3jax.layers.params import logical_axes
 from k3jax.memory import init_memory, memory_bytes
 from k3jax.model import DecoderLayer, K3Model, param_counts
+from tests.helpers import CONFIGS, rel_err
 from tests.ops import numpy_moe as ref_moe
 
-CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 # tiny.yaml with a 2-layer period (1 KDA : 1 MLA, AttnRes blocks of 2) and 7 layers, so a short
 # stack has every group: unrolled prefix (0, 1), scanned body (2, 3) x 2, unrolled suffix (6).
 MICRO = ["model.num_layers=7", "model.mla_period=2", "model.attn_res.block_size=2"]
@@ -29,11 +28,6 @@ continue_ = nnx.jit(lambda model, tokens, memory: model(tokens, memory=memory))
 
 def micro_config(*overrides):
     return load_config(CONFIGS / "tiny.yaml", MICRO + list(overrides)).model
-
-
-def rel_err(actual, expected):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.abs(actual - expected).max() / np.abs(expected).max())
 
 
 @pytest.fixture(scope="module")
@@ -56,25 +50,28 @@ def test_layer_groups_cover_prefix_scanned_body_and_suffix(model):
     assert model.groups.repeats == 2 and model.groups.suffix == (6,)
 
 
-@pytest.mark.slow   # 15-60 s of the default set's CPU: in .ci/run's slow set
-def test_prefill_then_decode_equals_one_forward(model, tokens):
-    full = forward(model, tokens, no_segments(tokens)).logits
-    out = continue_(model, tokens[:, :8], init_memory(model.config, BATCH, LENGTH))
-    logits = [out.logits]
-    memory = out.memory
-    for t in range(8, LENGTH):
-        out = continue_(model, tokens[:, t : t + 1], memory)
-        logits.append(out.logits)
-        memory = out.memory
-    assert rel_err(jnp.concatenate(logits, axis=1), full) <= 1e-4
-    np.testing.assert_array_equal(memory.mla.length, LENGTH)
+PREFILL_THEN_DECODE = [(0, 8)] + [(t, t + 1) for t in range(8, LENGTH)]
 
+
+def in_pieces(model, tokens, pieces):
+    """``(logits, memory)`` of ``tokens`` fed to ``model`` piece by piece (``[(start, stop), ...]``),
+    the memory carried from each piece to the next."""
     memory, logits = init_memory(model.config, BATCH, LENGTH), []
-    for start, stop in [(0, 8), (8, 11), (11, 12)]:   # three uneven pieces
+    for start, stop in pieces:
         out = continue_(model, tokens[:, start:stop], memory)
         logits.append(out.logits)
         memory = out.memory
-    assert rel_err(jnp.concatenate(logits, axis=1), full) <= 1e-4
+    return jnp.concatenate(logits, axis=1), memory
+
+
+@pytest.mark.slow   # 15-60 s of the default set's CPU: in .ci/run's slow set
+def test_prefill_then_decode_equals_one_forward(model, tokens):
+    full = forward(model, tokens, no_segments(tokens)).logits
+    logits, memory = in_pieces(model, tokens, PREFILL_THEN_DECODE)
+    assert rel_err(logits, full) <= 1e-4
+    np.testing.assert_array_equal(memory.mla.length, LENGTH)
+    logits, _ = in_pieces(model, tokens, [(0, 8), (8, 11), (11, 12)])   # three uneven pieces
+    assert rel_err(logits, full) <= 1e-4
 
 
 KIMI_LINEAR_STYLE = ["model.attn_res.kind=none", "model.kda.gate=softplus", "model.kda.output_gate=low_rank",
@@ -89,13 +86,8 @@ def test_kimi_linear_style_stack_prefill_then_decode_equals_one_forward(tokens):
     gate, grouped values, ungated MLA without q-LoRA, SwiGLU, plain MoE, sign balancing."""
     model = K3Model(micro_config(*KIMI_LINEAR_STYLE), rngs=nnx.Rngs(0))
     full = forward(model, tokens, no_segments(tokens))
-    out = continue_(model, tokens[:, :8], init_memory(model.config, BATCH, LENGTH))
-    logits, memory = [out.logits], out.memory
-    for t in range(8, LENGTH):
-        out = continue_(model, tokens[:, t : t + 1], memory)
-        logits.append(out.logits)
-        memory = out.memory
-    assert rel_err(jnp.concatenate(logits, axis=1), full.logits) <= 1e-4
+    logits, _ = in_pieces(model, tokens, PREFILL_THEN_DECODE)
+    assert rel_err(logits, full.logits) <= 1e-4
     model.update_router_bias(full.moe_stats)   # sign balancing: each bias moves by -rate, 0 or +rate
     steps = np.round(np.asarray(model.router_bias()) / model.config.moe.bias_update_rate)
     assert set(np.unique(steps)) <= {-1.0, 0.0, 1.0} and np.abs(steps).sum() > 0

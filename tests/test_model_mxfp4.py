@@ -1,7 +1,5 @@
 """A tiny K3 with MXFP4 routed experts: its loss equals its dense-decoded twin's, and it trains --
 every trained parameter is an ``nnx.Param`` outside the experts, which stay bit for bit."""
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,8 +11,8 @@ from k3jax.config import load_config
 from k3jax.model import K3Model
 from k3jax.ops.mxfp4_format import decode
 from k3jax.training import init_train_state, make_train_step, split_model
+from tests.helpers import MICRO
 
-MICRO = pathlib.Path(__file__).resolve().parent / "train" / "micro.yaml"
 MXFP4 = ("model.moe.expert_format=mxfp4", "model.moe.expert_matmul=ragged_dot", "model.moe.expert_width=32",
          "model.moe.latent_dim=32", "model.moe.expert_tile=3")
 

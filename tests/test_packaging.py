@@ -10,9 +10,10 @@ import zipfile
 
 import pytest
 
+from tests.helpers import ROOT
+
 pytestmark = pytest.mark.slow   # builds a wheel, a venv and trains in subprocesses
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOURCE_IGNORED = shutil.ignore_patterns(".git", "build", "dist", "runs", "*.egg-info", "__pycache__", ".pytest_cache",
                                         ".benchmarks", ".venv", "tests", "bench")
 # The micro model of tests/train/micro.yaml, as overrides of the packaged tiny config.

@@ -22,10 +22,10 @@ import pytest
 from tests.convert.hf_configs import tiny_k3
 from tests.convert.hf_fixtures import hf_tensors, write_checkpoint, write_tokenizer
 from tests.convert.test_bad_input import small_config
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.readme   # its own set (pytest -m readme): the README's main job alone trains for ~3 minutes
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 COPY_IGNORED = shutil.ignore_patterns(".git", "build", "dist", "runs", "*.egg-info", "__pycache__", ".pytest_cache",
                                       ".benchmarks", ".venv", "tests")
 

@@ -6,7 +6,11 @@
     AdamW      global-norm clipping, then AdamW; weight decay only on matrices (see `decays`)
     Muon       per-head Muon (Newton-Schulz on each head block of a [d, H, K] projection, as K3
                trained its Q/K/V) for matrices, AdamW for everything else (embeddings, head,
-               norms, gates, biases, convolution taps, router) -- `muon_dimensions`
+               norms, gates, biases, convolution taps, router) -- `muon_dimensions`. Per matrix
+               G [fan_in, fan_out]: Nesterov momentum (beta 0.95, optax.contrib.muon's
+               bias-corrected form), then `NS_STEPS` steps of Jordan's quintic
+               X <- a X + b (X X^T) X + c (X X^T)^2 X, (a, b, c) = `NS_COEFFS`, from
+               X = M / (||M||_F + 1e-8), then scaled by ``muon_rms * sqrt(max(fan_in, fan_out))``
 
 Parameters are plain nested dicts of arrays; their logical axes (`k3jax.layers.params`) come in
 a parallel nested dict of tuples.
@@ -25,6 +29,9 @@ HEAD_AXES = frozenset({"heads", "value_heads"})
 # Parameters that are matrices by shape but not by role.
 NOT_DECAYED = frozenset({"dt_bias", "A_log"})
 MUON_MOMENTUM = 0.95
+# Newton-Schulz: Keller Jordan's quintic coefficients (modded-nanogpt, 2024), five steps.
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
 
 
 def learning_rate_schedule(kind: str, peak: float, total_steps: int, warmup_steps: int,
@@ -117,6 +124,7 @@ def build_optimizer(
     dims = map_axes(muon_dimensions, axes)
     labels = jax.tree.map(lambda d: "adam" if d is None else "muon", dims,
                           is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
-    muon = optax.contrib.muon(schedule, beta=MUON_MOMENTUM, weight_decay=weight_decay,
-                              muon_weight_dimension_numbers=dims, consistent_rms=muon_rms)
+    muon = optax.contrib.muon(schedule, ns_coeffs=NS_COEFFS, ns_steps=NS_STEPS, beta=MUON_MOMENTUM,
+                              weight_decay=weight_decay, muon_weight_dimension_numbers=dims,
+                              consistent_rms=muon_rms)
     return optax.chain(*clip, optax.multi_transform({"muon": muon, "adam": adamw}, labels))

@@ -1,7 +1,6 @@
 """``python -m k3jax.convert`` end to end in subprocesses: import, then the evaluator, the trainer's
 ``init_from`` and export read the run as they are; bad input is one line and status 1."""
 import json
-import pathlib
 import subprocess
 import sys
 
@@ -9,8 +8,8 @@ import pytest
 
 from tests.convert.hf_fixtures import hf_tensors, write_checkpoint, write_tokenizer
 from tests.convert.test_bad_input import small_config
+from tests.helpers import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 

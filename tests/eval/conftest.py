@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from k3jax.config import Config, load_config
+from tests.helpers import CONFIGS
 from k3jax.training import Trainer
 from eval.cli import evaluate
 from eval.loading import load_run
 from eval.tasks import DecodeCostTask, MQARLengthTask, PasskeyTask, PerplexityTask, SamplesTask
 
-CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 COMMON = [
     "model.kda.num_heads=1", "model.kda.head_dim=32", "model.mla.num_heads=2", "model.mla.q_lora_rank=32",
     "model.mla.kv_lora_rank=32", "model.mla.nope_head_dim=16", "model.mla.rope_head_dim=8",

@@ -3,7 +3,6 @@ masked (assistant) positions of the run's held-out conversations and of ``--text
 samples prompted in K3's chat format, ending at ``<|end_of_msg|>``."""
 import json
 import math
-import pathlib
 
 import numpy as np
 import pytest
@@ -16,9 +15,8 @@ from k3jax.config import load_config
 from k3jax.data import make_dataset
 from k3jax.model import K3Model
 from tests.data.chat_tokenizer import write_chat_tokenizer
+from tests.helpers import MICRO
 from tests.train.test_chat_learning import SMALL, write_conversations
-
-MICRO = str(pathlib.Path(__file__).resolve().parents[1] / "train" / "micro.yaml")
 
 
 @pytest.mark.slow   # compiles a 2-layer model's forward and its decode step

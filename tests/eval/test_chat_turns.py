@@ -4,7 +4,6 @@ without markup; ``--raw`` keeps plain text. The model and the session store are 
 what they are fed and answer with fixed replies (so no compilation); a slow test runs both
 programs on a real chat checkpoint against greedy `k3jax.generate` on the renderer's prompts."""
 import io
-import pathlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,10 +19,11 @@ from k3jax.data import load_tokenizer
 from k3jax.data.chat_format import ChatEncoder, generation_prompt, render_conversation, reply_segments
 from k3jax.sessions import SessionStore
 from tests.data.chat_tokenizer import write_chat_tokenizer
-from tests.train.test_chat_learning import MICRO, SMALL
+from tests.helpers import CONFIGS, MICRO
+from tests.train.test_chat_learning import SMALL
 from k3jax.training import Trainer
 
-CONVERSATIONS = pathlib.Path(__file__).resolve().parents[2] / "configs" / "chat" / "conversations.jsonl"
+CONVERSATIONS = CONFIGS / "chat" / "conversations.jsonl"
 
 
 @pytest.fixture(scope="module")

@@ -14,17 +14,13 @@ from k3jax.config import KDAConfig
 from k3jax.layers.kda import KDALayer
 from k3jax.memory import KDAMemory, KDAPool
 from tests import numpy_reference as ref
-from tests.layers.helpers import param_values, rel_err
+from tests.helpers import call_layer, param_values, rel_err
 
 D_MODEL = 24
 CONFIGS = {
     "k3": KDAConfig(num_heads=2, head_dim=8, gate="lower_bound", lower_bound=-5.0, output_gate="full"),
     "kimi_linear_grouped": KDAConfig(num_heads=2, head_dim=8, value_heads=4, gate="softplus", output_gate="low_rank"),
 }
-
-
-def call(layer, x, memory=None, segment_ids=None):
-    return nnx.jit(lambda m, *a: m(*a))(layer, x, memory, segment_ids)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -37,7 +33,7 @@ def test_layer_matches_numpy_with_memory_and_segments(name):
     state = rng.standard_normal((2, cfg.num_value_heads, cfg.head_dim, cfg.head_dim))
     conv = rng.standard_normal((2, cfg.conv_size - 1, cfg.conv_width))
     segments = np.array([[0] * 9 + [1] * 12, [5] * 21])
-    y, memory = call(layer, jnp.asarray(x, jnp.float32), KDAMemory(jnp.asarray(state, jnp.float32),
+    y, memory = call_layer(layer, jnp.asarray(x, jnp.float32), KDAMemory(jnp.asarray(state, jnp.float32),
                      jnp.asarray(conv, jnp.float32)), jnp.asarray(segments))
     y_ref, state_ref, conv_ref = ref.kda_layer(p, x, cfg, state, conv, segments)
     assert rel_err(y, y_ref) < 1e-4
@@ -52,11 +48,11 @@ def test_prefill_then_decode_steps_equal_one_pass(name):
     x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 7, D_MODEL)), jnp.float32)
     empty = KDAMemory(jnp.zeros((2, cfg.num_value_heads, cfg.head_dim, cfg.head_dim)),
                       jnp.zeros((2, cfg.conv_size - 1, cfg.conv_width)))
-    y_full, full_memory = call(layer, x, empty)
-    y, memory = call(layer, x[:, :4], empty)
+    y_full, full_memory = call_layer(layer, x, empty)
+    y, memory = call_layer(layer, x[:, :4], empty)
     outputs = [y]
     for t in range(4, 7):  # one-token decode steps (the kda_step path)
-        y, memory = call(layer, x[:, t : t + 1], memory)
+        y, memory = call_layer(layer, x[:, t : t + 1], memory)
         outputs.append(y)
     assert rel_err(jnp.concatenate(outputs, axis=1), y_full) < 1e-5
     assert rel_err(memory.state, full_memory.state) < 1e-5
@@ -77,7 +73,7 @@ def test_output_norm_eps_matches_numpy():
     layer = KDALayer(D_MODEL, cfg, init_std=0.3, rngs=nnx.Rngs(4))
     p = param_values(layer)
     x = np.random.default_rng(5).standard_normal((1, 6, D_MODEL))
-    y, _ = call(layer, jnp.asarray(x, jnp.float32))
+    y, _ = call_layer(layer, jnp.asarray(x, jnp.float32))
     y_ref, _, _ = ref.kda_layer(p, x, cfg)
     assert rel_err(y, y_ref) < 1e-4
     y_default_eps, _, _ = ref.kda_layer(p, x, KDAConfig(num_heads=2, head_dim=8))

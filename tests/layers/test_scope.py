@@ -1,7 +1,5 @@
 """Layer names on the operations of a forward and backward (`k3jax.layers.scope`), and how
 `bench.step_profile` reads them back into components."""
-import pathlib
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -9,8 +7,7 @@ from flax import nnx
 from bench.step_profile import REST, component, instruction_op_names
 from k3jax.config import load_config
 from k3jax.model import K3Model
-
-CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
+from tests.helpers import CONFIGS
 
 
 def test_component_is_the_innermost_k3jax_scope_and_marks_the_backward():

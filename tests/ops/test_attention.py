@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from k3jax.ops.attention import attention
+from tests.helpers import rel_err
 
 
 def numpy_attention(q, k, v, scale, q_pos, k_pos, q_seg, k_seg, d_o):
@@ -32,10 +33,6 @@ def numpy_attention(q, k, v, scale, q_pos, k_pos, q_seg, k_seg, d_o):
     return o, dq, fold(dk_heads), fold(dv_heads)
 
 
-def rel(a, b):
-    return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / (np.max(np.abs(b)) + 1e-30))
-
-
 def inputs(batch, length, source, heads, groups, dim, value_dim, seed):
     rng = np.random.default_rng(seed)
     shapes = [(batch, length, heads, dim), (batch, source, groups, dim), (batch, source, groups, value_dim),
@@ -60,7 +57,7 @@ def test_self_attention_with_segments_matches_numpy(heads, groups, block):
     (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     expected = numpy_attention(q, k, v, scale, positions, positions, segments, segments, d_o)
     for got, want in zip((o, *grads), expected):
-        assert rel(got, want) <= 1e-5
+        assert rel_err(got, want) <= 1e-5
 
 
 def test_cache_positions_and_invisible_rows_match_numpy():
@@ -83,7 +80,7 @@ def test_cache_positions_and_invisible_rows_match_numpy():
     for implementation in ("xla", "dense"):
         (_, o), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v, implementation)
         for got, want in zip((o, *grads), expected):
-            assert rel(got, want) <= 1e-5, implementation
+            assert rel_err(got, want) <= 1e-5, implementation
 
 
 def test_bf16_inputs_and_extreme_scores_stay_finite():

@@ -10,17 +10,13 @@ from jax.test_util import check_grads
 
 from k3jax.ops import kda as kda_ops
 from k3jax.ops.kda import kda_gate, kda_step, l2_normalize
+from tests.helpers import rel_err
 from tests.ops.numpy_kda import kda_numpy
 
 FIXTURE = pathlib.Path(__file__).with_name("kda_fla_reference.npz")
 IMPLEMENTATIONS = ("reference", "chunk")
 # Compiled once per shape and static options: eager op-by-op dispatch would dominate test time.
 kda = jax.jit(kda_ops.kda, static_argnames=("scale", "chunk_size", "implementation"))
-
-
-def rel_err(actual, expected):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return np.abs(actual - expected).max() / np.abs(expected).max()
 
 
 def make_gate(rng, shape, regime):
@@ -197,16 +193,21 @@ def test_long_sequence_forward_stays_finite():
     assert np.isfinite(o).all() and np.isfinite(state).all()
 
 
-def test_bf16_inputs_keep_fp32_state():
-    x = make_inputs(12, length=100, regime="bounded")
+def check_bf16_inputs_keep_fp32_state(implementation: str, length: int) -> None:
+    """bf16 inputs give a bf16 output and an fp32 state, which match the float64 oracle run on the
+    same (rounded) inputs: only the output's rounding differs."""
+    x = make_inputs(12, length=length, regime="bounded")
     bf16 = {n: jnp.asarray(a, jnp.bfloat16) for n, a in x.items()}
-    o, state = kda(**bf16, implementation="chunk")
+    o, state = kda(**bf16, implementation=implementation)
     assert o.dtype == jnp.bfloat16 and state.dtype == jnp.float32
-    # Against the float64 oracle run on the same (rounded) inputs: only output rounding differs.
     rounded = {n: np.asarray(a.astype(jnp.float32), np.float64) for n, a in bf16.items()}
     o_ref, state_ref = kda_numpy(**rounded)
     assert rel_err(state, state_ref) <= 1e-5
     assert rel_err(o, o_ref) <= 1e-2
+
+
+def test_bf16_inputs_keep_fp32_state():
+    check_bf16_inputs_keep_fp32_state("chunk", length=100)
 
 
 def test_gate_forms_match_numpy():

@@ -17,16 +17,13 @@ from k3jax.ops import kda as kda_ops
 from k3jax.ops.kda import segment_starts
 from k3jax.ops.kda.blocks import chunk_length
 from k3jax.ops.kda.pallas import forced_kernels, pallas_kda
+from tests.helpers import rel_err
 from tests.ops.numpy_kda import kda_numpy
-from tests.ops.test_kda import make_inputs, rel_err
+from tests.ops.test_kda import as_f32, check_bf16_inputs_keep_fp32_state, make_inputs
 
 FIXTURE = pathlib.Path(__file__).with_name("kda_fla_reference.npz")
 ARGS = ("q", "k", "v", "g", "beta", "initial_state")
 kda = jax.jit(kda_ops.kda, static_argnames=("scale", "chunk_size", "implementation"))
-
-
-def as_f32(x):
-    return {n: jnp.asarray(a, jnp.float32) for n, a in x.items()}
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "chunk_size", "scale"))
@@ -161,14 +158,7 @@ def test_extreme_gates_and_zero_keys_stay_finite():
 
 
 def test_bf16_inputs_keep_fp32_state():
-    x = make_inputs(12, length=30, regime="bounded")
-    bf16 = {n: jnp.asarray(a, jnp.bfloat16) for n, a in x.items()}
-    o, state = kda(**bf16, implementation="pallas")
-    assert o.dtype == jnp.bfloat16 and state.dtype == jnp.float32
-    rounded = {n: np.asarray(a.astype(jnp.float32), np.float64) for n, a in bf16.items()}
-    o_ref, state_ref = kda_numpy(**rounded)
-    assert rel_err(state, state_ref) <= 1e-5
-    assert rel_err(o, o_ref) <= 1e-2
+    check_bf16_inputs_keep_fp32_state("pallas", length=30)
 
 
 @pytest.mark.parametrize("platform, kernel_call", [("tpu", "tpu_custom_call"), ("cuda", "__gpu$xla.gpu.triton")])

@@ -8,12 +8,8 @@ import pytest
 from jax.test_util import check_grads
 
 from k3jax.ops import moe
+from tests.helpers import rel_err
 from tests.ops import numpy_moe as ref
-
-
-def rel_err(actual, expected):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return np.abs(actual - expected).max() / np.abs(expected).max()
 
 
 def expert_weights(rng, num_experts, width, hidden):

@@ -8,8 +8,9 @@ import pytest
 
 from k3jax.ops.attention import attention
 from k3jax.ops.kda import kda
-from tests.ops.test_attention import inputs, numpy_attention, rel
-from tests.ops.test_kda import as_f32, make_inputs, rel_err
+from tests.helpers import rel_err
+from tests.ops.test_attention import inputs, numpy_attention
+from tests.ops.test_kda import as_f32, make_inputs
 
 
 def scanned(loss):
@@ -39,7 +40,7 @@ def test_attention_inside_a_scan_matches_numpy_and_stores_no_score_matrix():
 
     grads = jax.jit(jax.grad(scanned(lambda q, k, v: loss(q, k, v, d_o, segments, 4)), argnums=(0, 1, 2)))(q, k, v)
     for got, want in zip(grads, numpy_attention(q, k, v, 0.4, positions, positions, segments, segments, d_o)[1:]):
-        assert rel(got, want) <= 1e-5
+        assert rel_err(got, want) <= 1e-5
 
     length, heads = 1024, 2                       # 8 x 8 blocks of 128; the score matrix is 8 MiB
     q, k, v, d_o = (jnp.asarray(x) for x in inputs(1, length, length, heads, heads, 8, 8, seed=4))

@@ -1,7 +1,5 @@
 """A 2-layer tiny K3 (1 KDA + 1 MLA layer, vocab 64, KDA chunk and MLA page of 16 tokens) shared by
 the session tests, and the contiguous-bank reference they compare with."""
-import pathlib
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,8 +8,8 @@ from flax import nnx
 from k3jax.config import load_config
 from k3jax.memory import init_memory
 from k3jax.model import K3Model
+from tests.helpers import CONFIGS
 
-CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 TINY = ["model.num_layers=2", "model.mla_period=2", "model.attn_res.block_size=2", "model.vocab_size=64",
         "model.kda.chunk_size=16"]
 

@@ -7,7 +7,8 @@ import numpy as np
 
 from k3jax.ops.attention import blockwise_attention_with_lse
 from k3jax.sharding.context import _merge_attention
-from tests.ops.test_attention import inputs, numpy_attention, rel
+from tests.helpers import rel_err
+from tests.ops.test_attention import inputs, numpy_attention
 
 
 def test_attention_over_three_key_parts_merged_by_lse_equals_numpy_over_all_keys():
@@ -38,5 +39,5 @@ def test_attention_over_three_key_parts_merged_by_lse_equals_numpy_over_all_keys
                                                      query_segments, key_segments[:, :8], scale, 4)
     assert not bool(jnp.all(jnp.isfinite(first_part_lse)))      # document 2 sees no key of part 0
     for got, want in zip((o, *grads), expected):
-        assert rel(got, want) <= 1e-5
+        assert rel_err(got, want) <= 1e-5
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)

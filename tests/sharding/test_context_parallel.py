@@ -7,18 +7,15 @@ import json
 
 import pytest
 
+from tests.helpers import MICRO
 from k3jax.training.plan import COLLECTIVES
-from tests.sharding.test_multi_device import MICRO, ROOT, finish, program, program_result, start
+from tests.sharding.test_multi_device import finish, program, program_result, start
 
 pytestmark = pytest.mark.slow   # subprocesses of 8 devices
 
 TOLERANCE = 1e-5
 CONTEXT_RUN = ("train.steps=2", "train.eval_batches=0", "checkpoint.every=2", "logging.peak_tflops=1.0",
                "data.seq_len=64", "mesh.context=2")
-
-
-def script(name: str) -> str:
-    return str(ROOT / "tests" / "sharding" / "programs" / f"{name}.py")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +38,7 @@ def launched(tmp_path_factory):
 
 
 def test_kda_and_conv_across_2_4_8_context_shards_equal_one_device():
-    results = json.loads(finish(start([script("context_kda")])).splitlines()[-1])
+    results = json.loads(finish(program("context_kda")).splitlines()[-1])
     assert sorted(results) == ["2", "4", "8"]
     for size, errors in results.items():
         assert all(error <= TOLERANCE for error in errors.values()), (size, errors)
@@ -50,7 +47,7 @@ def test_kda_and_conv_across_2_4_8_context_shards_equal_one_device():
 def test_kda_and_mla_layers_with_context_parallel_equal_one_device():
     """The layers as `parallelize` equips them (`ContextParallel` over 4 shards; MLA all-gathered
     and ring-passed): outputs and the gradients of the input and every parameter."""
-    results = json.loads(finish(start([script("context_layers")])).splitlines()[-1])
+    results = json.loads(finish(program("context_layers")).splitlines()[-1])
     assert sorted(results) == ["kda", "mla", "mla_ring"]
     assert all(error <= TOLERANCE for error in results.values()), results
 

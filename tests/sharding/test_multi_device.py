@@ -16,12 +16,11 @@ import tempfile
 import pytest
 
 from k3jax.checkpoint import RunCheckpoints
+from tests.helpers import MICRO, ROOT
 from tests.ops.numpy_moe import capacity_dropped
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]   # subprocesses of 8 devices; two-process runs
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-MICRO = ROOT / "tests" / "train" / "micro.yaml"
 TOLERANCE = 1e-5
 # The micro K3 of the trainer tests, its batch split over 8 devices, expert parallel with a
 # capacity no assignment overflows (E / k = 2), no held-out evaluation.

@@ -13,9 +13,9 @@ from k3jax.config import MeshConfig, MoEConfig, load_config
 from k3jax.layers.moe import MoE
 from k3jax.model import DecoderLayer, K3Model
 from k3jax.sharding import ExpertDispatch, MeshLayout, make_mesh, parallelize
+from tests.helpers import MICRO, ROOT
 from tests.ops.numpy_moe import capacity_dropped
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODEL_CODE = [*sorted((ROOT / "k3jax" / "layers").rglob("*.py")), *sorted((ROOT / "k3jax" / "ops").rglob("*.py")),
               ROOT / "k3jax" / "model.py"]
 MESH = make_mesh(MeshConfig(), jax.devices()[:1])
@@ -39,7 +39,7 @@ def test_model_layers_and_ops_do_not_import_the_sharding_package():
 
 
 def micro_model():
-    config = load_config(ROOT / "tests" / "train" / "micro.yaml").model
+    config = load_config(MICRO).model
     return nnx.eval_shape(lambda: K3Model(config, rngs=nnx.Rngs(0)))
 
 

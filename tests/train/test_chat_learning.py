@@ -14,10 +14,10 @@ import pytest
 
 from k3jax.config import load_config
 from tests.data.chat_tokenizer import write_chat_tokenizer
+from tests.helpers import MICRO
 from tests.train.test_heldout_eval import numpy_bits_per_byte
 from k3jax.training import Trainer
 
-MICRO = str(pathlib.Path(__file__).with_name("micro.yaml"))
 SMALL = ["model.num_layers=2", "model.mla_period=2", "model.dense_layers=2"]   # KDA then MLA, dense: fast to compile
 WORDS = ["zero", "one", "two", "three"]
 

@@ -13,11 +13,8 @@ import numpy as np
 import pytest
 
 from k3jax.checkpoint import RunCheckpoints
+from tests.helpers import MICRO, ROOT
 
-pytestmark = pytest.mark.slow   # subprocesses
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-MICRO = str(pathlib.Path(__file__).with_name("micro.yaml"))
 pytestmark = pytest.mark.slow   # subprocesses
 
 

@@ -6,7 +6,8 @@ import pytest
 
 from k3jax.config import load_config
 from k3jax.data.prepare import prepare
-from tests.train.test_heldout_eval import MICRO, write_corpus
+from tests.helpers import MICRO
+from tests.train.test_heldout_eval import write_corpus
 from k3jax.training import Trainer
 
 

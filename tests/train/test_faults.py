@@ -20,7 +20,8 @@ import pytest
 
 from k3jax.checkpoint import RunCheckpoints
 from k3jax.config import load_config
-from tests.train.test_cli import MICRO, ROOT, command, losses, wait_for_step
+from tests.helpers import MICRO, ROOT
+from tests.train.test_cli import command, losses, wait_for_step
 from k3jax.training import lay_out_run
 
 pytestmark = pytest.mark.slow

@@ -14,10 +14,8 @@ import numpy as np
 import pytest
 
 from k3jax.config import ConfigError, load_config
+from tests.helpers import MICRO, ROOT
 from k3jax.training import Trainer
-
-MICRO = str(pathlib.Path(__file__).with_name("micro.yaml"))
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def write_corpus(directory: pathlib.Path) -> pathlib.Path:

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from k3jax.config import load_config
+from tests.helpers import MICRO
 from k3jax.training import RunError, Trainer
 
 pytestmark = pytest.mark.slow   # builds trainers: about 30 s of compilation each on 2 cores
-MICRO = str(pathlib.Path(__file__).with_name("micro.yaml"))
 
 
 def micro_config(run_dir: pathlib.Path, *overrides: str):

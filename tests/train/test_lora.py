@@ -17,11 +17,10 @@ import pytest
 from flax import nnx
 
 from k3jax.checkpoint import RunCheckpoints
+from tests.helpers import MICRO, ROOT
 
 pytestmark = pytest.mark.slow   # subprocesses
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-MICRO = str(pathlib.Path(__file__).with_name("micro.yaml"))
 LORA = ("finetune.lora_rank=4", "finetune.lora_alpha=8", "finetune.lora_dropout=0.1", "finetune.lora_routed_experts=true",
         "optimizer.learning_rate=2e-2", "optimizer.warmup_steps=0", "optimizer.schedule_steps=8",
         "checkpoint.every=4")

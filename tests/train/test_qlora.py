@@ -8,7 +8,6 @@ for bit where a straight one does; export-with-merge then re-import gives the fi
 logits (dense fp32 export, within fp32 rounding: 1e-4 of the largest logit), and with MXFP4 re-packing the re-imported codes are exactly
 quantize(W + s A B_e), the base's scales preferred where they still represent a block exactly.
 """
-import pathlib
 import subprocess
 import sys
 
@@ -21,12 +20,12 @@ from k3jax.convert.mxfp4 import encode_mxfp4
 from k3jax.layers.moe import ExpertCodes
 from tests.convert.hf_configs import tiny_k3
 from tests.convert.hf_fixtures import hf_tensors, write_checkpoint
+from tests.helpers import ROOT
 from tests.ops import numpy_mxfp4
 from tests.train.test_lora import directory_bytes, losses, saved_state
 
 pytestmark = pytest.mark.slow   # subprocesses
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 RANK, ALPHA = 4, 8.0
 QLORA = (f"finetune.lora_rank={RANK}", f"finetune.lora_alpha={ALPHA}", "finetune.lora_routed_experts=true",
          "finetune.lora_targets=[mixer/q_proj,mixer/o_proj]", "optimizer.learning_rate=3e-2",

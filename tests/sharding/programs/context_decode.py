@@ -20,7 +20,8 @@ from k3jax.memory import init_memory
 from k3jax.model import K3Model
 from k3jax.sharding import batch_sharding, make_mesh, named_shardings, parallelize
 from k3jax.training import split_model
-from tests.sharding.programs.common import emit, mesh_config, relative_error, small_k3_config
+from tests.helpers import relative_error
+from tests.sharding.programs.common import emit, mesh_config, small_k3_config
 
 PROMPT, ROWS, NEW_TOKENS = 64, 2, 6
 OVERRIDES = ("model.kda.chunk_size=16", "model.mla.attention_block_size=16")

@@ -7,19 +7,14 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AxisType, PartitionSpec as P
 
 from k3jax.ops.conv import causal_depthwise_conv
 from k3jax.ops.kda import kda, l2_normalize
 from k3jax.sharding.context import conv_across_shards, kda_across_shards
+from tests.helpers import rel_err
 
 B, T, H, HV, K, W = 2, 64, 1, 2, 8, 4
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def inputs():
@@ -60,9 +55,9 @@ def main():
         grads = jax.jit(jax.grad(lambda *a: loss(run, *a), argnums=(0, 1, 2, 3, 4)))(q, k, v, g, beta)
         conv = jax.jit(jax.shard_map(lambda x, s: conv_across_shards(x, weight, s, "context"), mesh=mesh,
                                      in_specs=(seq, seq), out_specs=seq, check_vma=False))(x, segments)
-        results[size] = {"kda": rel(o, expected[0]), "state": rel(state, expected[1]),
-                         "grads": max(rel(a, b) for a, b in zip(grads, expected_grads)),
-                         "conv": rel(conv, expected_conv)}
+        results[size] = {"kda": rel_err(o, expected[0]), "state": rel_err(state, expected[1]),
+                         "grads": max(rel_err(a, b) for a, b in zip(grads, expected_grads)),
+                         "conv": rel_err(conv, expected_conv)}
     print(json.dumps(results))
     return 0
 

@@ -7,7 +7,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import AxisType
 
@@ -15,13 +14,9 @@ from k3jax.config import KDAConfig, MLAConfig
 from k3jax.layers.kda import KDALayer
 from k3jax.layers.mla import MLALayer
 from k3jax.sharding.context import ContextParallel
+from tests.helpers import rel_err
 
 B, T, D = 2, 64, 16
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
 def compare(layer, context, x, segments):
@@ -36,7 +31,7 @@ def compare(layer, context, x, segments):
     layer.context_parallel = context
     graphdef, state = nnx.split(layer)
     got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(state, x)
-    return max(rel(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)))
+    return max(rel_err(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)))
 
 
 def main():

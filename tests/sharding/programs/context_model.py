@@ -19,7 +19,8 @@ from k3jax.layers.mla import MLALayer
 from k3jax.model import K3Model
 from k3jax.sharding import batch_sharding, make_mesh, named_shardings, parallelize
 from k3jax.training import masked_cross_entropy, split_model
-from tests.sharding.programs.common import emit, mesh_config, relative_error, small_k3_config
+from tests.helpers import relative_error
+from tests.sharding.programs.common import emit, mesh_config, small_k3_config
 
 LENGTH, ROWS = 128, 4
 MESHES = {

@@ -17,7 +17,8 @@ from k3jax.data import make_dataset
 from k3jax.model import K3Model
 from k3jax.sharding import batch_sharding, make_mesh, named_shardings, parallelize
 from k3jax.training import masked_cross_entropy, sharded_train_state, split_model
-from tests.sharding.programs.common import emit, mesh_config, relative_error, small_k3_config
+from tests.helpers import relative_error
+from tests.sharding.programs.common import emit, mesh_config, small_k3_config
 from k3jax.training import lay_out_run
 
 MESHES = {

@@ -26,7 +26,8 @@ from k3jax.config import ConfigError, MoEConfig
 from k3jax.layers.moe import MoE
 from k3jax.ops.moe import updated_router_bias
 from k3jax.sharding import check_run_fits, make_mesh, parallelize
-from tests.sharding.programs.common import emit, mesh_config, relative_error, small_k3_config
+from tests.helpers import relative_error
+from tests.sharding.programs.common import emit, mesh_config, small_k3_config
 from k3jax.training.plan import collective_bytes, plan_train_step
 
 D_MODEL, LATENT, EXPERTS, TOP_K, BATCH, LENGTH = 32, 8, 8, 2, 8, 16

@@ -19,8 +19,9 @@ from k3jax.config import MoEConfig
 from k3jax.layers.lora import LoRA, attach_adapters
 from k3jax.layers.moe import EXPERT_WEIGHTS
 from k3jax.sharding import make_mesh, parallelize
+from tests.helpers import relative_error
 from tests.layers.test_moe_mxfp4 import build_pair
-from tests.sharding.programs.common import emit, mesh_config, relative_error
+from tests.sharding.programs.common import emit, mesh_config
 from tests.sharding.programs.moe_dispatch import emulated_ragged_all_to_all
 
 D_MODEL, LATENT, WIDTH, EXPERTS, TOP_K, BATCH, LENGTH = 16, 32, 64, 8, 2, 8, 8
