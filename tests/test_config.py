@@ -120,7 +120,7 @@ def _alias_bomb(levels: int = 7) -> str:
                                    "finetune:\n  lora_targets: {bomb}\n", "? {bomb}\n: 1\n"])
 def test_an_alias_bomb_is_refused_in_one_short_line_without_expanding_it(tmp_path, where):
     path = tmp_path / "bomb.yaml"
-    path.write_text(f"base: {pathlib.Path('configs/tiny.yaml').resolve()}\n" + where.format(bomb=_alias_bomb()))
+    path.write_text(f"base: {CONFIGS / 'tiny.yaml'}\n" + where.format(bomb=_alias_bomb()))
     with pytest.raises(ConfigError) as error:
         load_config(path)
     assert len(str(error.value)) < 600 and "\n" not in str(error.value)
