@@ -1,7 +1,6 @@
 """Bad input at the Python API is a clear ValueError before anything runs (outside jit); inside
 jit, where values cannot be checked, it gives NaN, never plausible numbers. Generation takes
 prompts of different lengths, each continued exactly as alone, with few compiles."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -17,7 +17,7 @@ from flax import nnx
 
 from k3jax.config import load_config
 from k3jax.model import K3Model
-from k3jax.flops import attn_res_mix_sources, decode_flops, forward_flops, training_flops
+from k3jax.flops import attn_res_mix_sources, forward_flops, training_flops
 from tests.helpers import MICRO
 
 

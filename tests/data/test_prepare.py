@@ -1,7 +1,6 @@
 """python -m k3jax.data.prepare: deterministic bytes, a resume after a kill that ends in the same bytes,
 and one-line errors for bad input (the reader's too)."""
 import json
-import os
 
 import numpy as np
 import pyarrow

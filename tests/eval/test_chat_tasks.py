@@ -4,7 +4,6 @@ samples prompted in K3's chat format, ending at ``<|end_of_msg|>``."""
 import json
 import math
 
-import numpy as np
 import pytest
 from flax import nnx
 from tqdm import tqdm

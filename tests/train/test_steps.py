@@ -4,7 +4,6 @@ stand-in for the model keeps the compile to a second; the loss is checked agains
 import types
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
