@@ -17,7 +17,7 @@ from flax import nnx
 
 from k3jax.config import load_config
 from k3jax.model import K3Model
-from k3jax.flops import attn_res_mix_sources, forward_flops, training_flops
+from k3jax.flops import attn_res_mix_sources, decode_flops, forward_flops, training_flops
 from tests.helpers import MICRO
 
 
@@ -50,3 +50,14 @@ def test_training_is_three_forwards_and_attention_grows_with_the_context(micro_c
 def test_attn_res_sources_follow_the_block_procedure(micro_config):
     # 4 layers, blocks of 2 (SPEC §3): layer 0 opens block 1 (no attention Mix), layer 2 block 2
     assert attn_res_mix_sources(micro_config) == [2, 2, 2, 2, 3, 3, 3, 3]
+
+
+def test_a_decode_token_costs_the_weights_a_constant_delta_rule_and_attention_over_the_bank(micro_config):
+    near, far = decode_flops(micro_config, 100), decode_flops(micro_config, 200)
+    kda, mla = micro_config.kda, micro_config.mla
+    layers_mla = len(micro_config.mla_layer_indices)
+    assert near.weights == far.weights == forward_flops(micro_config, 32).weights
+    assert near.kda == far.kda == (micro_config.num_layers - layers_mla) * 8 * kda.num_value_heads * kda.head_dim ** 2
+    per_key = 2 * mla.num_heads * (2 * mla.kv_lora_rank + mla.rope_head_dim) * layers_mla    # absorbed form
+    assert far.mla - near.mla == pytest.approx(per_key * 100) and near.mla == pytest.approx(per_key * 100)
+    assert near.total == sum(near)
