@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Mapping, NamedTuple
 import jax
 import numpy as np
 
+from k3jax.generate import memory_limit
 from k3jax.sessions.pools import DevicePools
 from k3jax.sessions.prefix import PrefixCache
 from k3jax.sessions.recency import Clock, least_recent
@@ -178,10 +179,13 @@ class Tiers:
         return self.prefix.nbytes + self.value_host_bytes
 
     def check_fits(self, length: int) -> None:
-        """A session of ``length`` tokens must fit the device budget on its own."""
+        """A session of ``length`` tokens must fit the device budget on its own (without a budget:
+        the device's memory, `k3jax.generate.memory_limit`)."""
         need = self.device.slot_bytes + (self.device.pages_for(length) + 1) * self.device.page_bytes
-        if self.device_budget is not None and need > self.device_budget:
-            raise ValueError(f"a session of {length} tokens needs {need} device bytes, the budget is {self.device_budget}")
+        budget = memory_limit() if self.device_budget is None else self.device_budget
+        if need > budget:
+            raise ValueError(f"a session of {length} tokens needs {need} device bytes, the "
+                             f"{'device holds' if self.device_budget is None else 'budget is'} {budget}")
 
     def reserve(self, slots: int, pages: int, pinned) -> None:
         """Free device room for ``slots`` slots and ``pages`` pages (evicting the least recently

@@ -4,6 +4,7 @@ import pytest
 
 import k3jax.sessions
 from k3jax.sessions import SessionStore
+from k3jax.sessions.tiers import Value
 
 STATS_KEYS = [
     "prefix_hits", "prefix_misses", "prefix_tokens_reused", "prefill_tokens", "spills_to_host", "spills_to_disk",
@@ -29,7 +30,10 @@ def test_stats_has_the_published_keys_in_order(model):
     (dict(max_new_tokens=2.5), "max_new_tokens must be an integer"),     # looped forever before
     (dict(max_new_tokens=2, temperature=float("nan")), "finite temperature"),
     (dict(max_new_tokens=2, seed="x"), "seed must be an integer"),
+    (dict(max_new_tokens=2**50), "needs .* device bytes, the device holds"),   # no budget: the device's memory
 ])
 def test_generate_refuses_bad_arguments_before_anything_runs(model, arguments, message):
     with pytest.raises(ValueError, match=message):
-        SessionStore(model).generate([], **arguments)
+        store = SessionStore(model)
+        store._sessions[0] = Value([1, 2, 3], None)     # a session's history, without prefilling it
+        store.generate([0], **arguments)
