@@ -17,37 +17,29 @@ import k3jax  # noqa: F401  (sets XLA flags before JAX creates a backend)
 WITHOUT_LLVM_OPTIMISATION = "--xla_backend_optimization_level=0"
 
 
-def _without_llvm_optimisation(flags: str | None) -> str:
-    return f"{flags or ''} {WITHOUT_LLVM_OPTIMISATION}".strip()
+def compile_without_llvm_optimisation() -> None:
+    """Compile this process's programs, and its subprocesses', with LLVM's optimisation off (``-O0``).
+
+    The suite compiles hundreds of small programs and runs each for microseconds or milliseconds,
+    so LLVM's optimisation passes are most of its time (about 40% of the CPU time of the attention
+    tests, 20% of the trainer subprocess tests') and none of its meaning: they change speed and
+    last-bit roundings (XLA:CPU uses no fast-math), not what the tests check. XLA reads XLA_FLAGS
+    when a process creates its backend, so setting the variable here, before JAX does, covers this
+    process and every subprocess a test starts; tests that compare subprocesses with this process
+    therefore compare like with like. `environment_compiling_as_users_do` is for the few checks of
+    a last-bit property of the default compilation."""
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {WITHOUT_LLVM_OPTIMISATION}".strip()
+    jax.devices()
 
 
-def environment_compiling_like_this_process() -> dict:
-    """``os.environ`` with this process's compiler setting: for a subprocess whose results are
-    compared bit for bit with this process's."""
-    return {**os.environ, "XLA_FLAGS": _without_llvm_optimisation(os.environ.get("XLA_FLAGS"))}
+def environment_compiling_as_users_do() -> dict:
+    """``os.environ`` without this suite's ``-O0``: for a subprocess checking a bit-exact property of
+    the compilation users get (e.g. that sharded initialisation equals eager initialisation)."""
+    flags = os.environ.get("XLA_FLAGS", "").replace(WITHOUT_LLVM_OPTIMISATION, "").strip()
+    return {**os.environ, "XLA_FLAGS": flags}
 
 
-def create_backend_without_llvm_optimisation() -> None:
-    """Create this process's XLA:CPU backend with LLVM's optimisation off (``-O0``).
-
-    The suite compiles hundreds of small programs and runs each for microseconds, so LLVM's
-    optimisation passes are most of its time (about 40% of the CPU time of the attention tests)
-    and none of its meaning: they change speed and last-bit roundings (e.g. of the random
-    initialisation; XLA:CPU uses no fast-math), not what the tests check. The backend reads XLA_FLAGS once, when it is created; the variable is restored
-    afterwards, so subprocesses (the trainer, eval and converter as users run them) compile as
-    usual (`environment_compiling_like_this_process` for those compared bit for bit)."""
-    flags = os.environ.get("XLA_FLAGS")
-    os.environ["XLA_FLAGS"] = _without_llvm_optimisation(flags)
-    try:
-        jax.devices()
-    finally:
-        if flags is None:
-            del os.environ["XLA_FLAGS"]
-        else:
-            os.environ["XLA_FLAGS"] = flags
-
-
-create_backend_without_llvm_optimisation()
+compile_without_llvm_optimisation()
 
 
 def shared_fixture_group(item) -> str | None:

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from k3jax.sessions import SessionStore
-from tests.conftest import environment_compiling_like_this_process
 from tests.sessions.conftest import random_tokens
 from tests.sessions.test_store import PROMPT, TURN, compare_random_workload
 
@@ -55,8 +54,7 @@ def test_save_then_load_in_a_new_process_continues_as_if_never_stopped(model, tm
     store.save(tmp_path / "saved")
     (tmp_path / "handle.pkl").write_bytes(pickle.dumps((sid, handle)))
     subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "saved"), str(tmp_path / "handle.pkl"),
-                    str(tmp_path / "out.npz")], check=True, timeout=600,
-                   env=environment_compiling_like_this_process())   # compared bit for bit with this process
+                    str(tmp_path / "out.npz")], check=True, timeout=600)   # compiles like this process (tests/conftest.py)
     child = np.load(tmp_path / "out.npz")
     np.testing.assert_array_equal(child["continued"], store.append(sid, TURN))
     store.rollback(sid, handle)

@@ -16,6 +16,7 @@ import tempfile
 import pytest
 
 from k3jax.checkpoint import RunCheckpoints
+from tests.conftest import environment_compiling_as_users_do
 from tests.helpers import MICRO, ROOT
 from tests.ops.numpy_moe import capacity_dropped
 
@@ -38,8 +39,8 @@ COORDINATION_TIMEOUTS = {"JAX_CPU_GET_LOCAL_TOPOLOGY_TIMEOUT_MINUTES": "10",
 LOAD_TIMEOUTS = ("GetKeyValue() timed out", "Barrier timed out")
 
 
-def environment(devices: int) -> dict:
-    env = {**os.environ, **COORDINATION_TIMEOUTS}
+def environment(devices: int, as_users_compile: bool = False) -> dict:
+    env = {**(environment_compiling_as_users_do() if as_users_compile else os.environ), **COORDINATION_TIMEOUTS}
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
     return env
 
@@ -75,8 +76,8 @@ def _read_all(stream) -> str:
     return stream.read()
 
 
-def start(args, devices=8) -> Job:
-    return Job([sys.executable, *args], environment(devices))
+def start(args, devices=8, as_users_compile=False) -> Job:
+    return Job([sys.executable, *args], environment(devices, as_users_compile))
 
 
 def finish(process, timeout=1800) -> str:
@@ -85,9 +86,9 @@ def finish(process, timeout=1800) -> str:
     return stdout
 
 
-def program(name: str):
+def program(name: str, as_users_compile=False):
     """Start ``tests/sharding/programs/<name>.py`` on 8 devices."""
-    return start(["-m", f"tests.sharding.programs.{name}"])
+    return start(["-m", f"tests.sharding.programs.{name}"], as_users_compile=as_users_compile)
 
 
 def program_result(process) -> dict:
@@ -132,7 +133,7 @@ def launched(tmp_path_factory):
     mesh_a = tmp_path_factory.mktemp("mesh-a")
     jobs = {
         "cache": cache,
-        "equality": program("equality"),
+        "equality": program("equality", as_users_compile=True),   # bit-exact sharded initialisation
         "moe_dispatch": program("moe_dispatch"),
         "mesh_a": (mesh_a, train(mesh_a, cache, *MESH_A)),
     }
