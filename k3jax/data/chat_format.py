@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any, Literal, Sequence
 
 import numpy as np
@@ -327,23 +328,134 @@ class ChatEncoder:
         return pieces + ([(None, self.tokenizer.decode(run))] if run else [])
 
     def reply_message(self, ids: Sequence[int], thinking: bool = True) -> dict:
-        """The assistant message that a reply (the ids sampled after `generation_prompt`) writes: the
-        text of its ``think`` channel as ``reasoning_content`` (with thinking) and of its ``response``
-        channel as ``content``. Tags, other channels (tool calls) and what follows ``<|end_of_msg|>``
-        are left out; a reply cut short keeps the text it has."""
-        bodies = {"think": "", "response": ""}
-        channel, header, opening = ("think" if thinking else "response"), None, False
+        """The assistant message that a reply (the ids sampled after `generation_prompt`) writes
+        (`parse_reply`): ``content``, ``reasoning_content`` (with thinking) and ``tool_calls`` (when
+        it made well-formed calls). A reply cut short keeps the text it has."""
+        return self.parse_reply(ids, thinking).message(thinking)
+
+    def parse_reply(self, ids: Sequence[int], thinking: bool = True) -> "Reply":
+        """Read a reply back into its parts: the text of its ``think`` and ``response`` channels, and
+        its tool calls -- the inverse of `reply_segments` for a reply the renderer could write.
+
+        Tags nest as the renderer writes them (module docstring); text outside a channel, tags of
+        unknown names and what follows ``<|end_of_msg|>`` are left out. A call is kept when it is
+        closed, names its tool and each typed argument's text reads as its type (a string raw, the
+        others as JSON); otherwise it is counted in ``Reply.malformed`` with the reason."""
+        reply = Reply()
+        header, opening, call = None, False, None
+        stack = [None, "think" if thinking else "response"]   # None: outside every element
         for marker, text in self.pieces(ids):
             if marker is None:
                 if header is not None:
                     header += text
-                elif channel in bodies:
-                    bodies[channel] += text
+                elif stack[-1] in ("think", "response"):
+                    setattr(reply, "reasoning" if stack[-1] == "think" else "content",
+                            getattr(reply, "reasoning" if stack[-1] == "think" else "content") + text)
+                elif call is not None and stack[-1] in ("argument", "json"):
+                    call.text += text
             elif marker == END_OF_MSG:
+                reply.finished = True
                 break
             elif marker in (OPEN, CLOSE):
                 header, opening = "", marker == OPEN
             elif header is not None:          # SEP ends a tag: <|open|>NAME attrs<|sep|> or <|close|>NAME<|sep|>
-                channel, header = (header.split(" ", 1)[0] if opening else None), None
-        message = {"role": "assistant", "content": bodies["response"]}
-        return {**message, "reasoning_content": bodies["think"]} if thinking else message
+                name, attributes = tag_header(header)
+                header = None
+                if opening:
+                    stack.append(name)
+                    if name == "call":
+                        call = _CallReader(attributes.get("tool"))
+                    elif call is not None and name in ("argument", "json"):
+                        call.begin(name, attributes)
+                    continue
+                while len(stack) > 1 and stack[-1] != name:   # a tag left open closes with its parent
+                    stack.pop()
+                if len(stack) > 1:
+                    stack.pop()
+                if call is not None and name in ("argument", "json"):
+                    call.end()
+                elif call is not None and name == "call":
+                    reply.add_call(call)
+                    call = None
+        if call is not None:
+            reply.malformed.append("a tool call was cut short")
+        return reply
+
+
+class _CallReader:
+    """One ``call`` element as it is read: its tool, typed arguments, or the raw ``json`` text."""
+
+    def __init__(self, tool: str | None):
+        self.tool, self.arguments, self.raw, self.errors = tool, {}, None, []
+        self.text, self.current = "", None
+
+    def begin(self, element: str, attributes: dict) -> None:
+        self.text, self.current = "", (element, attributes)
+
+    def end(self) -> None:
+        if self.current is None:
+            return
+        (element, attributes), text = self.current, self.text
+        self.current = None
+        if element == "json":
+            self.raw = text
+            return
+        key, kind = attributes.get("key"), attributes.get("type", "string")
+        if key is None:
+            self.errors.append("an argument without a key")
+        elif kind == "string":
+            self.arguments[key] = text
+        else:
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError:
+                self.errors.append(f"argument {key!r} is not {kind} JSON")
+                return
+            if _argument_type(value) != kind:
+                self.errors.append(f"argument {key!r} is {_argument_type(value)}, its tag says {kind}")
+            else:
+                self.arguments[key] = value
+
+
+@dataclasses.dataclass
+class Reply:
+    """A reply read back (`ChatEncoder.parse_reply`). ``tool_calls`` are ``{"name", "arguments"}``
+    with arguments a dict (or a string, for a call written as raw ``json`` text); ``finished``:
+    the reply ended with ``<|end_of_msg|>``."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list = dataclasses.field(default_factory=list)
+    malformed: list = dataclasses.field(default_factory=list)
+    finished: bool = False
+
+    def add_call(self, call: _CallReader) -> None:
+        if not call.tool:
+            call.errors.insert(0, "a call without a tool name")
+        if call.errors:
+            self.malformed.append(f"tool call {len(self.tool_calls) + len(self.malformed) + 1}: {call.errors[0]}")
+        else:
+            self.tool_calls.append({"name": call.tool, "arguments": call.raw if call.raw is not None else call.arguments})
+
+    def message(self, thinking: bool = True) -> dict:
+        """The assistant message as `render_conversation` takes it (calls in OpenAI's form, their
+        arguments a JSON string)."""
+        message = {"role": "assistant", "content": self.content}
+        if thinking:
+            message["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"type": "function", "function": {"name": call["name"], "arguments": call["arguments"]
+                                                  if isinstance(call["arguments"], str)
+                                                  else json.dumps(call["arguments"], ensure_ascii=False)}}
+                for call in self.tool_calls]
+        return message
+
+
+def tag_header(header: str) -> tuple[str, dict]:
+    """A tag's text between its marker and ``<|sep|>`` -> (name, attributes, unescaped):
+    ``call tool="f" index="1"`` -> ("call", {"tool": "f", "index": "1"})."""
+    name, _, rest = header.strip().partition(" ")
+    attributes = {key: value.replace("&quot;", '"').replace("&amp;", "&")
+                  for key, value in re.findall(r'([^\s=]+)="([^"]*)"', rest)}
+    return name, attributes

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from k3jax.data import ByteTokenizer, DataError, load_tokenizer
-from k3jax.data.chat_format import (ChatEncoder, generation_prompt, render_conversation, rendered_text)
+from k3jax.data.chat_format import (ChatEncoder, generation_prompt, render_conversation, rendered_text,
+                                     reply_segments)
 
 MULTI_TURN = [
     {"role": "user", "content": "first question"},
@@ -143,3 +144,63 @@ def test_bad_messages_are_one_line_errors(messages, message):
 def test_tokenizer_without_markers_is_one_line_error():
     with pytest.raises(DataError, match=r"no special token <\|open\|>; K3's chat format needs"):
         ChatEncoder(ByteTokenizer())
+
+
+REPLY_WITH_CALLS = {
+    "role": "assistant", "reasoning_content": "look it up", "content": 'a "quoted" <|sep|> answer',
+    "tool_calls": [
+        {"type": "function", "function": {"name": "search", "arguments": '{"query": "x & \\"y\\"", "limit": 3, '
+                                                                         '"exact": false, "tags": ["a"], "near": null}'}},
+        {"type": "function", "function": {"name": 'we"ird&name', "arguments": {"nested": {"k": [1, 2.5]}}}},
+        {"type": "function", "function": {"name": "raw", "arguments": "not json {"}},
+    ],
+}
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_parse_reply_inverts_the_rendering_of_a_reply_with_tool_calls(chat_tokenizer, thinking):
+    encoder = ChatEncoder(load_tokenizer(chat_tokenizer))
+    ids, _ = encoder.encode(reply_segments(REPLY_WITH_CALLS, thinking))
+    reply = encoder.parse_reply(ids, thinking)
+    assert reply.finished and not reply.malformed
+    assert reply.content == REPLY_WITH_CALLS["content"]
+    assert reply.reasoning == (REPLY_WITH_CALLS["reasoning_content"] if thinking else "")
+    assert reply.tool_calls == [
+        {"name": "search", "arguments": {"query": 'x & "y"', "limit": 3, "exact": False, "tags": ["a"], "near": None}},
+        {"name": 'we"ird&name', "arguments": {"nested": {"k": [1, 2.5]}}},
+        {"name": "raw", "arguments": "not json {"},
+    ]
+    again, _ = encoder.encode(reply_segments(reply.message(thinking), thinking))
+    np.testing.assert_array_equal(again, ids)              # re-rendered: the same ids
+
+
+def reply_ids(encoder, text):
+    """Ids of a reply written as text with the four markers spelled out (after a thinking prompt)."""
+    ids = []
+    for piece in re.split(r"(<\|open\|>|<\|close\|>|<\|sep\|>|<\|end_of_msg\|>)", text):
+        ids += [encoder.marker_ids[piece]] if piece in encoder.marker_ids else encoder.tokenizer.encode(piece)
+    return ids
+
+
+@pytest.mark.parametrize("text, malformed", [
+    ('<|open|>call tool="f"<|sep|><|open|>argument key="n" type="number"<|sep|>seven<|close|>argument<|sep|>'
+     "<|close|>call<|sep|>", "tool call 1: argument 'n' is not number JSON"),
+    ('<|open|>call tool="f"<|sep|><|open|>argument key="n" type="number"<|sep|>"7"<|close|>argument<|sep|>'
+     "<|close|>call<|sep|>", "tool call 1: argument 'n' is string, its tag says number"),
+    ("<|open|>call<|sep|><|close|>call<|sep|>", "tool call 1: a call without a tool name"),
+    ('<|open|>call tool="f"<|sep|><|open|>argument key="a"<|sep|>cut', "a tool call was cut short"),
+])
+def test_malformed_tool_calls_are_reported_and_left_out(chat_tokenizer, text, malformed):
+    encoder = ChatEncoder(load_tokenizer(chat_tokenizer))
+    prefix = "<|close|>think<|sep|><|open|>response<|sep|>hi<|close|>response<|sep|><|open|>tools<|sep|>"
+    reply = encoder.parse_reply(reply_ids(encoder, prefix + text), thinking=True)
+    assert reply.malformed == [malformed] and reply.tool_calls == [] and reply.content == "hi"
+    assert "tool_calls" not in reply.message()
+
+
+def test_text_outside_the_channels_and_after_the_end_is_left_out(chat_tokenizer):
+    encoder = ChatEncoder(load_tokenizer(chat_tokenizer))
+    ids = reply_ids(encoder, "why<|close|>think<|sep|>stray<|open|>response<|sep|>yes<|close|>response<|sep|>"
+                             "<|close|>message<|sep|><|end_of_msg|>more<|open|>response<|sep|>no")
+    reply = encoder.parse_reply(ids, thinking=True)
+    assert (reply.reasoning, reply.content, reply.finished) == ("why", "yes", True)
