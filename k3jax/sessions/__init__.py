@@ -1,6 +1,7 @@
 """Sessions over the memory bank: a store of conversations with a prefix cache, snapshots, forks,
 rollback, device/host/disk tiers and one batched decode step (`k3jax.sessions.store`, whose
 docstring maps the package's modules, one job each)."""
+from k3jax.sessions.batching import Sampling
 from k3jax.sessions.store import SessionStore, Snapshot, model_fingerprint
 
-__all__ = ["SessionStore", "Snapshot", "model_fingerprint"]
+__all__ = ["Sampling", "SessionStore", "Snapshot", "model_fingerprint"]

@@ -8,12 +8,44 @@ its own (`decode_batch`).
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import dataclasses
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from k3jax.sessions.paged import next_power_of_two
+from k3jax.generate import check_sampling
+from k3jax.sessions.paged import RowSampling, next_power_of_two
 from k3jax.sessions.pools import DevicePools
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How a session samples its next tokens in `SessionStore.step`: ``temperature`` 0 is greedy;
+    ``top_k`` / ``top_p`` None switch those filters off. The token at position p draws from the key
+    fold_in(fold_in(key(seed mod 2**32), stream), p), ``stream`` None meaning the session's id: samples depend
+    on these and the position only, not on the batch a session steps in."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+    stream: int | None = None
+
+    def __post_init__(self):
+        check_sampling(1, self.temperature, self.top_k, self.top_p, self.seed)
+        if self.stream is not None and not (isinstance(self.stream, (int, np.integer)) and 0 <= self.stream < 2**32):
+            raise ValueError(f"stream must be an integer in [0, 2**32), got {self.stream!r}")
+
+
+def row_sampling(sids: Sequence[int], samplings: Sequence[Sampling], batch: int) -> RowSampling:
+    """The `RowSampling` arrays of a step of ``sids`` padded to ``batch`` rows (padding: greedy)."""
+    pad = batch - len(sids)
+    rows = [(s.seed % 2**32, sid if s.stream is None else s.stream, s.temperature, s.top_k or 0,
+             1.0 if s.top_p is None else s.top_p) for sid, s in zip(sids, samplings)] + [(0, 0, 0.0, 0, 1.0)] * pad
+    seed, stream, temperature, top_k, top_p = zip(*rows)
+    return RowSampling(np.asarray(seed, np.uint32), np.asarray(stream, np.uint32),
+                       np.asarray(temperature, np.float32), np.asarray(top_k, np.int32),
+                       np.asarray(top_p, np.float32))
 
 
 def admit(running: list[int], pending: list[int], make_room: Callable[[int, list[int]], bool]) -> list[int]:
@@ -41,12 +73,13 @@ class DecodeBatch(NamedTuple):
     tables: np.ndarray     # [B, P] int32
     lengths: np.ndarray    # [B] int32
     logits: np.ndarray     # [B, vocab] float32
-    row_ids: np.ndarray    # [B] uint32: the session ids (0 for padding)
+    sampling: RowSampling  # [B] each
 
 
-def decode_batch(sids: list[int], values, device: DevicePools) -> DecodeBatch:
+def decode_batch(sids: list[int], values, samplings: Sequence[Sampling], device: DevicePools) -> DecodeBatch:
     """The step of sessions ``sids`` (their values on device, each with a page for one more
-    token); padding rows get free slots of ``device`` (grown if needed) and empty page tables."""
+    token) sampling with ``samplings``; padding rows get free slots of ``device`` (grown if
+    needed), empty page tables and greedy sampling."""
     batch = next_power_of_two(len(values))
     pages = next_power_of_two(max(device.pages_for(v.length + 1) for v in values))
     pad = batch - len(values)
@@ -56,5 +89,5 @@ def decode_batch(sids: list[int], values, device: DevicePools) -> DecodeBatch:
         tables=np.stack([device.table(v.pages, pages) for v in values] + [device.table([], pages)] * pad),
         lengths=np.asarray([v.length for v in values] + [0] * pad, np.int32),
         logits=np.stack(logits + [np.zeros_like(logits[0])] * pad),
-        row_ids=np.asarray(list(sids) + [0] * pad, np.uint32),
+        sampling=row_sampling(sids, samplings, batch),
     )

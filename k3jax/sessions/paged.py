@@ -135,21 +135,33 @@ def pools_of(bank: Memory, like: Pools) -> Pools:
                  bank.mla.latent.reshape(like.latent.shape))
 
 
+class RowSampling(NamedTuple):
+    """Each row's sampling, arrays ``[B]``: the key of the token a row samples at position p is
+    fold_in(fold_in(key(seed), stream), p); temperature 0 is greedy, top_k 0 and top_p 1 are off
+    (`k3jax.generate.sample_logits`)."""
+
+    seed: jax.Array          # uint32
+    stream: jax.Array        # uint32
+    temperature: jax.Array   # float32
+    top_k: jax.Array         # int32
+    top_p: jax.Array         # float32
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "gathered"), donate_argnames=("pools",))
-def decode_step(graphdef, params, pools: Pools, slots, tables, lengths, logits, seed, row_ids, sampling,
+def decode_step(graphdef, params, pools: Pools, slots, tables, lengths, logits, sampling: RowSampling,
                 gathered: bool = False):
-    """Every row samples its next token from ``logits [B, vocab]`` (`k3jax.generate.sample_logits`
-    with the key fold_in(fold_in(key(seed), row_id), length)) and feeds it: -> (tokens [B], their
-    logits [B, vocab] fp32, pools). Slots must be distinct (padding rows: free slots). The model
-    decodes over `pooled_bank` (its KDA kernels are its config's ``kda.implementation``). One
-    program for every subset of sessions of a batch bucket and page bucket.
+    """Every row samples its next token from ``logits [B, vocab]`` with its own `RowSampling` and
+    feeds it: -> (tokens [B], their logits [B, vocab] fp32, pools). Slots must be distinct (padding
+    rows: free slots). The model decodes over `pooled_bank` (its KDA kernels are its config's
+    ``kda.implementation``). One program for every subset of sessions and sampling settings of a
+    batch bucket and page bucket.
 
     ``gathered`` is private, a baseline for `bench.sessions` and the tests: gather the contiguous
     bank, decode, scatter back (the same numbers up to rounding, more memory traffic)."""
-    def sample_row(row_logits, row_id, length):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), row_id), length)
-        return sample_logits(row_logits[None], key, *sampling)[0]
-    tokens = jax.vmap(sample_row)(logits, row_ids, lengths)
+    def sample_row(row_logits, length, seed, stream, temperature, top_k, top_p):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), length)
+        return sample_logits(row_logits[None], key, temperature, top_k, top_p)[0]
+    tokens = jax.vmap(sample_row)(logits, lengths, *sampling)
     model = nnx.merge(graphdef, params)
     if gathered:
         out = model(tokens[:, None], memory=gather_bank(pools, slots, tables, lengths))

@@ -5,6 +5,7 @@ rolled back and moved between device, host and disk.
     sid = store.open(prompt)            # prefill (resuming from the longest cached prefix)
     store.append(sid, tokens)           # -> logits [T, vocab]; store.logits(sid) -> [vocab]
     store.generate([sid, ...], 32)      # one batched jitted step per token over all the sessions
+    store.step({sid: Sampling(...), ...})  # one token for each (a server's continuous batching)
     h = store.snapshot(sid); store.rollback(sid, h); sid2 = store.fork(sid); store.close(sid)
     store.save(dir); SessionStore.load(model, dir)
 
@@ -37,6 +38,7 @@ from flax import nnx
 
 from k3jax.generate import check_sampling
 from k3jax.sessions import batching, paged, persist
+from k3jax.sessions.batching import Sampling
 from k3jax.sessions.pools import DevicePools
 from k3jax.sessions.prefix import PrefixCache
 from k3jax.sessions.recency import Clock
@@ -137,7 +139,7 @@ class SessionStore:
         """Continue each session by up to ``max_new_tokens`` sampled tokens (stopping after
         ``eos_id``); they are appended to its history. Returns one int32 array per session.
 
-        All sessions step together in one jitted decode step (batch and page counts in
+        All sessions step together in one jitted decode step (`step`; batch and page counts in
         power-of-two buckets); when the device budget cannot hold them all, those earlier in
         ``sids`` run first and the others join as sessions finish. A session's samples depend
         only on (seed, its id, its position), not on the batch it runs in."""
@@ -151,18 +153,44 @@ class SessionStore:
             raise ValueError(f"eos_id must be an integer in [0, {self.config.vocab_size}), got {eos_id!r}")
         for value in values:
             self._tiers.check_fits(value.length + max_new_tokens)
-        sampling = (jnp.float32(temperature), jnp.int32(top_k or 0), jnp.float32(1.0 if top_p is None else top_p))
+        sampling = Sampling(temperature, top_k, top_p, seed)
         new = {sid: [] for sid in sids}
         pending, running = list(sids), []
         while pending or running:
             running = batching.admit(running, pending, self._make_room_to_decode)
-            self._decode(running, new, sampling, seed)
+            for sid, token in self._decode({sid: sampling for sid in running}).items():
+                new[sid].append(token)
             finished = [sid for sid in running if len(new[sid]) == max_new_tokens
                         or (eos_id is not None and new[sid][-1] == eos_id)]
             for sid in finished:
                 running.remove(sid)
                 self._remember_prefix(self._sessions[sid])
         return [np.asarray(new[sid], np.int32) for sid in sids]
+
+    def step(self, sampling: dict) -> dict[int, int]:
+        """One token for each session of ``sampling`` ({session id: `Sampling`}), sampled from
+        its logits and fed, all in one batched decode step -> {session id: token} for the sessions
+        that stepped. Where the device budget cannot hold them all, those earlier in the dict step
+        and the others are left out (ValueError when not even one fits): the loop of a server
+        whose requests join and leave between steps."""
+        self._collect()
+        if not sampling:
+            return {}
+        for sid, rule in sampling.items():
+            value = self._session(sid)
+            if not isinstance(rule, Sampling):
+                raise ValueError(f"session {sid}: sampling must be a k3jax.sessions.Sampling, got {rule!r}")
+            self._tiers.check_fits(value.length + 1)
+        admitted = batching.admit([], list(sampling), self._make_room_to_decode)
+        return self._decode({sid: sampling[sid] for sid in admitted})
+
+    def cache_prefix(self, sid) -> None:
+        """Keep the session's current state in the prefix cache: a later `open` of a prompt that
+        extends its tokens resumes here (`generate` does this when a session finishes)."""
+        self._collect()
+        value = self._session(sid)
+        self._tiers.writable(value, 0)
+        self._remember_prefix(value)
 
     def snapshot(self, sid) -> Snapshot:
         """A handle to the session's current point; released when the handle is garbage or the
@@ -298,21 +326,23 @@ class SessionStore:
             return False
         return True
 
-    def _decode(self, sids: list[int], new: dict, sampling, seed: int) -> None:
-        """One batched decode step: each session samples from its logits and feeds the token."""
+    def _decode(self, sampling: dict) -> dict[int, int]:
+        """One batched decode step of the sessions of ``sampling`` (each on device with room for
+        a token): each samples from its logits and feeds the token -> {session id: token}."""
+        sids = list(sampling)
         values = [self._sessions[sid] for sid in sids]
-        batch = batching.decode_batch(sids, values, self._device)
+        batch = batching.decode_batch(sids, values, [sampling[sid] for sid in sids], self._device)
         tokens, logits, self._device.arrays = paged.decode_step(
             self._graphdef, self._params, self._device.arrays, jnp.asarray(batch.slots), jnp.asarray(batch.tables),
-            jnp.asarray(batch.lengths), jnp.asarray(batch.logits), jnp.uint32(seed),
-            jnp.asarray(batch.row_ids), sampling, gathered=self._gathered_decode)
+            jnp.asarray(batch.lengths), jnp.asarray(batch.logits), paged.RowSampling(*map(jnp.asarray, batch.sampling)),
+            gathered=self._gathered_decode)
         tokens, logits = np.asarray(tokens), np.asarray(logits)
-        for index, (sid, value) in enumerate(zip(sids, values)):
+        for index, value in enumerate(values):
             value.tokens.append(int(tokens[index]))
             value.logits = logits[index]
-            new[sid].append(int(tokens[index]))
         self._counters["decode_steps"] += 1
         self._counters["decode_tokens"] += len(values)
+        return {sid: int(tokens[index]) for index, sid in enumerate(sids)}
 
     def _remember_prefix(self, value: Value) -> None:
         """Cache ``value``'s state (it is on device) and pages at its current length."""

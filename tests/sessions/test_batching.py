@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from k3jax.sessions.batching import admit, decode_batch
+from k3jax.sessions.batching import Sampling, admit, decode_batch
 from k3jax.sessions.tiers import Value
 from tests.sessions.test_pools import sequence, small_pools
 
@@ -44,7 +44,8 @@ def test_a_batch_is_padded_to_powers_of_two_with_free_slots_and_empty_tables():
         value = Value(list(range(length)), np.full(5, seed, np.float32))
         value.slot, value.pages = device.upload(*sequence(seed, length), length)
         values.append(value)
-    batch = decode_batch([7, 2, 9], values, device)
+    samplings = [Sampling(), Sampling(0.7, 5, 0.9, seed=2**32 + 3, stream=11), Sampling(1.0, seed=4)]
+    batch = decode_batch([7, 2, 9], values, samplings, device)
     pad = device.pages.capacity
     assert batch.slots.shape == (4,) and batch.tables.shape == (4, 4)      # 3 rows -> 4; 3 pages -> 4
     assert list(batch.slots[:3]) == [v.slot for v in values]
@@ -52,6 +53,11 @@ def test_a_batch_is_padded_to_powers_of_two_with_free_slots_and_empty_tables():
     for row, value in zip(batch.tables, values):
         assert list(row) == value.pages + [pad] * (4 - len(value.pages))
     assert list(batch.tables[3]) == [pad] * 4
-    assert list(batch.lengths) == [3, 4, 9, 0] and list(batch.row_ids) == [7, 2, 9, 0]
+    assert list(batch.lengths) == [3, 4, 9, 0]
+    sampling = batch.sampling                               # stream: the session id unless given
+    assert list(sampling.stream) == [7, 11, 9, 0] and list(sampling.seed) == [0, 3, 4, 0]
+    np.testing.assert_array_equal(sampling.temperature, np.float32([0, 0.7, 1, 0]))
+    assert list(sampling.top_k) == [0, 5, 0, 0]
+    np.testing.assert_array_equal(sampling.top_p, np.float32([1, 0.9, 1, 1]))
     np.testing.assert_array_equal(batch.logits, np.repeat(np.arange(4.0)[:, None], 5, axis=1) * [[1], [1], [1], [0]])
-    assert batch.slots.dtype == np.int32 and batch.row_ids.dtype == np.uint32 and batch.logits.dtype == np.float32
+    assert batch.slots.dtype == np.int32 and batch.sampling.stream.dtype == np.uint32 and batch.logits.dtype == np.float32

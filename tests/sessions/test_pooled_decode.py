@@ -44,8 +44,8 @@ def random_step(config, seed=0):
     tables[0, :1], tables[1, :2], tables[2, :3] = [6], [3, 1], [0, 7, 2]
     logits = rng.standard_normal((4, config.vocab_size)).astype(np.float32)
     inputs = (jnp.asarray([4, 0, 2, 5], jnp.int32), jnp.asarray(tables), jnp.asarray(LENGTHS, jnp.int32),
-              jnp.asarray(logits), jnp.uint32(0), jnp.arange(4, dtype=jnp.uint32),
-              (jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0)))
+              jnp.asarray(logits), paged.RowSampling(jnp.zeros(4, jnp.uint32), jnp.arange(4, dtype=jnp.uint32),
+                                                     jnp.zeros(4), jnp.zeros(4, jnp.int32), jnp.ones(4)))
     return pools, inputs
 
 

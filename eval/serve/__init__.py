@@ -1,0 +1,1 @@
+"""An OpenAI-compatible server over the session store (`eval.serve.cli`)."""

@@ -1,0 +1,140 @@
+"""``python -m eval.serve RUN_DIR`` (or ``k3jax-serve``): an OpenAI-compatible server over a checkpoint.
+
+    python -m eval.serve runs/chat --port 8000                         # http://127.0.0.1:8000/v1
+    python -m eval.serve runs/chat --api-key secret --state-dir state   # keys; stored responses survive restarts
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
+``stream``), ``POST /v1/responses`` (``previous_response_id``; ``GET`` / ``DELETE /v1/responses/{id}``,
+``POST /v1/responses/{id}/fork``), vLLM's ``GET /tokenizer_info``, ``POST /tokenize`` and ``POST
+/detokenize``, ``GET /metrics`` (Prometheus) and ``GET /health``. Concurrent requests decode together
+(`eval.serve.engine`). SIGTERM / SIGINT: no new requests; running ones get ``--drain-seconds`` to
+finish, the rest an error; with ``--state-dir`` the stored responses are saved, and loaded at the
+next start. Bad flags or an unusable run directory: one line on stderr, exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import pathlib
+import sys
+
+from ..cli import OneLineParser, quiet_checkpoint_logging
+from ..loading import EvalInputError, load_run
+
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def byte_count(text: str) -> int:
+    """``123``, ``512M``, ``2GiB``, ``1.5g`` -> bytes (binary units)."""
+    cleaned = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = cleaned[-1:] if cleaned[-1:] in _UNITS and cleaned[-1:] else ""
+    try:
+        value = float(cleaned[: len(cleaned) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a byte count such as 512M or 2G, got {text!r}") from None
+    if not value >= 1 or value > 2**60:
+        raise argparse.ArgumentTypeError(f"expected a byte count of at least 1, got {text!r}")
+    return int(value)
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+        return value
+    return parse
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = OneLineParser(prog="python -m eval.serve", description="Serve a checkpoint over an OpenAI-compatible API.")
+    parser.add_argument("run", metavar="RUN_OR_CHECKPOINT_DIR")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route")
+    parser.add_argument("--model-name", default=None, help="the model's name in the API (default: the run directory's)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest good one)")
+    parser.add_argument("--device-bytes", type=byte_count, default=None, help="session state on the device (default: all that fits)")
+    parser.add_argument("--host-bytes", type=byte_count, default=None, help="session state in host memory (default: unlimited)")
+    parser.add_argument("--state-dir", default=None,
+                        help="stored responses saved here on shutdown and loaded at start; also the disk tier")
+    parser.add_argument("--max-batch", type=_positive(int), default=64, help="sequences decoding together (default 64)")
+    parser.add_argument("--max-queue", type=_positive(int), default=256, help="requests waiting; past it 429 (default 256)")
+    parser.add_argument("--max-model-len", type=_positive(int), default=32768,
+                        help="prompt + completion tokens per request (default 32768)")
+    parser.add_argument("--request-timeout", type=_positive(float), default=600.0, help="seconds per request (default 600)")
+    parser.add_argument("--drain-seconds", type=_positive(float), default=30.0,
+                        help="on SIGTERM, seconds running requests get to finish (default 30)")
+    args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be in [0, 65535], got {args.port}")
+    return args
+
+
+def build(args: argparse.Namespace):
+    """(app, uvicorn config) for ``args``: the model loaded, stored state read, the engine started."""
+    import uvicorn
+
+    from .app import Server, create_app
+    from .engine import Engine
+    from .model import ServedModel
+    from .responses import ResponseStore
+
+    run = load_run(args.run, args.step)
+    name = args.model_name or run.run_dir.name
+    served = ServedModel(run, name, args.max_model_len)
+    budgets = dict(device_bytes=args.device_bytes, host_bytes=args.host_bytes)
+    state_dir = None if args.state_dir is None else pathlib.Path(args.state_dir)
+    try:
+        if state_dir is not None:
+            responses, store = ResponseStore.load(run.model, state_dir, **budgets, disk_dir=state_dir / "tier")
+        else:
+            from k3jax.sessions import SessionStore
+            responses, store = ResponseStore(), SessionStore(run.model, **budgets)
+    except (OSError, ValueError) as error:
+        raise EvalInputError(f"--state-dir {state_dir}: {error}") from None
+    engine = Engine(store, max_batch=args.max_batch, max_queue=args.max_queue)
+    server = Server(served, engine, responses, api_key=args.api_key, request_timeout=args.request_timeout)
+
+    def on_shutdown() -> None:
+        save = None if state_dir is None else (lambda store: responses.save(store, state_dir))
+        engine.shutdown(args.drain_seconds, on_stop=save)
+        if state_dir is not None:
+            print(f"saved {len(responses.items)} stored responses to {state_dir}", file=sys.stderr, flush=True)
+
+    app = create_app(server, on_shutdown)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=args.drain_seconds, access_log=False)
+    return app, config, served
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    quiet_checkpoint_logging()
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        _, config, served = build(args)
+    except EvalInputError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+    logging.basicConfig(level=logging.WARNING)
+    server = uvicorn.Server(config)
+    original = server.startup
+
+    async def startup(sockets=None):
+        await original(sockets)
+        for listener in server.servers:
+            for sock in listener.sockets:
+                host, port = sock.getsockname()[:2]
+                print(f"serving {served.name} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    server.startup = startup
+    server.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""The serving engine: one thread owns the model's `SessionStore` and runs continuous batching.
+
+    submit(job)   any thread; past ``max_queue`` waiting jobs -> `ServeError` 429
+    each turn     expire jobs past their deadline; admit waiting jobs while the running sequences
+                  stay within ``max_batch`` (``job.prepare(store)`` prefills, opening or forking
+                  sessions -> its `Sequence`s); one `SessionStore.step` over every running sequence
+                  (requests join and leave between steps); each token goes to its job's ``notify``;
+                  a job whose sequences all ended runs ``job.finish(store)`` and sends its result
+
+Everything that touches the store runs on this thread (`Engine.call` for one-off work: forking a
+stored response, reading the store's stats), so the store needs no lock. A cancelled job (its client
+went away) or one past its deadline is aborted between steps and its sessions closed.
+
+Events a job's ``notify`` receives, in order: ``("token", index, token, logprob)`` per sampled token
+(``logprob`` a `TokenLogprob` when the sequence asked for log-probs, else None), ``("end", index,
+finish_reason)`` per sequence, then ``("result", value)`` -- or ``("error", ServeError)`` at any point.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+from k3jax.sessions import Sampling, SessionStore
+
+log = logging.getLogger("k3jax.serve")
+
+
+class ServeError(Exception):
+    """A request the server answers with an OpenAI-style error: HTTP ``status``, ``kind`` (the
+    error body's ``type``), optional ``param`` and extra response ``headers``."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers or {}
+
+
+class TokenLogprob(NamedTuple):
+    """The log-probability of a token under the model (log-softmax of its logits, no temperature or
+    top-p), and the ``top`` (token, log-prob) pairs, most likely first."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: np.ndarray, tokens, top: int) -> list[TokenLogprob]:
+    """`TokenLogprob` of ``tokens[i]`` under ``logits[i]`` ``[N, vocab]`` (float64 log-softmax)."""
+    logits = np.asarray(logits, np.float64).reshape(len(tokens), -1)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    logprobs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    result = []
+    for row, token in zip(logprobs, tokens):
+        best = np.argsort(-row, kind="stable")[:top] if top else []
+        result.append(TokenLogprob(float(row[token]), [(int(i), float(row[i])) for i in best]))
+    return result
+
+
+@dataclasses.dataclass
+class Sequence:
+    """One sequence being decoded (a choice of a request) in session ``sid``."""
+
+    sid: int
+    sampling: Sampling
+    max_tokens: int
+    stop_ids: frozenset = frozenset()
+    top_logprobs: int | None = None        # None: no log-probs; k: the token's and the k most likely
+    tokens: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)   # a TokenLogprob per token (with top_logprobs)
+    finish_reason: str | None = None
+
+
+class Job:
+    """One request's work on the engine thread.
+
+    ``prepare(store) -> [Sequence]`` prefills (may raise `ServeError` or ValueError, a 400);
+    ``stopped(sequence) -> bool`` says whether text-level stop conditions end a sequence after its
+    latest token; ``finish(store, sequences) -> result`` runs when every sequence has ended (close
+    or keep the sessions); ``abort(store, sequences)`` when the job is cancelled or fails (close
+    them). ``sequences`` counts the sequences ``prepare`` will make (for ``max_batch``)."""
+
+    def __init__(self, prepare: Callable, finish: Callable, notify: Callable, *, sequences: int = 1,
+                 stopped: Callable | None = None, abort: Callable | None = None, deadline: float | None = None):
+        self.prepare, self.finish, self.notify, self.sequences = prepare, finish, notify, sequences
+        self.stopped = stopped or (lambda sequence: False)
+        self.abort = abort or close_sessions
+        self.deadline = deadline
+        self.cancelled = False
+        self.running: list[Sequence] = []
+
+
+def close_sessions(store: SessionStore, sequences) -> None:
+    for sequence in sequences:
+        if sequence.sid in store.sessions():
+            store.close(sequence.sid)
+
+
+class Engine:
+    """The loop thread over ``store``; see the module docstring."""
+
+    def __init__(self, store: SessionStore, *, max_batch: int = 64, max_queue: int = 256):
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
+        self.store, self.max_batch, self.max_queue = store, max_batch, max_queue
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._queued = 0                      # submitted and not yet admitted (guarded by _lock)
+        self._lock = threading.Lock()
+        self._accepting = True
+        self._jobs: list[Job] = []            # admitted, running
+        self.counters = collections.Counter()
+        self.last_batch = 0
+        self._thread = threading.Thread(target=self._loop, name="k3jax-serve-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ any thread
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if not self._accepting:
+                raise ServeError(503, "the server is shutting down", "server_error")
+            if self._queued >= self.max_queue:
+                raise ServeError(429, f"the queue is full ({self.max_queue} requests waiting); retry later",
+                                 "rate_limit_error", headers={"Retry-After": "1"})
+            self._queued += 1
+        self._inbox.put(("job", job))
+
+    def cancel(self, job: Job) -> None:
+        """Abort ``job`` between steps (its client went away); nothing is sent to it afterwards."""
+        job.cancelled = True
+        self._inbox.put(("cancel", job))
+
+    def call(self, function: Callable[[SessionStore], Any]) -> concurrent.futures.Future:
+        """Run ``function(store)`` on the engine thread, between steps -> a future of its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", function, future))
+        return future
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queued
+
+    def shutdown(self, drain_seconds: float, on_stop: Callable[[SessionStore], None] | None = None) -> None:
+        """Stop accepting jobs; let running and waiting ones finish for up to ``drain_seconds``,
+        answer the rest with 503; run ``on_stop(store)`` (saving state) on the engine thread; stop."""
+        with self._lock:
+            self._accepting = False
+        deadline = time.monotonic() + drain_seconds
+        while time.monotonic() < deadline and (self._jobs or self._waiting or self._queued):
+            time.sleep(0.05)
+        self._inbox.put(("stop", on_stop))
+        self._thread.join()
+
+    # ------------------------------------------------------------------ the engine thread
+    def _loop(self) -> None:
+        while True:
+            for command in self._commands(block=not self._jobs and not self._waiting):
+                if command[0] == "stop":
+                    self._stop(command[1])
+                    return
+                self._handle(command)
+            try:
+                self._expire()
+                self._admit()
+                if self._jobs:
+                    self._step()
+            except Exception as error:              # a bug: fail the running jobs, keep serving
+                log.exception("engine step failed")
+                for job in list(self._jobs):
+                    self._fail(job, ServeError(500, f"internal error: {type(error).__name__}: {error}", "server_error"))
+
+    def _commands(self, block: bool):
+        """The inbox's commands: waiting up to 0.5 s for the first when ``block`` (nothing to run)."""
+        try:
+            yield self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                yield self._inbox.get_nowait()
+        except queue.Empty:
+            return
+
+    def _handle(self, command) -> None:
+        kind = command[0]
+        if kind == "job":
+            self._waiting.append(command[1])
+        elif kind == "cancel":
+            job = command[1]
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self._dequeued()
+            if job in self._jobs:
+                self._drop(job)
+        elif kind == "call":
+            _, function, future = command
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(function(self.store))
+                except BaseException as error:   # handed to the caller
+                    future.set_exception(error)
+
+    def _dequeued(self) -> None:
+        with self._lock:
+            self._queued -= 1
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for job in [job for job in (*self._waiting, *self._jobs) if job.deadline is not None and now > job.deadline]:
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self._dequeued()
+                self.counters["timeouts"] += 1
+                job.notify(("error", ServeError(504, "the request passed its deadline while queued", "timeout_error")))
+            else:
+                self.counters["timeouts"] += 1
+                self._fail(job, ServeError(504, "the request passed its deadline", "timeout_error"))
+
+    def _running_sequences(self) -> int:
+        return sum(len(job.running) for job in self._jobs)
+
+    def _admit(self) -> None:
+        while self._waiting:
+            job = self._waiting[0]
+            if job.cancelled:
+                self._waiting.popleft()
+                self._dequeued()
+                continue
+            if self._jobs and self._running_sequences() + job.sequences > self.max_batch:
+                return
+            self._waiting.popleft()
+            self._dequeued()
+            try:
+                job.running = list(job.prepare(self.store))
+            except ServeError as error:
+                job.notify(("error", error))
+                continue
+            except ValueError as error:             # the store's and the sampler's checks
+                job.notify(("error", ServeError(400, str(error))))
+                continue
+            self.counters["prompt_tokens"] += sum(len(self.store.tokens(s.sid)) for s in job.running)
+            self._jobs.append(job)
+            for index, sequence in enumerate(job.running):
+                if sequence.max_tokens == 0:
+                    sequence.finish_reason = "length"
+                    job.notify(("end", index, "length"))
+            self._finish_if_done(job)
+
+    def _step(self) -> None:
+        live = [(job, index, sequence) for job in self._jobs for index, sequence in enumerate(job.running)
+                if sequence.finish_reason is None]
+        before = {sequence.sid: self.store.logits(sequence.sid) for _, _, sequence in live
+                  if sequence.top_logprobs is not None}
+        tokens = self.store.step({sequence.sid: sequence.sampling for _, _, sequence in live})
+        self.last_batch = len(tokens)
+        self.counters["decode_steps"] += 1
+        self.counters["generation_tokens"] += len(tokens)
+        for job, index, sequence in live:
+            if sequence.sid not in tokens:
+                continue
+            token = tokens[sequence.sid]
+            sequence.tokens.append(token)
+            logprob = None
+            if sequence.top_logprobs is not None:
+                logprob = token_logprobs(before[sequence.sid][None], [token], sequence.top_logprobs)[0]
+                sequence.logprobs.append(logprob)
+            job.notify(("token", index, token, logprob))
+            if token in sequence.stop_ids or job.stopped(sequence):
+                sequence.finish_reason = "stop"
+            elif len(sequence.tokens) >= sequence.max_tokens:
+                sequence.finish_reason = "length"
+            if sequence.finish_reason is not None:
+                job.notify(("end", index, sequence.finish_reason))
+        for job in list(self._jobs):
+            self._finish_if_done(job)
+
+    def _finish_if_done(self, job: Job) -> None:
+        if job in self._jobs and all(sequence.finish_reason is not None for sequence in job.running):
+            self._jobs.remove(job)
+            try:
+                result = job.finish(self.store, job.running)
+            except ServeError as error:
+                job.abort(self.store, job.running)
+                job.notify(("error", error))
+                return
+            job.notify(("result", result))
+
+    def _drop(self, job: Job) -> None:
+        self._jobs.remove(job)
+        job.abort(self.store, job.running)
+
+    def _fail(self, job: Job, error: ServeError) -> None:
+        if job in self._jobs:
+            self._drop(job)
+        job.notify(("error", error))
+
+    def _stop(self, on_stop) -> None:
+        for job in list(self._waiting):
+            job.notify(("error", ServeError(503, "the server shut down before the request ran", "server_error")))
+            self._dequeued()
+        self._waiting.clear()
+        for job in list(self._jobs):
+            self._fail(job, ServeError(503, "the server shut down during the request", "server_error"))
+        while True:                                 # answer what is still in the inbox
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "job":
+                self._dequeued()
+                command[1].notify(("error", ServeError(503, "the server is shutting down", "server_error")))
+            elif command[0] == "call":
+                self._handle(command)
+        if on_stop is not None:
+            on_stop(self.store)

@@ -1,0 +1,97 @@
+"""What the server knows of its model: name, limits, how text becomes token ids and back, and K3's
+chat format (`eval.chat_turns`) when the run has it.
+
+Text (completions prompts, ``/tokenize``) is encoded with the run's tokenizer, the names of its
+special tokens read as those tokens (as Hugging Face tokenizers and vLLM do); chat message content
+is always plain text (`k3jax.data.chat_format`). MQAR runs, which have no tokenizer, read and
+write space-separated token ids (as `eval.generate`).
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from k3jax.data import load_tokenizer
+from k3jax.data.chat_format import generation_prompt, render_conversation
+from ..chat_turns import chat_turns_for
+from .engine import ServeError
+
+
+class ServedModel:
+    """The loaded run (``run``: an `eval.loading.LoadedRun`) as the server presents it."""
+
+    def __init__(self, run, name: str, max_model_len: int):
+        config = run.config
+        self.run, self.model, self.config, self.name, self.max_model_len = run, run.model, config, name, max_model_len
+        self.vocab_size = config.model.vocab_size
+        self.chat = chat_turns_for(config)
+        has_text = config.data.tokenizer is not None or config.data.kind != "mqar"
+        self.tokenizer = load_tokenizer(config.data.tokenizer) if has_text else None
+        self.specials = dict(getattr(self.tokenizer, "special_tokens", {}) or {})
+        self.special_names = {token: name for name, token in self.specials.items()}
+        self._special_pattern = (re.compile("(" + "|".join(map(re.escape, sorted(self.specials, key=len, reverse=True)))
+                                            + ")") if self.specials else None)
+        eos = self.chat.eos_id if self.chat is not None else getattr(self.tokenizer, "eos_id", None)
+        self.eos_id = eos if eos is not None and eos < self.vocab_size else None
+
+    # ------------------------------------------------------------------ text
+    def encode(self, text: str) -> list[int]:
+        """``text`` -> token ids (special token names as those tokens)."""
+        if self.tokenizer is None:
+            try:
+                ids = [int(word) for word in text.split()]
+            except ValueError:
+                raise ServeError(400, "this model reads MQAR token ids: give space-separated integers or a list "
+                                 "of token ids", param="prompt") from None
+            return self.check_ids(ids, "prompt")
+        if self._special_pattern is None:
+            return list(self.tokenizer.encode(text))
+        ids = []
+        for piece in self._special_pattern.split(text):
+            ids += [self.specials[piece]] if piece in self.specials else list(self.tokenizer.encode(piece)) if piece else []
+        return self.check_ids(ids, "prompt")
+
+    def decode(self, ids) -> str:
+        """Token ids -> text (special tokens left out)."""
+        ids = [int(i) for i in ids]
+        if self.tokenizer is None:
+            return " ".join(map(str, ids))
+        return self.tokenizer.decode([i for i in ids if i < getattr(self.tokenizer, "vocab_size", self.vocab_size)
+                                      and i not in self.special_names])
+
+    def piece(self, token: int) -> str:
+        """One token's text (a special token's name) for log-prob listings."""
+        if token in self.special_names:
+            return self.special_names[token]
+        if self.tokenizer is None:
+            return str(token)
+        return self.decode([token])
+
+    def check_ids(self, ids, param: str) -> list[int]:
+        if not ids:
+            raise ServeError(400, f"{param} is empty", param=param)
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ServeError(400, f"{param}: token id {bad[0]} is outside [0, {self.vocab_size})", param=param)
+        return ids
+
+    def check_length(self, prompt_tokens: int, max_tokens: int) -> None:
+        if prompt_tokens + max_tokens > self.max_model_len:
+            raise ServeError(400, f"this model's maximum context length is {self.max_model_len} tokens; the request "
+                             f"asks for {prompt_tokens + max_tokens} ({prompt_tokens} in the prompt, {max_tokens} to "
+                             f"generate)", param="max_tokens", )
+
+    # ------------------------------------------------------------------ chat
+    def require_chat(self):
+        if self.chat is None:
+            raise ServeError(400, "this model has no chat format (a run trained with data.kind=chat, or a model "
+                             "whose tokenizer names K3's chat markers); use /v1/completions", param="messages")
+        return self.chat
+
+    def chat_prompt(self, messages: list[dict], tools: list | None) -> np.ndarray:
+        """The conversation rendered in K3's chat format, then the assistant's generation prompt."""
+        chat = self.require_chat()
+        segments = render_conversation(messages, tools or None, thinking=chat.thinking,
+                                       thinking_effort=chat.thinking_effort, where="messages")
+        return chat.encoder.encode(segments + generation_prompt(chat.thinking))[0]

@@ -1,0 +1,296 @@
+"""``/v1/responses``: stateful turns over stored sessions, and their persistence.
+
+Each stored response keeps one session of the store -- the conversation through its reply, in the
+canonical rendering -- with the messages and tools it renders. A request with
+``previous_response_id`` forks that session (KDA state copied, MLA pages shared) and feeds only
+the new turn: no re-prefill, and the same tokens as sending the whole history, since the full
+conversation is rendered and the stored session is used only when its tokens are a prefix of it
+(otherwise -- other tools, say -- the whole history is prefilled, resuming from the prefix cache).
+A reply whose sampled tokens differ from the rendering of the message read back (cut short by
+``max_output_tokens``, or tokenized otherwise) is stored as rendered, so that later turns see
+exactly what a client sending the history would send.
+
+Continuing from an earlier response is a rollback that keeps the later ones; ``POST
+/v1/responses/{id}/fork`` names a copy; ``DELETE`` frees one. Stored sessions live in the store's
+tiers (device, host, disk) under its budgets. `ResponseStore.save` / `load` keep them across
+restarts in a state directory: ``state.json`` (written atomically, naming the sessions directory
+that `SessionStore.save` wrote) beside ``sessions-N/``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import shutil
+import time
+import uuid
+
+from k3jax.data import DataError
+from k3jax.data.chat_format import reply_segments
+from k3jax.sessions import SessionStore
+from .completions import tool_calls
+from .engine import Job, Sequence, ServeError
+from .model import ServedModel
+from . import params
+
+RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
+STATE_FILE = "state.json"
+
+
+@dataclasses.dataclass
+class StoredResponse:
+    """A response kept for later turns: its session, the messages and tools its session renders."""
+
+    id: str
+    sid: int
+    messages: list
+    tools: list | None
+    body: dict
+
+
+class ResponseStore:
+    """Stored responses by id (touched only on the engine thread)."""
+
+    def __init__(self):
+        self.items: dict[str, StoredResponse] = {}
+
+    def get(self, response_id, param: str = "previous_response_id") -> StoredResponse:
+        if not isinstance(response_id, str) or not RESPONSE_ID.fullmatch(response_id) or response_id not in self.items:
+            raise ServeError(404, f"no stored response {response_id!r}", "not_found_error", param=param)
+        return self.items[response_id]
+
+    def delete(self, store: SessionStore, response_id: str) -> dict:
+        stored = self.get(response_id, "response_id")
+        store.close(stored.sid)
+        del self.items[response_id]
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    def fork(self, store: SessionStore, response_id: str) -> dict:
+        stored = self.get(response_id, "response_id")
+        new_id = new_response_id()
+        body = {**stored.body, "id": new_id, "created_at": int(time.time()), "forked_from": response_id}
+        self.items[new_id] = StoredResponse(new_id, store.fork(stored.sid), list(stored.messages), stored.tools, body)
+        return body
+
+    # ---------------------------------------------------------------- persistence
+    def save(self, store: SessionStore, directory: pathlib.Path) -> None:
+        """Write every stored response and its session under ``directory`` (state.json last, atomically)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        previous = _read_state(directory)
+        name = f"sessions-{time.time_ns()}"
+        store.save(directory / name)
+        state = {"sessions": name, "responses": [dataclasses.asdict(item) for item in self.items.values()]}
+        temporary = directory / f".{STATE_FILE}.tmp"
+        with open(temporary, "w", encoding="utf-8") as handle:
+            json.dump(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, directory / STATE_FILE)
+        if previous is not None and previous["sessions"] != name:
+            shutil.rmtree(directory / previous["sessions"], ignore_errors=True)
+
+    @classmethod
+    def load(cls, model, directory: pathlib.Path, **budgets) -> tuple["ResponseStore", SessionStore]:
+        """The responses and store `save` wrote (an empty store when ``directory`` holds none)."""
+        state = _read_state(directory)
+        responses = cls()
+        if state is None:
+            return responses, SessionStore(model, **budgets)
+        store = SessionStore.load(model, directory / state["sessions"], **budgets)
+        for item in state["responses"]:
+            responses.items[item["id"]] = StoredResponse(**item)
+        return responses, store
+
+
+def _read_state(directory: pathlib.Path) -> dict | None:
+    path = directory / STATE_FILE
+    if not path.exists():
+        return None
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(state, dict) or not isinstance(state.get("sessions"), str) \
+                or not re.fullmatch(r"sessions-\d+", state["sessions"]) or not isinstance(state.get("responses"), list):
+            raise ValueError("unexpected layout")
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path}: not a server state file ({error})") from None
+    return state
+
+
+def new_response_id() -> str:
+    return f"resp_{uuid.uuid4().hex}"
+
+
+# -------------------------------------------------------------------- input items -> chat messages
+def _text_of(content, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text")
+                                         and isinstance(part.get("text"), str) for part in content):
+        return "".join(part["text"] for part in content)
+    raise params.bad(param, "content must be a string or a list of input_text / output_text parts")
+
+
+def input_messages(items) -> list[dict]:
+    """Responses ``input`` (a string, or a list of items) -> chat messages. An assistant's reasoning,
+    message and function calls that follow each other are one assistant message, as its output
+    listed them; a ``function_call_output`` is a tool message answering its call id."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise params.bad("input", "must be a string or a non-empty list of items")
+    messages = []
+
+    def assistant() -> dict:
+        if not messages or messages[-1]["role"] != "assistant":
+            messages.append({"role": "assistant", "content": ""})
+        return messages[-1]
+
+    for number, item in enumerate(items):
+        where = f"input[{number}]"
+        if not isinstance(item, dict):
+            raise params.bad(where, "must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            if role not in ("user", "system", "assistant"):
+                raise params.bad(where, f"role must be user, system, developer or assistant, got {item.get('role')!r}")
+            text = _text_of(item.get("content"), where)
+            if role == "assistant":
+                message = assistant()
+                message["content"] += text
+            else:
+                messages.append({"role": role, "content": text})
+        elif kind == "reasoning":
+            parts = item.get("content") or []
+            if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+                raise params.bad(where, "reasoning content must be a list of reasoning_text parts")
+            message = assistant()
+            message["reasoning_content"] = message.get("reasoning_content", "") + "".join(p["text"] for p in parts)
+        elif kind == "function_call":
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str) \
+                    or not isinstance(item.get("call_id"), str):
+                raise params.bad(where, "a function_call needs string call_id, name and arguments")
+            assistant().setdefault("tool_calls", []).append(
+                {"id": item["call_id"], "type": "function",
+                 "function": {"name": item["name"], "arguments": item.get("arguments", "")}})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise params.bad(where, "a function_call_output needs a string call_id")
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": output if isinstance(output, str) else json.dumps(output, ensure_ascii=False)})
+        else:
+            raise params.bad(where, f"unsupported item type {kind!r}")
+    return messages
+
+
+def chat_tools(tools) -> list | None:
+    """Responses tools (``{"type": "function", "name", "description", "parameters"}``) -> the chat
+    completions form the chat format declares."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and t.get("type") == "function"
+                                              and isinstance(t.get("name"), str) for t in tools):
+        raise params.bad("tools", "must be a list of function tools with a name")
+    return [{"type": "function", "function": {key: value for key, value in tool.items() if key != "type"}}
+            for tool in tools]
+
+
+class ResponsePlan:
+    """A ``POST /v1/responses`` request (checked on the HTTP side; the stored state is read on the
+    engine thread, where `prepare` resolves ``previous_response_id``)."""
+
+    def __init__(self, served: ServedModel, body: dict, responses: ResponseStore):
+        params.model_name(body, served.name)
+        self.served, self.responses, self.chat = served, responses, served.require_chat()
+        if params.flag(body, "stream"):
+            raise params.bad("stream", "streaming is offered on /v1/chat/completions and /v1/completions")
+        self.new_messages = input_messages(body.get("input"))
+        instructions = body.get("instructions")
+        if instructions is not None:
+            if not isinstance(instructions, str):
+                raise params.bad("instructions", "must be a string")
+            self.new_messages.insert(0, {"role": "system", "content": instructions})
+        self.tools = chat_tools(body.get("tools"))
+        self.previous_id = body.get("previous_response_id")
+        if self.previous_id is not None and not isinstance(self.previous_id, str):
+            raise params.bad("previous_response_id", "must be a string")
+        self.keep = params.flag(body, "store", True)
+        self.temperature, self.top_p, self.seed = params.sampling(body)
+        self.max_tokens = params.integer(body, "max_output_tokens", None, 1)
+        self.id, self.created = new_response_id(), int(time.time())
+        self.prompt: list[int] = []
+        self.messages: list[dict] = []
+
+    def job(self, notify, deadline) -> Job:
+        return Job(self.prepare, self.finish, notify, deadline=deadline)
+
+    def prepare(self, store: SessionStore) -> list[Sequence]:
+        previous = self.responses.get(self.previous_id) if self.previous_id is not None else None
+        self.messages = (previous.messages if previous is not None else []) + self.new_messages
+        try:
+            self.prompt = self.served.chat_prompt(self.messages, self.tools).tolist()
+        except DataError as error:
+            raise ServeError(400, str(error), param="input") from None
+        room = self.served.max_model_len - len(self.prompt)
+        max_tokens = room if self.max_tokens is None else self.max_tokens
+        self.served.check_length(len(self.prompt), max_tokens)
+        stored = store.tokens(previous.sid).tolist() if previous is not None else None
+        if stored is not None and len(stored) < len(self.prompt) and self.prompt[: len(stored)] == stored:
+            sid = store.fork(previous.sid)
+            store.append(sid, self.prompt[len(stored):])
+        else:
+            sid = store.open(self.prompt)
+        eos = frozenset() if self.served.eos_id is None else frozenset([self.served.eos_id])
+        return [Sequence(sid, params.choice_sampling(self.temperature, self.top_p, self.seed, 0), max_tokens, eos)]
+
+    def finish(self, store: SessionStore, sequences) -> dict:
+        (sequence,) = sequences
+        reply = self.chat.encoder.parse_reply(sequence.tokens, self.chat.thinking)
+        calls = tool_calls(reply.tool_calls)
+        message = {"role": "assistant", "content": reply.content}
+        if self.chat.thinking:
+            message["reasoning_content"] = reply.reasoning
+        if calls:
+            message["tool_calls"] = calls
+        body = self.body(reply, calls, sequence)
+        if not self.keep:
+            store.close(sequence.sid)
+            return body
+        canonical = self.prompt + self.chat.encoder.encode(reply_segments(message, self.chat.thinking))[0].tolist()
+        sid = sequence.sid
+        if store.tokens(sid).tolist() != canonical:
+            store.close(sid)
+            sid = store.open(canonical)
+        self.responses.items[self.id] = StoredResponse(self.id, sid, self.messages + [message], self.tools, body)
+        return body
+
+    def body(self, reply, calls: list[dict], sequence: Sequence) -> dict:
+        output = []
+        if self.chat.thinking and reply.reasoning:
+            output.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+                           "content": [{"type": "reasoning_text", "text": reply.reasoning}]})
+        if reply.content or not calls:
+            output.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed",
+                           "role": "assistant",
+                           "content": [{"type": "output_text", "text": reply.content, "annotations": []}]})
+        for call in calls:
+            output.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+                           "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                           "status": "completed"})
+        complete = sequence.finish_reason == "stop"
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "model": self.served.name,
+            "status": "completed" if complete else "incomplete",
+            "incomplete_details": None if complete else {"reason": "max_output_tokens"},
+            "previous_response_id": self.previous_id, "output": output, "store": self.keep,
+            "temperature": self.temperature, "top_p": 1.0 if self.top_p is None else self.top_p,
+            "tools": [{"type": "function", **tool["function"]} for tool in self.tools or []],
+            "parallel_tool_calls": True, "tool_choice": "auto", "error": None, "instructions": None, "metadata": {},
+            "usage": {"input_tokens": len(self.prompt), "output_tokens": len(sequence.tokens),
+                      "total_tokens": len(self.prompt) + len(sequence.tokens),
+                      "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": 0}},
+        }

@@ -1,0 +1,29 @@
+"""A micro chat checkpoint (K3's chat format with thinking, the byte-level stand-in tokenizer) saved
+at initialisation, and the server over it in this process (`fastapi.testclient.TestClient`)."""
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from k3jax.config import load_config
+from k3jax.training import Trainer
+from tests.helpers import CONFIGS, MICRO
+
+CHAT = ["data.kind=chat", f"data.path={CONFIGS / 'chat' / 'conversations.jsonl'}",
+        f"data.tokenizer={CONFIGS / 'chat' / 'tokenizer'}", "data.seq_len=128", "data.chat_thinking=true",
+        "data.chat_thinking_effort=null", "train.steps=1", "checkpoint.async_save=false", "logging.progress=false",
+        "model.vocab_size=512"]
+
+
+def save_untrained(run_dir: pathlib.Path, overrides: list[str]) -> pathlib.Path:
+    trainer = Trainer(load_config(MICRO, overrides + [f"run_dir={run_dir}"]))
+    trainer.save(force=True)
+    trainer.checkpoints.wait()
+    trainer.close()
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def chat_run(tmp_path_factory) -> pathlib.Path:
+    return save_untrained(tmp_path_factory.mktemp("chat-run"), CHAT)
