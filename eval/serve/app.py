@@ -186,6 +186,7 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
             await asyncio.get_running_loop().run_in_executor(None, on_shutdown)
 
     app = FastAPI(title="k3jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
     served = server.served
 
     @app.exception_handler(ServeError)
@@ -322,7 +323,7 @@ def prometheus_text(server: Server, stats: dict) -> str:
     metric("requests_total", "counter", "HTTP requests by route and status",
            [({"route": route, "status": status}, count) for (route, status), count in sorted(server.requests.items())])
     metric("prompt_tokens_total", "counter", "prompt tokens of admitted requests", [({}, engine.counters["prompt_tokens"])])
-    metric("generation_tokens_total", "counter", "tokens sampled", [({}, engine.counters["generation_tokens"])])
+    metric("generation_tokens_total", "counter", "tokens sampled (/ decode steps: the mean batch)", [({}, engine.counters["generation_tokens"])])
     metric("decode_steps_total", "counter", "batched decode steps", [({}, engine.counters["decode_steps"])])
     metric("request_timeouts_total", "counter", "requests past their deadline", [({}, engine.counters["timeouts"])])
     metric("batch_size", "gauge", "sequences in the latest decode step", [({}, engine.last_batch)])
@@ -331,6 +332,7 @@ def prometheus_text(server: Server, stats: dict) -> str:
     metric("prefix_cache_hits_total", "counter", "prefills that resumed from a cached prefix", [({}, hits)])
     metric("prefix_cache_misses_total", "counter", "prefills that found no cached prefix", [({}, misses)])
     metric("prefix_cache_hit_rate", "gauge", "hits / (hits + misses)", [({}, hits / (hits + misses) if hits + misses else 0.0)])
+    metric("prefill_tokens_total", "counter", "prompt tokens prefilled", [({}, stats["prefill_tokens"])])
     metric("prefix_tokens_reused_total", "counter", "prompt tokens not prefilled thanks to the cache",
            [({}, stats["prefix_tokens_reused"])])
     metric("tier_bytes", "gauge", "bytes of session state per tier",

@@ -27,3 +27,18 @@ def save_untrained(run_dir: pathlib.Path, overrides: list[str]) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def chat_run(tmp_path_factory) -> pathlib.Path:
     return save_untrained(tmp_path_factory.mktemp("chat-run"), CHAT)
+
+
+@pytest.fixture(scope="module")
+def serving(chat_run):
+    """(client, served model, engine) of a server over `chat_run` with an API key, in this process."""
+    from fastapi.testclient import TestClient
+
+    from eval.serve.cli import build, parse_args
+
+    app, _, served = build(parse_args([str(chat_run), "--api-key", KEY, "--max-model-len", "256", "--max-batch", "8"]))
+    with TestClient(app, headers={"Authorization": f"Bearer {KEY}"}) as client:
+        yield client, served, app.state.server
+
+
+KEY = "test-key"
