@@ -9,7 +9,7 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 /detokenize``, ``GET /metrics`` (Prometheus) and ``GET /health``. Concurrent requests decode together
 (`eval.serve.engine`). SIGTERM / SIGINT: no new requests; running ones get ``--drain-seconds`` to
 finish, the rest an error; with ``--state-dir`` the stored responses are saved, and loaded at the
-next start. Bad flags or an unusable run directory: one line on stderr, exit status 2.
+next start; the process then ends by the signal (status 143 after SIGTERM, as uvicorn does). Bad flags or an unusable run directory: one line on stderr, exit status 2.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A micro chat checkpoint (K3's chat format with thinking, the byte-level stand-in tokenizer) saved
-at initialisation, and the server over it in this process (`fastapi.testclient.TestClient`)."""
+"""Micro chat checkpoints (K3's chat format with and without thinking, the byte-level stand-in
+tokenizer) saved at initialisation, and the server over it in this process (`fastapi.testclient.TestClient`)."""
 from __future__ import annotations
 
 import pathlib
@@ -27,6 +27,13 @@ def save_untrained(run_dir: pathlib.Path, overrides: list[str]) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def chat_run(tmp_path_factory) -> pathlib.Path:
     return save_untrained(tmp_path_factory.mktemp("chat-run"), CHAT)
+
+
+@pytest.fixture(scope="session")
+def plain_chat_run(tmp_path_factory) -> pathlib.Path:
+    """The same without thinking: the generation prompt opens the response, so every text token
+    of a reply is content."""
+    return save_untrained(tmp_path_factory.mktemp("plain-chat-run"), CHAT + ["data.chat_thinking=false"])
 
 
 @pytest.fixture(scope="module")
