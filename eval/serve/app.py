@@ -124,7 +124,7 @@ class Server:
                         _, index, reason = event
                         delta = state.advance(index, None, final=True)
                         if chat:
-                            message, reason = plan.message(_FinishedSequence(state.tokens[index], reason))
+                            message, reason = plan.message(state.tokens[index], reason)
                             if message.get("tool_calls"):
                                 delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
                             yield sse(plan.chunk(index, delta, None, reason))
@@ -149,13 +149,6 @@ class Server:
 
         return StreamingResponse(chunks(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-class _FinishedSequence:
-    """What `ChatPlan.message` reads of a streamed choice."""
-
-    def __init__(self, tokens, finish_reason):
-        self.tokens, self.finish_reason = tokens, finish_reason
 
 
 def event_queue():

@@ -259,9 +259,9 @@ class ChatPlan(_Choices):
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.served.name,
                 "choices": choices, "usage": self.usage(sequences)}
 
-    def message(self, sequence: Sequence) -> tuple[dict, str]:
-        """The assistant message of a finished choice and its finish reason."""
-        reply = self.reply(sequence.tokens)
+    def message(self, tokens: list[int], finish_reason: str) -> tuple[dict, str]:
+        """The assistant message of a finished choice's ``tokens`` and its finish reason."""
+        reply = self.reply(tokens)
         content = reply.content
         cut = self.first_stop(content) if self.stops else None
         if cut is not None:
@@ -269,7 +269,7 @@ class ChatPlan(_Choices):
         message = {"role": "assistant", "content": content}
         if self.chat.thinking:
             message["reasoning_content"] = reply.reasoning
-        reason = sequence.finish_reason
+        reason = finish_reason
         if reply.tool_calls and cut is None:
             message["tool_calls"] = tool_calls(reply.tool_calls)
             message["content"] = content or None
@@ -278,7 +278,7 @@ class ChatPlan(_Choices):
         return message, reason
 
     def choice(self, index: int, sequence: Sequence) -> dict:
-        message, reason = self.message(sequence)
+        message, reason = self.message(sequence.tokens, sequence.finish_reason)
         logprobs = {"content": self.logprob_entries(sequence.tokens, sequence.logprobs)} if self.logprobs else None
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 

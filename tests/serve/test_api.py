@@ -131,19 +131,18 @@ def test_streamed_chat_equals_the_plain_reply(serving):
 
 def test_a_reply_with_tool_calls_becomes_openai_tool_calls_without_markup(serving):
     from eval.serve.completions import ChatPlan
-    from eval.serve.engine import Sequence
 
     _, served, _ = serving
     message = {"role": "assistant", "reasoning_content": "use the tool", "content": "",
                "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": '{"a": 3, "b": "x"}'}}]}
     ids = served.chat.encoder.encode(reply_segments(message, True))[0].tolist()
     plan = ChatPlan(served, {"messages": USER, "tools": [{"type": "function", "function": {"name": "add"}}]})
-    reply, reason = plan.message(Sequence(0, None, 100, tokens=ids, finish_reason="stop"))
+    reply, reason = plan.message(ids, "stop")
     assert reason == "tool_calls" and reply["content"] is None and reply["reasoning_content"] == "use the tool"
     (call,) = reply["tool_calls"]
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"]["name"] == "add" and json.loads(call["function"]["arguments"]) == {"a": 3, "b": "x"}
-    cut, reason = plan.message(Sequence(0, None, 100, tokens=ids[:-9], finish_reason="length"))
+    cut, reason = plan.message(ids[:-9], "length")
     assert reason == "length" and "<|" not in json.dumps(cut)
 
 

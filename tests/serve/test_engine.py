@@ -1,0 +1,122 @@
+"""The engine's bounds: a full queue is a 429 with Retry-After, a cancelled job frees its sessions, a
+job past its deadline is a 504, a failing prepare is a 400, and a stream the client closes early is
+cancelled -- the engine keeps serving after each."""
+import queue
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from eval.serve.engine import Engine, Job, Sequence, ServeError, close_sessions, token_logprobs
+from k3jax.sessions import Sampling, SessionStore
+from tests.sessions.conftest import random_tokens, tiny_model
+
+
+@pytest.fixture(scope="module")
+def store():
+    return SessionStore(tiny_model())
+
+
+def job_of(prompt_length: int, max_tokens: int, deadline=None):
+    """(job, events): one greedy sequence over a fresh session."""
+    events: queue.Queue = queue.Queue()
+
+    def prepare(store):
+        return [Sequence(store.open(random_tokens(0, prompt_length)), Sampling(), max_tokens)]
+
+    def finish(store, sequences):
+        close_sessions(store, sequences)
+        return [s.tokens for s in sequences]
+    return Job(prepare, finish, events.put, deadline=deadline), events
+
+
+def wait_for(events: queue.Queue, kind: str, timeout=120):
+    while True:
+        event = events.get(timeout=timeout)
+        if event[0] in (kind, "error"):
+            return event
+
+
+def test_a_full_queue_is_a_429_with_retry_after_and_the_rest_run(store):
+    engine = Engine(store, max_batch=1, max_queue=1)
+    try:
+        gate = threading.Event()
+        engine.call(lambda store: gate.wait(60))          # hold the engine between steps
+        first, first_events = job_of(4, 2)
+        engine.submit(first)
+        with pytest.raises(ServeError) as refused:
+            engine.submit(job_of(4, 2)[0])
+        assert refused.value.status == 429 and refused.value.headers == {"Retry-After": "1"}
+        gate.set()
+        assert wait_for(first_events, "result")[0] == "result"
+        engine.submit(job_of(4, 2)[0])                       # room again
+    finally:
+        engine.shutdown(5)
+
+
+def test_cancel_frees_the_sessions_and_a_deadline_is_a_504(store):
+    engine = Engine(store)
+    try:
+        before = engine.call(lambda store: store.sessions()).result()
+        long, events = job_of(4, 10_000)
+        engine.submit(long)
+        assert wait_for(events, "token")[0] == "token"
+        engine.cancel(long)
+        deadline = time.monotonic() + 30
+        while engine.call(lambda store: store.sessions()).result() != before:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        late, late_events = job_of(4, 10_000, deadline=time.monotonic() + 0.5)
+        engine.submit(late)
+        event = wait_for(late_events, "result")
+        assert event[0] == "error" and event[1].status == 504
+        assert engine.call(lambda store: store.sessions()).result() == before
+        ok, ok_events = job_of(5, 3)
+        engine.submit(ok)
+        assert len(wait_for(ok_events, "result")[1][0]) == 3
+    finally:
+        engine.shutdown(5)
+
+
+def test_a_failing_prepare_is_a_400_and_shutdown_answers_waiting_jobs(store):
+    engine = Engine(store)
+    events: queue.Queue = queue.Queue()
+    engine.submit(Job(lambda store: [Sequence(store.open([10**6]), Sampling(), 1)], None, events.put))
+    event = wait_for(events, "result")
+    assert event[0] == "error" and event[1].status == 400 and "token ids must lie in" in event[1].message
+    gate = threading.Event()
+    engine.call(lambda store: gate.wait(60))
+    waiting, waiting_events = job_of(4, 2)
+    engine.submit(waiting)
+    threading.Timer(0.5, gate.set).start()
+    engine.shutdown(0.1)
+    event = wait_for(waiting_events, "result")                # still waiting when the stop came
+    assert event[0] == "error" and event[1].status == 503
+    with pytest.raises(ServeError) as refused:
+        engine.submit(job_of(4, 2)[0])
+    assert refused.value.status == 503
+
+
+def test_token_logprobs_are_the_float64_log_softmax():
+    logits = np.random.default_rng(0).standard_normal((3, 11)).astype(np.float32)
+    tokens = [4, 0, 10]
+    scores = token_logprobs(logits, tokens, top=3)
+    reference = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+    for row, (score, token) in enumerate(zip(scores, tokens)):
+        assert score.logprob == pytest.approx(reference[row, token], abs=1e-12)
+        assert [t for t, _ in score.top] == list(np.argsort(-reference[row])[:3])
+
+
+def test_a_stream_closed_early_is_cancelled(serving):
+    client, _, server = serving
+    before = server.engine.call(lambda store: len(store.sessions())).result()
+    with client.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 200, "stream": True,
+                                                        "ignore_eos": True, "temperature": 1.0}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break
+    deadline = time.monotonic() + 30
+    while server.engine.call(lambda store: len(store.sessions())).result() != before:
+        assert time.monotonic() < deadline, "the closed stream's session was not freed"
+        time.sleep(0.05)
