@@ -36,7 +36,7 @@ def plain_chat_run(tmp_path_factory) -> pathlib.Path:
     return save_untrained(tmp_path_factory.mktemp("plain-chat-run"), CHAT + ["data.chat_thinking=false"])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def serving(chat_run):
     """(client, served model, engine) of a server over `chat_run` with an API key, in this process."""
     from fastapi.testclient import TestClient

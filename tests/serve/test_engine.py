@@ -10,12 +10,13 @@ import pytest
 
 from eval.serve.engine import Engine, Job, Sequence, ServeError, close_sessions, token_logprobs
 from k3jax.sessions import Sampling, SessionStore
-from tests.sessions.conftest import random_tokens, tiny_model
+from tests.sessions.conftest import random_tokens
 
 
 @pytest.fixture(scope="module")
-def store():
-    return SessionStore(tiny_model())
+def store(serving):
+    """A store of its own over the served model (so the compiled programs are shared)."""
+    return SessionStore(serving[1].model)
 
 
 def job_of(prompt_length: int, max_tokens: int, deadline=None):
