@@ -1,0 +1,199 @@
+"""lm-evaluation-harness through `eval.serve` against the model's own log-likelihoods: a local
+multiple-choice task (``configs/lm_eval/k3_digits``) scored here without lm-eval or the server.
+
+For each question: the prompt is K3's chat format as `eval.chat_turns` renders a user turn and the
+assistant's generation prompt with the run's chat settings; each choice is tokenized with the run's
+tokenizer; one full forward of the model over prompt + choice (no session store, no cache) gives
+the choice's log-likelihood, the sum of the log-softmax of its tokens; the answer is the argmax
+(acc), or the argmax of the log-likelihood per character of the choice (acc_norm, as lm-eval).
+Then the same numbers are read from lm-eval's output (``--output_path`` with ``--log_samples``):
+its acc and acc_norm and, per question and choice, its log-likelihood; the table shows both
+accuracies and the largest per-choice |difference| of log-likelihood. The task's ``doc_to_text``
+(its marker names read as the markers, as the server's /tokenize reads them) must give the
+renderer's prompt ids, and each sample's context the task's text: else the check stops.
+
+Neither torch nor lm_eval is imported: lm-eval's results and samples files are read as JSON.
+
+    lm_eval --model local-completions --model_args base_url=http://127.0.0.1:8123/v1/completions,model=chat,\\
+        tokenizer_backend=remote,tokenized_requests=True --tasks k3_digits --include_path configs/lm_eval \\
+        --output_path OUT --log_samples              # against python -m eval.serve RUN_DIR --port 8123
+    python -m bench.lm_eval_check RUN_DIR --lm-eval-output OUT [--task-dir configs/lm_eval/k3_digits] \\
+        [--out CHECK.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+from flax import nnx
+
+from bench.common import table, write_json
+from eval.chat_turns import chat_turns_for
+from eval.loading import EvalInputError, load_run
+
+QUESTION = "{{question}}"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", help="the run lm-eval's server served (a run trained with data.kind=chat)")
+    parser.add_argument("--task-dir", default="configs/lm_eval/k3_digits", help="the lm-eval task's directory")
+    parser.add_argument("--lm-eval-output", required=True,
+                        help="lm_eval's --output_path: the newest results_*.json and samples_<task>_*.jsonl under it")
+    parser.add_argument("--out", default=None, help="write the numbers here as JSON")
+    return parser.parse_args(argv)
+
+
+def read_task(task_dir: pathlib.Path) -> tuple[dict, list[dict]]:
+    """The task YAML (the one file in ``task_dir`` with a ``task:`` key) and its questions (the
+    JSONL its ``data_files`` name, found from the current directory or else beside the YAML)."""
+    configs = [yaml.safe_load(path.read_text()) for path in sorted(task_dir.glob("*.yaml"))]
+    configs = [config for config in configs if isinstance(config, dict) and "task" in config]
+    if len(configs) != 1:
+        raise SystemExit(f"{task_dir}: expected one task YAML, found {len(configs)}")
+    task = configs[0]
+    data_files = task["dataset_kwargs"]["data_files"]
+    path = pathlib.Path(data_files[task["test_split"]] if isinstance(data_files, dict) else data_files)
+    if not path.is_file():
+        path = task_dir / path.name
+    docs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return task, docs
+
+
+def lm_eval_files(output: pathlib.Path, task: str) -> tuple[pathlib.Path, pathlib.Path]:
+    """The newest results JSON and samples JSONL of ``task`` under lm-eval's output path."""
+    newest = lambda paths: max(paths, key=lambda path: path.stat().st_mtime) if paths else None
+    results = newest(list(output.rglob("results_*.json")))
+    samples = newest(list(output.rglob(f"samples_{task}_*.jsonl")))
+    if results is None or samples is None:
+        raise SystemExit(f"{output}: no results_*.json or samples_{task}_*.jsonl (run lm_eval with --output_path "
+                         f"and --log_samples)")
+    return results, samples
+
+
+def sample_arguments(sample: dict) -> list[tuple[str, str]]:
+    """A samples record's (context, continuation) per choice: lm-eval writes them as a dict
+    ``{"gen_args_I": {"arg_0": context, "arg_1": continuation}}`` (0.4.13 does) or as a list
+    of pairs (older versions)."""
+    arguments = sample["arguments"]
+    if isinstance(arguments, dict):
+        return [(entry["arg_0"], entry["arg_1"]) for _, entry in
+                sorted(arguments.items(), key=lambda item: int(item[0].rpartition("_")[2]))]
+    return [tuple(pair[:2]) for pair in arguments]
+
+
+def encode_with_markers(text: str, tokenizer) -> list[int]:
+    """``text`` with the tokenizer's special token names read as those tokens (as `eval.serve`'s
+    /tokenize and Hugging Face tokenizers do)."""
+    specials = tokenizer.special_tokens
+    pattern = "(" + "|".join(map(re.escape, sorted(specials, key=len, reverse=True))) + ")"
+    ids = []
+    for piece in re.split(pattern, text):
+        ids += [specials[piece]] if piece in specials else list(tokenizer.encode(piece)) if piece else []
+    return ids
+
+
+def log_likelihoods(model, contexts: list[np.ndarray], choices: list[list[int]]) -> np.ndarray:
+    """``[questions, choices]``: the sum of log-softmax of each choice's tokens after its context,
+    from one full forward over context + choice (one jitted program per length)."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def token_log_probs(state, tokens):
+        logits = nnx.merge(graphdef, state)(tokens[None]).logits[0]
+        log_probs = jax.nn.log_softmax(logits[:-1], axis=-1)
+        return jnp.take_along_axis(log_probs, tokens[1:, None], axis=-1)[:, 0]
+
+    scores = np.zeros((len(contexts), len(choices)))
+    for q, context in enumerate(contexts):
+        for c, choice in enumerate(choices):
+            tokens = np.concatenate([context, np.asarray(choice, context.dtype)]).astype(np.int32)
+            per_token = np.asarray(token_log_probs(state, tokens), np.float64)
+            scores[q, c] = per_token[len(context) - 1:].sum()
+    return scores
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    task_dir = pathlib.Path(args.task_dir)
+    task, docs = read_task(task_dir)
+    try:
+        run = load_run(args.run_dir)
+    except EvalInputError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    chat = chat_turns_for(run.config)
+    if chat is None:
+        print(f"error: {args.run_dir} has no chat format (train it with data.kind=chat)", file=sys.stderr)
+        return 2
+    template = task["doc_to_text"]
+    choice_texts = [list(doc["choices"]) for doc in docs]
+    if any(texts != choice_texts[0] for texts in choice_texts):
+        raise SystemExit("every question must have the same choices")
+    delimiter = task.get("target_delimiter", " ")     # lm-eval's default; this task's is ""
+    choices = [list(chat.tokenizer.encode(delimiter + text)) for text in choice_texts[0]]
+
+    contexts = []
+    for doc in docs:
+        ids = chat.user_turn(doc["question"])
+        if encode_with_markers(template.replace(QUESTION, doc["question"]), chat.tokenizer) != ids.tolist():
+            raise SystemExit(f"the task's doc_to_text does not give the chat renderer's prompt for {doc['question']!r}")
+        contexts.append(ids)
+
+    start = time.perf_counter()
+    direct = log_likelihoods(run.model, contexts, choices)
+    forward_seconds = time.perf_counter() - start
+    answers = np.array([doc["answer"] for doc in docs])
+    choice_chars = np.array([len(text) for text in choice_texts[0]])
+    direct_acc = float(np.mean(direct.argmax(1) == answers))
+    direct_acc_norm = float(np.mean((direct / choice_chars).argmax(1) == answers))
+
+    results_path, samples_path = lm_eval_files(pathlib.Path(args.lm_eval_output), task["task"])
+    metrics = json.loads(results_path.read_text())["results"][task["task"]]
+    lm_acc, lm_acc_norm = metrics["acc,none"], metrics["acc_norm,none"]
+    samples = [json.loads(line) for line in samples_path.read_text().splitlines() if line.strip()]
+    if len(samples) != len(docs):
+        raise SystemExit(f"{samples_path}: {len(samples)} samples for {len(docs)} questions")
+    lm_scores = np.zeros_like(direct)
+    by_question = {doc["question"]: q for q, doc in enumerate(docs)}
+    for sample in samples:
+        q = by_question[sample["doc"]["question"]]
+        if any(context != template.replace(QUESTION, docs[q]["question"]) or continuation != delimiter + text
+               for (context, continuation), text in zip(sample_arguments(sample), choice_texts[q])):
+            raise SystemExit(f"{samples_path}: the requests of {docs[q]['question']!r} are not the task's text")
+        lm_scores[q] = [float(resp[0][0]) for resp in sample["resps"]]
+    delta = np.abs(lm_scores - direct)
+    sample_acc = float(np.mean(lm_scores.argmax(1) == answers))
+
+    print(f"{run.run_dir} step {run.step}; {len(docs)} questions x {len(choices)} choices; lm-eval: {results_path}")
+    print(table(["scored by", "acc", "acc_norm"], [
+        ["lm-eval (local-completions, eval.serve)", f"{lm_acc:.4f}", f"{lm_acc_norm:.4f}"],
+        ["direct (full forward here)", f"{direct_acc:.4f}", f"{direct_acc_norm:.4f}"],
+    ]))
+    print(f"max |delta log-likelihood| over {delta.size} (question, choice) pairs: {delta.max():.3g} nats "
+          f"(mean {delta.mean():.3g}); argmax disagreements: {int(np.sum(lm_scores.argmax(1) != direct.argmax(1)))}; "
+          f"direct forwards {forward_seconds:.1f} s")
+    same = lm_acc == direct_acc and lm_acc_norm == direct_acc_norm and sample_acc == direct_acc
+    print("match" if same else "MISMATCH")
+    if args.out:
+        write_json(args.out, {
+            "run_dir": str(run.run_dir), "step": run.step, "task": task["task"], "questions": len(docs),
+            "choices": choice_texts[0], "lm_eval_results": str(results_path), "lm_eval_samples": str(samples_path),
+            "lm_eval": {"acc": lm_acc, "acc_norm": lm_acc_norm, "acc_from_samples": sample_acc},
+            "direct": {"acc": direct_acc, "acc_norm": direct_acc_norm, "forward_seconds": forward_seconds},
+            "max_abs_delta_loglikelihood": float(delta.max()), "mean_abs_delta_loglikelihood": float(delta.mean()),
+            "argmax_disagreements": int(np.sum(lm_scores.argmax(1) != direct.argmax(1))), "match": same,
+        })
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
