@@ -151,6 +151,11 @@ class Server:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+async def off_loop(function, *args):
+    """``function(*args)`` on a worker thread: tokenizing a long prompt must not stall other clients."""
+    return await asyncio.get_running_loop().run_in_executor(None, function, *args)
+
+
 def event_queue():
     """An asyncio queue and a thread-safe ``notify`` that puts into it (dropped once the loop is gone)."""
     loop = asyncio.get_running_loop()
@@ -162,6 +167,42 @@ def event_queue():
         except RuntimeError:          # the event loop has closed (shutdown)
             pass
     return events, notify
+
+
+class AuthenticateAndCount:
+    """ASGI middleware: the API key check (401 without ``Authorization: Bearer KEY``) and the
+    per-route status counts of ``/metrics``. Plain ASGI rather than ``@app.middleware("http")``,
+    whose wrapper hides the client's disconnect from the route (`Server.run` waits for it)."""
+
+    def __init__(self, app, server: Server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_noting_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+        try:
+            if self.authorised(scope):
+                await self.app(scope, receive, send_noting_status)
+            else:
+                response = error_response(ServeError(401, "a valid API key is required (Authorization: Bearer KEY)",
+                                                     "authentication_error"))
+                await response(scope, receive, send_noting_status)
+        finally:
+            key = (getattr(scope.get("route"), "path", "other"), status)
+            self.server.requests[key] = self.server.requests.get(key, 0) + 1
+
+    def authorised(self, scope) -> bool:
+        if self.server.api_key is None:
+            return True
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        return secrets.compare_digest(given, f"Bearer {self.server.api_key}".encode())
 
 
 def sse(payload: dict) -> str:
@@ -193,23 +234,7 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
                    405: f"{request.method} is not allowed on {request.url.path}"}.get(error.status_code, str(error.detail))
         return error_response(ServeError(error.status_code, message, kind))
 
-    @app.middleware("http")
-    async def authenticate_and_count(request: Request, call_next):
-        if server.api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
-                response = error_response(ServeError(401, "a valid API key is required (Authorization: Bearer KEY)",
-                                                     "authentication_error"))
-                count(request, response.status_code)
-                return response
-        response = await call_next(request)
-        count(request, response.status_code)
-        return response
-
-    def count(request: Request, status: int) -> None:
-        route = request.scope.get("route")
-        key = (getattr(route, "path", "other"), status)
-        server.requests[key] = server.requests.get(key, 0) + 1
+    app.add_middleware(AuthenticateAndCount, server=server)
 
     @app.get("/health")
     async def health():
@@ -223,7 +248,7 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await read_body(request)
-        plan = CompletionPlan(served, body)
+        plan = await off_loop(CompletionPlan, served, body)
         if plan.stream:
             return server.stream(plan, _include_usage(body))
         return await server.run(plan, request)
@@ -231,7 +256,7 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read_body(request)
-        plan = ChatPlan(served, body)
+        plan = await off_loop(ChatPlan, served, body)
         if plan.stream:
             return server.stream(plan, _include_usage(body))
         return await server.run(plan, request)
@@ -265,8 +290,9 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
         body = await read_body(request)
         params.model_name(body, served.name)
         if "messages" in body:
+            tools = params.chat_tools(body)
             try:
-                tokens = served.chat_prompt(body["messages"], body.get("tools")).tolist()
+                tokens = served.chat_prompt(body["messages"], tools).tolist()
             except Exception as error:    # DataError: a bad conversation
                 raise ServeError(400, str(error), param="messages") from None
         elif isinstance(body.get("prompt"), str):

@@ -214,9 +214,7 @@ class ChatPlan(_Choices):
     def __init__(self, served: ServedModel, body: dict):
         params.model_name(body, served.name)
         self.chat = served.require_chat()
-        messages, tools = body.get("messages"), body.get("tools")
-        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-            raise params.bad("tools", "must be a list of tool objects")
+        messages, tools = body.get("messages"), params.chat_tools(body)
         if body.get("tool_choice") not in (None, "auto", "none"):
             raise params.bad("tool_choice", "only 'auto' and 'none' are supported")
         if body.get("tool_choice") == "none":

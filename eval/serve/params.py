@@ -23,6 +23,19 @@ def body_object(body: Any) -> dict:
     return body
 
 
+def chat_tools(body: dict) -> list | None:
+    """``tools`` of a chat request: function tools ``{"type": "function", "function": {"name", ...}}``
+    (None when absent or empty)."""
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(
+            isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("function"), dict)
+            and isinstance(tool["function"].get("name"), str) and tool["function"]["name"] for tool in tools):
+        raise bad("tools", 'must be a list of {"type": "function", "function": {"name": ...}} objects')
+    return tools
+
+
 def integer(body: dict, name: str, default, low: int, high: int | None = None):
     value = body.get(name, default)
     if value is None:

@@ -4,8 +4,10 @@ Prefill runs in pieces that end at every multiple of ``kda.chunk_size``; the KDA
 tails at each such boundary and at the end of each turn are kept (on the host) with the pages
 before them (shared: the cache holds a reference to each), keyed by sha256(model fingerprint,
 token ids). A new session resumes from the longest cached prefix of its prompt. Entries leave
-least recently used first: past ``MAX_PREFIX_ENTRIES``, and when the store needs device or host
-room (`k3jax.sessions.tiers`).
+least recently used first: past ``MAX_PREFIX_ENTRIES``, when the store needs device or host
+room, and when a session needs pages the pools do not have free -- the cache holds spare pages
+only and never makes the pools grow (growing recompiles the programs over them;
+`k3jax.sessions.tiers`).
 """
 from __future__ import annotations
 

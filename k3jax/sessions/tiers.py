@@ -189,7 +189,8 @@ class Tiers:
 
     def reserve(self, slots: int, pages: int, pinned) -> None:
         """Free device room for ``slots`` slots and ``pages`` pages (evicting the least recently
-        used values not in ``pinned``) and grow the pools so they can be allocated."""
+        used values not in ``pinned``), drop prefix entries while the pools lack free pages, and
+        only then grow the pools so they can be allocated."""
         need = slots * self.device.slot_bytes + pages * self.device.page_bytes
         pinned_ids = {id(v) for v in pinned}
         while self.device_budget is not None and self.device.used_bytes + need > self.device_budget:
@@ -199,6 +200,8 @@ class Tiers:
             if value is None:
                 raise NoRoom()
             self._to_host(value, pinned)
+        while len(self.device.pages.free) < pages and self.prefix.evict(freeing_pages=True):
+            pass                                         # the prefix cache lives in spare pages: it never grows the pools
         self.device.grow(slots, pages)
 
     def writable(self, value: Value, new_tokens: int, pinned=()) -> None:

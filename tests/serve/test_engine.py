@@ -1,6 +1,8 @@
 """The engine's bounds: a full queue is a 429 with Retry-After, a cancelled job frees its sessions, a
 job past its deadline is a 504, a failing prepare is a 400, and a stream the client closes early is
-cancelled -- the engine keeps serving after each."""
+cancelled, and so is a plain request whose client disconnects -- the engine keeps serving after each."""
+import asyncio
+import json
 import queue
 import threading
 import time
@@ -121,3 +123,44 @@ def test_a_stream_closed_early_is_cancelled(serving):
     while server.engine.call(lambda store: len(store.sessions())).result() != before:
         assert time.monotonic() < deadline, "the closed stream's session was not freed"
         time.sleep(0.05)
+
+
+def test_a_plain_request_whose_client_disconnects_is_cancelled(serving):
+    """The app called as uvicorn calls it, with a client that leaves once its request decodes: the
+    answer is a 499, the job stops early and its session is freed. The engine is held on a gate
+    until the request has been submitted, so the job cannot finish before the leave is noticed."""
+    from tests.serve.conftest import KEY
+
+    client, _, server = serving
+    engine = server.engine
+    sessions = lambda: engine.call(lambda store: len(store.sessions())).result()
+    before, steps, generated = sessions(), engine.counters["decode_steps"], engine.counters["generation_tokens"]
+    gate = threading.Event()
+    engine.call(lambda store: gate.wait(60))
+    body = json.dumps({"prompt": "abc", "max_tokens": 200, "ignore_eos": True, "temperature": 1.0}).encode()
+    sent, delivered = [], []
+
+    async def receive():
+        if not delivered:
+            delivered.append(True)
+            return {"type": "http.request", "body": body, "more_body": False}
+        gate.set()                                   # the first poll for a disconnect: let the job run
+        deadline = time.monotonic() + 60
+        while engine.counters["decode_steps"] == steps:
+            assert time.monotonic() < deadline, "the request never decoded"
+            time.sleep(0.01)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"authorization", f"Bearer {KEY}".encode()), (b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    asyncio.run(asyncio.wait_for(client.app(scope, receive, send), 120))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    deadline = time.monotonic() + 30
+    while sessions() != before:
+        assert time.monotonic() < deadline, "the disconnected request's session was not freed"
+        time.sleep(0.05)
+    assert engine.counters["generation_tokens"] - generated < 200

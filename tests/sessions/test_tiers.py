@@ -1,5 +1,6 @@
 """`Tiers` without a model (small random pools, sequences of a few tokens): budget checks, which
-value leaves the device or the host (least recently used, pinned ones stay, prefix entries first),
+value leaves the device or the host (least recently used, pinned ones stay, prefix entries first;
+entries give their pages back before the pools grow),
 spills to disk and loads back with the memory intact, copies sharing pages, releases."""
 import gc
 import jax
@@ -81,6 +82,20 @@ def test_prefix_entries_that_free_a_page_leave_before_any_value():
     setup.tiers.writable(b, 0)                      # one page short: the entry goes, a stays
     assert (a.tier, b.tier, len(setup.prefix), b.pages) == ("device", "device", 0, [page])   # b got its page
     assert setup.tiers.counts["spills_to_host"] == 0
+
+
+def test_prefix_entries_give_their_pages_back_before_the_pools_grow():
+    setup = Setup()                                 # no budgets: only the pools' size limits the cache
+    capacity = setup.device.pages.capacity
+    setup.device.allocate_pages(len(setup.device.pages.free) - 1)
+    page = setup.cached_page()                      # the last free page, held by the entry alone
+    a, b = setup.value(0), setup.value(1)
+    setup.tiers.writable(a, 0)                      # the entry goes rather than the pools growing
+    assert (len(setup.prefix), a.pages, setup.device.pages.capacity) == (0, [page], capacity)
+    setup.tiers.writable(b, 0)                      # nothing left to drop: now they grow
+    assert setup.device.pages.capacity == 2 * capacity and b.tier == "device"
+    assert_memory(setup.tiers, a, 0)
+    assert_memory(setup.tiers, b, 1)
 
 
 def test_the_host_budget_sends_values_to_disk_and_they_come_back(tmp_path):
