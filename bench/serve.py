@@ -661,24 +661,24 @@ def disconnects(server: ServerProcess, headers: dict, name: str, wait: float) ->
                         break
         return {"request": "stream closed after its first chunks", "status": status, "chunks_read": chunks}, during
 
-    def give_up_after_one_second(gauge):
-        """A plain request whose client times out after 1 s (the server polls for a disconnect every 0.5 s)."""
+    def give_up_early(gauge):
+        """A plain request whose client times out after 0.3 s (the server polls for a disconnect every 0.1 s)."""
         outcome, done, during = [], threading.Event(), gauge()
 
         def post():
-            with httpx.Client(base_url=server.url, headers=headers, timeout=httpx.Timeout(1.0, connect=30)) as quitter:
+            with httpx.Client(base_url=server.url, headers=headers, timeout=httpx.Timeout(0.3, connect=30)) as quitter:
                 try:
                     outcome.append(f"answered {quitter.post('/v1/chat/completions', json=body).status_code}")
                 except httpx.TimeoutException:
-                    outcome.append("client timed out after 1 s")
+                    outcome.append("client timed out after 0.3 s")
             done.set()
         threading.Thread(target=post, daemon=True).start()
         while not done.wait(0.1):
             during = max(during, gauge())
-        return {"request": "plain request, client gives up after 1 s", "status": outcome[0]}, during
+        return {"request": "plain request, client gives up after 0.3 s", "status": outcome[0]}, during
 
     with httpx.Client(base_url=server.url, headers=headers, timeout=120) as client:
-        return [abandoned(client, leave, wait) for leave in (stream_then_close, give_up_after_one_second)]
+        return [abandoned(client, leave, wait) for leave in (stream_then_close, give_up_early)]
 
 
 # ---------------------------------------------------------------------------------------------- main

@@ -26,6 +26,7 @@ from .responses import ResponsePlan, ResponseStore
 from . import params
 
 MAX_BODY_BYTES = 32 * 2**20
+DISCONNECT_POLL_SECONDS = 0.1      # how often a waiting plain request checks that its client is still there
 STATUS_KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 
@@ -78,15 +79,19 @@ class Server:
         events, notify = event_queue()
         job = plan.job(notify, self.deadline())
         self.engine.submit(job)
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + DISCONNECT_POLL_SECONDS
         try:
             while True:
                 try:
-                    event = await asyncio.wait_for(events.get(), timeout=0.5)
+                    event = await asyncio.wait_for(events.get(), timeout=max(0.0, next_check - loop.time()))
                 except asyncio.TimeoutError:
+                    event = ("waiting",)
+                if loop.time() >= next_check:         # on time even while token events keep coming
                     if await request.is_disconnected():
                         self.engine.cancel(job)
                         raise ServeError(499, "the client closed the connection") from None
-                    continue
+                    next_check = loop.time() + DISCONNECT_POLL_SECONDS
                 if event[0] == "result":
                     return event[1]
                 if event[0] == "error":
