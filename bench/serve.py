@@ -41,11 +41,10 @@ unless DIR already holds checkpoints.
     shutdown  SIGTERM; the exit status (`eval.serve.cli` documents ending by the signal: -15 as
               Popen reports it, 143 in a shell), the time it took, and any traceback in its log.
 
-Without ``--device-bytes`` the server's session pools start small and double when the prefix cache
-(which keeps the end of every chat completion) needs more pages, and each doubling recompiles the
-prefill and decode programs on the engine thread: under steady load compilations recur, and the
-``compiles`` / ``compile s`` columns show them. ``--device-bytes`` passes a budget to the server,
-which caps the pools once it is reached.
+The server's session pools start small and double when running sessions need more room; each
+doubling recompiles the prefill and decode programs on the engine thread (the warm-up absorbs
+them). The prefix cache only keeps pages the pools have spare, so it never makes them grow: under
+steady load the ``compiles`` column stays 0. ``--device-bytes`` passes a budget to the server.
 
 Nothing is asserted: every figure and every answer goes to the tables and to ``--out``.
 """
@@ -697,8 +696,7 @@ def parse_args(argv):
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--api-key", default="bench-key")
     parser.add_argument("--device-bytes", default=None,
-                        help="the server's --device-bytes (default: none, its pools grow as the prefix cache fills, "
-                             "each doubling a recompilation; a budget caps them)")
+                        help="the server's --device-bytes (default: none; a budget caps the pools)")
     parser.add_argument("--client-timeout", type=float, default=300.0,
                         help="seconds a client waits for an answer before counting the request lost (default 300)")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
