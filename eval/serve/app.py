@@ -19,6 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from k3jax.data import DataError
+
 from .completions import ChatPlan, CompletionPlan
 from .engine import Engine, ServeError
 from .model import ServedModel
@@ -298,7 +300,7 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
             tools = params.chat_tools(body)
             try:
                 tokens = served.chat_prompt(body["messages"], tools).tolist()
-            except Exception as error:    # DataError: a bad conversation
+            except DataError as error:
                 raise ServeError(400, str(error), param="messages") from None
         elif isinstance(body.get("prompt"), str):
             tokens = served.encode(body["prompt"]) if body["prompt"] else []

@@ -92,6 +92,10 @@ class ServedModel:
     def chat_prompt(self, messages: list[dict], tools: list | None) -> np.ndarray:
         """The conversation rendered in K3's chat format, then the assistant's generation prompt."""
         chat = self.require_chat()
+        for index, message in enumerate(messages if isinstance(messages, list) else []):
+            if isinstance(message, dict) and "content" not in message and not message.get("tool_calls"):
+                raise ServeError(400, f"messages: message {index} has no content (only an assistant message "
+                                 f"with tool_calls may leave it out)", param="messages")
         segments = render_conversation(messages, tools or None, thinking=chat.thinking,
                                        thinking_effort=chat.thinking_effort, where="messages")
         return chat.encoder.encode(segments + generation_prompt(chat.thinking))[0]

@@ -242,6 +242,8 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "unknown role"),
     ("/v1/chat/completions", {"messages": USER, "tools": "add"}, 400, "tools"),
     ("/v1/chat/completions", {"messages": USER, "tools": [{}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "message 0 has no content"),
+    ("/tokenize", {"messages": [{"role": "user", "content": 5}]}, 400, "content must be"),
     ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": ""}}]}, 400, "tools"),
     ("/tokenize", {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
     ("/v1/chat/completions", {"messages": USER, "top_logprobs": 3}, 400, "needs logprobs"),
