@@ -21,6 +21,7 @@ import sys
 from ..cli import OneLineParser, quiet_checkpoint_logging
 from ..loading import EvalInputError, load_run
 
+DEFAULT_COMPILATION_CACHE = "~/.cache/k3jax/xla"    # `train.compilation_cache`'s default
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
@@ -66,6 +67,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=_positive(int), default=32768,
                         help="prompt + completion tokens per request (default 32768)")
     parser.add_argument("--request-timeout", type=_positive(float), default=600.0, help="seconds per request (default 600)")
+    parser.add_argument("--compilation-cache", default=DEFAULT_COMPILATION_CACHE, metavar="DIR",
+                        help="compiled programs kept here, so a restarted server skips compiling "
+                             f"(default {DEFAULT_COMPILATION_CACHE}, as training's; 'none': off)")
     parser.add_argument("--drain-seconds", type=_positive(float), default=30.0,
                         help="on SIGTERM, seconds running requests get to finish (default 30)")
     args = parser.parse_args(argv)
@@ -122,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     logging.basicConfig(level=logging.WARNING)
+    if args.compilation_cache.lower() != "none":
+        from k3jax.training.trainer import enable_compilation_cache
+        enable_compilation_cache(args.compilation_cache)
     server = uvicorn.Server(config)
     original = server.startup
 

@@ -22,8 +22,10 @@ SERVING = re.compile(r"serving (\S+) on (http://\S+/v1)")
 class ServerProcess:
     """``python -m eval.serve`` in a subprocess; ``url`` once it listens."""
 
-    def __init__(self, *args):
-        self.process = subprocess.Popen([sys.executable, "-m", "eval.serve", *map(str, args), "--port", "0"],
+    def __init__(self, cache, *args):
+        """``cache``: the compiled programs' directory (shared by a test's servers)."""
+        self.process = subprocess.Popen([sys.executable, "-m", "eval.serve", *map(str, args), "--port", "0",
+                                         "--compilation-cache", str(cache)],
                                         cwd=ROOT, stderr=subprocess.PIPE, text=True)
         self.lines = []
         for line in self.process.stderr:
@@ -50,7 +52,7 @@ class ServerProcess:
 def test_the_openai_client_against_the_server_and_a_restart(plain_chat_run, tmp_path):
     chat_run = plain_chat_run
     state = tmp_path / "state"
-    server = ServerProcess(chat_run, "--api-key", KEY, "--state-dir", state, "--max-model-len", "1024")
+    server = ServerProcess(tmp_path / "xla", chat_run, "--api-key", KEY, "--state-dir", state, "--max-model-len", "1024")
     try:
         client = server.client()
         assert [m.id for m in client.models.list()] == [server.name]
@@ -108,7 +110,7 @@ def test_the_openai_client_against_the_server_and_a_restart(plain_chat_run, tmp_
     assert long_request.get("finish") == "length"             # drained: it ran to its end
     assert any("saved" in line and "stored responses" in line for line in server.lines), server.lines
 
-    again = ServerProcess(chat_run, "--api-key", KEY, "--state-dir", state, "--max-model-len", "1024")
+    again = ServerProcess(tmp_path / "xla", chat_run, "--api-key", KEY, "--state-dir", state, "--max-model-len", "1024")
     try:
         client = again.client()
         assert client.responses.retrieve(first.id).id == first.id
@@ -118,3 +120,4 @@ def test_the_openai_client_against_the_server_and_a_restart(plain_chat_run, tmp_
     finally:
         assert again.stop() == -signal.SIGTERM
     assert os.path.exists(state / "state.json")
+    assert any((tmp_path / "xla").iterdir())                   # --compilation-cache: the programs were kept
