@@ -192,8 +192,8 @@ def chat_tools(tools) -> list | None:
     if tools is None or tools == []:
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) and t.get("type") == "function"
-                                              and isinstance(t.get("name"), str) for t in tools):
-        raise params.bad("tools", "must be a list of function tools with a name")
+                                              and isinstance(t.get("name"), str) and t["name"] for t in tools):
+        raise params.bad("tools", 'must be a list of {"type": "function", "name": ...} objects')
     return [{"type": "function", "function": {key: value for key, value in tool.items() if key != "type"}}
             for tool in tools]
 
