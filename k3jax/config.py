@@ -291,10 +291,12 @@ class ModelConfig:
 class DataConfig:
     """Training data: the embedded MQAR task (`k3jax.data.MQARDataset`), local text
     (`k3jax.data.TextDataset`: text, JSONL or Parquet files, a directory or a glob), token shards
-    written by ``python -m k3jax.data.prepare`` (`k3jax.data.TokensDataset`), or conversations in
-    K3's chat format (`k3jax.data.ChatDataset`: JSONL or Parquet ``messages`` records)."""
+    written by ``python -m k3jax.data.prepare`` (`k3jax.data.TokensDataset`), conversations in
+    K3's chat format (`k3jax.data.ChatDataset`: JSONL or Parquet ``messages`` records), or prompts
+    with answers for reinforcement learning (`k3jax.data.PromptDataset`: ``prompt`` or ``messages``
+    records with an ``answer``; ``train.objective=grpo``)."""
 
-    kind: Literal["mqar", "text", "tokens", "chat"] = "mqar"
+    kind: Literal["mqar", "text", "tokens", "chat", "prompts"] = "mqar"
     seq_len: int = 128
     seed: int = 0
     prefetch: int = 2                     # batches read ahead of the train step on a thread; 0: off
@@ -310,7 +312,7 @@ class DataConfig:
     jsonl_field: str = "text"             # the text's JSON field, or Parquet column
     tokenizer: str | None = None          # a tiktoken BPE file (K3's tiktoken.model); None: bytes
     heldout_fraction: float = 0.05
-    # chat (path, tokenizer and heldout_fraction as for text; the tokenizer must name K3's markers)
+    # chat and chat prompts (path, tokenizer and heldout_fraction as for text; the tokenizer must name K3's markers)
     chat_loss: Literal["assistant", "all"] = "assistant"    # which tokens the loss counts
     chat_overflow: Literal["truncate", "drop"] = "truncate"  # a conversation longer than seq_len + 1
     chat_thinking: bool = True                              # render the <think> channel (K3's default)
@@ -353,8 +355,12 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """The training loop."""
+    """The training loop. ``objective``: ``lm`` minimises the masked next-token loss of the data;
+    ``grpo`` is reinforcement learning on prompts (`k3jax.training.rl`, settings in `RLConfig`):
+    a step samples ``rl.prompts_per_step`` x ``rl.group_size`` completions, rewards them and makes
+    ``rl.updates_per_rollout`` optimizer updates on them (``batch_size`` is then unused)."""
 
+    objective: Literal["lm", "grpo"] = "lm"
     steps: int = 1000
     batch_size: int = 32                  # sequences per optimizer step (global)
     grad_accum: int = 1                   # micro-batches per step
@@ -441,6 +447,56 @@ class FinetuneConfig:
     @property
     def lora_scale(self) -> float:
         return self.lora_alpha / self.lora_rank
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """Reinforcement learning (``train.objective=grpo``; `k3jax.training.rl`). Each step samples
+    ``group_size`` completions of each of ``prompts_per_step`` prompts (one prefill per prompt, its
+    memory forked), rewards them, and updates the policy with the clipped policy-gradient loss of
+    GRPO on group-relative advantages (``grpo``: (r - mean) / (std + 1e-6) over the group;
+    ``dr_grpo``: r - mean), optionally with the KL penalty to the reference policy (``init_from``'s
+    parameters; with LoRA the frozen base, adapters off).
+
+    ``reward``: ``exact_match`` | ``contains`` | ``numeric`` (`k3jax.training.rewards`) or
+    ``module:function`` called with ``(prompt, completion, record)``. ``environment``: a multi-turn
+    tool environment for chat prompts, ``calculator`` or ``module:Class`` (`k3jax.training.environments`);
+    it gives the reward then. A completion counts as a success (pass@1, pass@G) when its reward is at
+    least ``pass_threshold``."""
+
+    reward: str = "exact_match"
+    environment: str | None = None
+    prompts_per_step: int = 8
+    group_size: int = 8                   # G completions per prompt, >= 2
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    max_new_tokens: int = 32              # per completion (all turns together with an environment)
+    advantage: Literal["grpo", "dr_grpo"] = "grpo"
+    clip: float = 0.2                     # the ratio is clipped to [1 - clip, 1 + clip]
+    loss_average: Literal["token", "sequence"] = "token"   # over all completion tokens, or per sequence first
+    kl_coef: float = 0.0                  # weight of the k3 estimate of KL(policy || reference) per token
+    updates_per_rollout: int = 1          # optimizer updates on each rollout (later ones: ratio to the recorded log-probs)
+    tool_retries: int = 2                 # resamples of a turn whose tool call fails to parse or validate
+    max_turns: int = 4                    # assistant turns per completion with an environment
+    eval_prompts: int = 32                # held-out prompts of each greedy evaluation (train.eval_every, the end)
+    pass_threshold: float = 1.0
+
+    def __post_init__(self):
+        _positive(self, "prompts_per_step", "max_new_tokens", "updates_per_rollout", "max_turns", "top_k",
+                  "temperature", "clip")
+        _require(self.group_size >= 2, "group_size",
+                 f"must be at least 2 (advantages are relative to the group), got {self.group_size}")
+        _require(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(self.kl_coef >= 0, "kl_coef", f"must be non-negative, got {self.kl_coef}")
+        _require(self.tool_retries >= 0, "tool_retries", f"must be non-negative, got {self.tool_retries}")
+        _require(self.eval_prompts >= 0, "eval_prompts", f"must be non-negative, got {self.eval_prompts}")
+        _require(bool(self.reward.strip()), "reward", "must name a built-in reward or module:function")
+
+    @property
+    def rows(self) -> int:
+        """Completions per step: the rows of each update."""
+        return self.prompts_per_step * self.group_size
 
 
 MESH_AXIS_NAMES = ("data", "fsdp", "expert", "context", "tensor")   # the mesh's axes, outermost first
@@ -537,8 +593,24 @@ class Config:
     logging: LoggingConfig = LoggingConfig()
     mesh: MeshConfig = MeshConfig()
     finetune: FinetuneConfig = FinetuneConfig()
+    rl: RLConfig = RLConfig()
     run_dir: str = "runs/default"         # checkpoints, the resolved config and metrics
     init_from: str | None = None          # fine-tune: parameters from this run or checkpoint directory
+
+    def __post_init__(self):
+        grpo, prompts = self.train.objective == "grpo", self.data.kind == "prompts"
+        _require(grpo == prompts, "train.objective" if prompts else "data.kind",
+                 "data.kind=prompts goes with train.objective=grpo" if prompts
+                 else "train.objective=grpo samples from prompts: set data.kind=prompts")
+        if not grpo:
+            return
+        _require(self.init_from is not None, "init_from",
+                 "train.objective=grpo fine-tunes a trained policy: set init_from=RUN_DIR")
+        _require(self.rl.rows % self.train.grad_accum == 0, "train.grad_accum",
+                 f"must divide the rows of an update, rl.prompts_per_step x rl.group_size = {self.rl.rows}, "
+                 f"got {self.train.grad_accum}")
+        _require(self.finetune.lora_dropout == 0, "finetune.lora_dropout",
+                 "must be 0 for train.objective=grpo: dropout would make the update's log-probs differ from the rollout's")
 
 
 # ---------------------------------------------------------------------------------------------

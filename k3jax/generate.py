@@ -63,6 +63,14 @@ def sample_logits(logits: jax.Array, key: jax.Array, temperature, top_k, top_p) 
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
+def log_softmax(logits) -> np.ndarray:
+    """``log softmax`` over the last axis of host ``logits``, in float64:
+    ``x - max(x) - log(sum(exp(x - max(x))))``."""
+    logits = np.asarray(logits, np.float64)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
 def _is_integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 

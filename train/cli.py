@@ -4,6 +4,7 @@
     python -m train configs/tiny.yaml run_dir=runs/a train.steps=2000  # overrides: dotted.key=value
     python -m train configs/tiny.yaml run_dir=runs/ft init_from=runs/a data.kind=text data.path=notes.txt
     python -m train configs/tiny.yaml mesh.data=2 mesh.expert=4 mesh.moe_dispatch=capacity   # 8 devices
+    python -m train configs/rl/addition.yaml init_from=runs/sft                   # RL (GRPO) on prompts
 
 Several processes (hosts) train one model when each is started with the same coordinator
 (``--coordinator-address host:port --num-processes N --process-id I``, or the environment
@@ -66,14 +67,14 @@ def main(argv=None) -> int:
             from k3jax.config import load_config
             from k3jax.sharding import initialize_distributed
             from .configs import resolve_config
-            from k3jax.training import Trainer  # after argument parsing: --help stays instant
+            from k3jax.training import RLTrainer, Trainer  # after argument parsing: --help stays instant
             from k3jax.training.metrics import jsonable
 
             signals.check()
             config = load_config(resolve_config(args.config), args.overrides)
             if not initialize_distributed(args.coordinator_address, args.num_processes, args.process_id):
                 use_cpu_cores(config)   # one process on CPU: a device per core, unless the mesh is set
-            summary = Trainer(config, signals).run()
+            summary = (RLTrainer if config.train.objective == "grpo" else Trainer)(config, signals).run()
         except StopRequested as stop:
             print(f"{stop} received while starting: stopped before training, nothing written; run again to start",
                   flush=True)
@@ -86,6 +87,10 @@ def main(argv=None) -> int:
             return 2
     if "stopped_by" not in summary:
         print(json.dumps(jsonable(summary), allow_nan=False), flush=True)
+        if "heldout_reward" in summary:
+            print(f"held-out greedy reward {summary['heldout_reward']:.3f} ({summary['heldout_pass']:.1%} pass, "
+                  f"{summary['heldout_prompts']} prompts) after {summary['step']} steps "
+                  f"({summary['train_seconds']:.0f} s of training)", flush=True)
         if "heldout_mqar_recall" in summary:
             print(f"held-out MQAR recall {summary['heldout_mqar_recall']:.3f} after {summary['step']} steps "
                   f"({summary['train_seconds']:.0f} s of training)", flush=True)

@@ -28,6 +28,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from k3jax.generate import log_softmax
 from k3jax.sessions import Sampling, SessionStore
 
 log = logging.getLogger("k3jax.serve")
@@ -53,9 +54,7 @@ class TokenLogprob(NamedTuple):
 
 def token_logprobs(logits: np.ndarray, tokens, top: int) -> list[TokenLogprob]:
     """`TokenLogprob` of ``tokens[i]`` under ``logits[i]`` ``[N, vocab]`` (float64 log-softmax)."""
-    logits = np.asarray(logits, np.float64).reshape(len(tokens), -1)
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    logprobs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    logprobs = log_softmax(np.asarray(logits).reshape(len(tokens), -1))
     result = []
     for row, token in zip(logprobs, tokens):
         best = np.argsort(-row, kind="stable")[:top] if top else []

@@ -67,16 +67,18 @@ def model_fingerprint(model) -> str:
 
 class SessionStore:
     """Sessions over ``model``; ``device_bytes`` / ``host_bytes`` None = unlimited, ``disk_dir``
-    None = no disk tier. See the module docstring."""
+    None = no disk tier. ``fingerprint`` names the model's weights in prefix-cache keys and saved
+    stores; None: `model_fingerprint` (a hash of every weight; pass a name of your own where hashing
+    costs too much, e.g. an RL policy's step). See the module docstring."""
 
     def __init__(self, model, device_bytes: int | None = None, host_bytes: int | None = None,
-                 disk_dir: str | os.PathLike | None = None):
+                 disk_dir: str | os.PathLike | None = None, fingerprint: str | None = None):
         config = model.config
         self._gathered_decode = False   # bench.sessions's baseline: paged.decode_step(gathered=True)
         self.model, self.config = model, config
         self._graphdef, self._params = nnx.split(model)
         self.page_size = config.kda.chunk_size
-        self.fingerprint = model_fingerprint(model)
+        self.fingerprint = fingerprint or model_fingerprint(model)
         self._device = DevicePools(paged.empty_pools(config, _INITIAL_SLOTS, _INITIAL_PAGES, self.page_size))
         self.slot_bytes, self.page_bytes = self._device.slot_bytes, self._device.page_bytes
         self.device_budget, self.host_budget = device_bytes, host_bytes

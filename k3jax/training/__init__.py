@@ -9,6 +9,11 @@ train``), tests, benchmarks and users' own scripts.
     finetune   LoRA / QLoRA: the adapted model's split, the adapters' first values, the frozen base
     layout     a run's mesh, parts, optimizer and state shapes before any array exists (`lay_out_run`)
     trainer    `Trainer`: set up or resume, the train loop, checkpoints, held-out evaluation
+    rl         `RLTrainer` (``train.objective=grpo``): rollouts and policy updates, rollouts.jsonl
+    rollout    groups of completions on forked sessions, with the policy's log-probs; tool episodes
+    grpo       group-relative advantages, the update's rows, the clipped policy-gradient objective
+    rewards    built-in rewards and ``module:function`` ones
+    environments  multi-turn tool environments (`Calculator`), `ToolCallError`
     run_dir    the run directory: creation, the lock, atomic writes, `RunError`
     metrics    metrics.jsonl (written and read), TensorBoard, the progress line
     signals    SIGTERM / SIGINT recorded for a clean stop (no JAX: the CLI installs it first)
@@ -30,6 +35,11 @@ _EXPORTS = {
     "optim": ("build_optimizer", "learning_rate_schedule"),
     "layout": ("RunLayout", "lay_out_run"),
     "trainer": ("Trainer",),
+    "rl": ("RLTrainer",),
+    "rollout": ("Completion", "Rollout"),
+    "grpo": ("group_advantages", "policy_objective"),
+    "rewards": ("RewardError",),
+    "environments": ("ToolCallError", "Turn"),
     "run_dir": ("RunError",),
     "metrics": ("read_metrics",),
     "signals": ("StopRequested", "StopSignals"),

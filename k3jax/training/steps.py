@@ -3,6 +3,7 @@
 One train step (jitted, donated):
     loss    = sum(mask * CE(logits, targets)) / sum(mask)     over the global batch; with
               gradient accumulation the batch is split into micro-batches whose gradients add up
+              (another ``objective``, e.g. GRPO's policy loss, gives its own sum and count)
     update  optax; skipped (state unchanged) when the loss, the gradient norm or any updated
             parameter is not finite
     balance the routers' selection biases from this step's routing statistics (SPEC §4)
@@ -34,13 +35,29 @@ def masked_cross_entropy(logits, targets, mask):
     return jnp.sum(losses * mask), jnp.sum(mask)
 
 
-def _forward_loss(parts: ModelParts, params, buffers, batch, frozen=None, dropout_key=None):
-    """``(loss sum, (mask sum, MoE stats))`` of one micro-batch."""
+def language_model_objective(logits, batch):
+    """The objective of ``train.objective=lm``: ``(sum of mask * CE, sum of mask, {})``.
+
+    An objective maps a micro-batch's logits ``[B, T, V]`` and the batch to ``(loss sum, count,
+    metrics)``: the step minimises sum / count over the whole batch; ``metrics`` are scalars summed
+    over micro-batches (those named ``*_max``: their maximum)."""
+    loss_sum, count = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+    return loss_sum, count, {}
+
+
+def _forward_loss(parts: ModelParts, objective, params, buffers, batch, frozen=None, dropout_key=None):
+    """``(loss sum, (count, MoE stats, objective metrics))`` of one micro-batch."""
     model = parts.merge(params, buffers, frozen, dropout_key)
     out = model(batch["tokens"], segment_ids=batch["segment_ids"])
     with jax.named_scope("Loss"):            # names for profiles (`k3jax.layers.scope`)
-        loss_sum, count = masked_cross_entropy(out.logits, batch["targets"], batch["loss_mask"])
-    return loss_sum, (count, out.moe_stats)
+        loss_sum, count, metrics = objective(out.logits, batch)
+    return loss_sum, (count, out.moe_stats, metrics)
+
+
+def _merge_micro_batch_metrics(metrics: dict) -> dict:
+    """Objective metrics stacked ``[A]`` over micro-batches -> summed (``*_max``: the maximum)."""
+    return {name: jnp.max(value, axis=0) if name.endswith("_max") else jnp.sum(value, axis=0)
+            for name, value in metrics.items()}
 
 
 def _merge_micro_batch_stats(stats: MoEStats | None) -> MoEStats | None:
@@ -53,31 +70,33 @@ def _merge_micro_batch_stats(stats: MoEStats | None) -> MoEStats | None:
                     summed(stats.dropped), jax.tree.map(summed, stats.bias_histogram))
 
 
-def _gradients(parts, params, buffers, batch, accumulation: int, frozen=None, dropout_key=None):
-    """Summed loss, mask count, summed gradients and MoE stats over ``accumulation`` micro-batches
-    (micro-batch i draws its dropout from ``fold_in(dropout_key, i)``)."""
-    grad_fn = jax.value_and_grad(functools.partial(_forward_loss, parts), has_aux=True)
+def _gradients(parts, objective, params, buffers, batch, accumulation: int, frozen=None, dropout_key=None):
+    """Summed loss, count, summed gradients, MoE stats and objective metrics over ``accumulation``
+    micro-batches (micro-batch i draws its dropout from ``fold_in(dropout_key, i)``)."""
+    grad_fn = jax.value_and_grad(functools.partial(_forward_loss, parts, objective), has_aux=True)
     if accumulation == 1:
-        (loss_sum, (count, stats)), grads = grad_fn(params, buffers, batch, frozen, dropout_key)
-        return loss_sum, count, grads, stats
+        (loss_sum, (count, stats, metrics)), grads = grad_fn(params, buffers, batch, frozen, dropout_key)
+        return loss_sum, count, grads, stats, metrics
     micro = jax.tree.map(lambda x: x.reshape(accumulation, -1, *x.shape[1:]), batch)
 
     def accumulate(carry, indexed):
         loss_sum, count, grads = carry
         index, micro_batch = indexed
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
-        (loss, (n, stats)), g = grad_fn(params, buffers, micro_batch, frozen, key)
-        return (loss_sum + loss, count + n, jax.tree.map(jnp.add, grads, g)), stats
+        (loss, (n, stats, metrics)), g = grad_fn(params, buffers, micro_batch, frozen, key)
+        return (loss_sum + loss, count + n, jax.tree.map(jnp.add, grads, g)), (stats, metrics)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (loss_sum, count, grads), stats = jax.lax.scan(accumulate, (0.0, 0.0, zeros), (jnp.arange(accumulation), micro))
-    return loss_sum, count, grads, _merge_micro_batch_stats(stats)
+    (loss_sum, count, grads), (stats, metrics) = jax.lax.scan(accumulate, (0.0, 0.0, zeros),
+                                                              (jnp.arange(accumulation), micro))
+    return loss_sum, count, grads, _merge_micro_batch_stats(stats), _merge_micro_batch_metrics(metrics)
 
 
 def make_train_step(parts: ModelParts, optimizer: optax.GradientTransformation, *, accumulation: int = 1,
                     schedule: optax.Schedule | None = None, shardings: StepShardings | None = None,
-                    dropout_seed: int = 0):
-    """The jitted ``train_step(state, batch) -> (state, metrics)`` (the state is donated); with
+                    dropout_seed: int = 0, objective=language_model_objective):
+    """The jitted ``train_step(state, batch) -> (state, metrics)`` (the state is donated) minimising
+    ``objective`` (`language_model_objective`; its metrics join the step's); with
     ``shardings`` the state keeps its layout across steps and the metrics come back replicated.
     What the model computes on the mesh is in ``parts.graphdef`` (`abstract_model` with a mesh).
     A LoRA model's step is ``train_step(state, batch, frozen)`` (the frozen base, not donated); its
@@ -86,8 +105,8 @@ def make_train_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
     def train_step(state: TrainState, batch, *frozen):
         dropout_key = None if parts.dropout is None else jax.random.fold_in(jax.random.key(dropout_seed), state.step)
         frozen = frozen[0] if frozen else None
-        loss_sum, count, grads, stats = _gradients(parts, state.params, state.buffers, batch, accumulation, frozen,
-                                                   dropout_key)
+        loss_sum, count, grads, stats, objective_metrics = _gradients(
+            parts, objective, state.params, state.buffers, batch, accumulation, frozen, dropout_key)
         count = jnp.maximum(count, 1.0)
         loss = loss_sum / count
         grads = jax.tree.map(lambda g: g / count, grads)
@@ -111,7 +130,7 @@ def make_train_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
             skipped=jnp.where(finite, 0, state.skipped + 1),
         )
         metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite, "tokens": count,
-                   "skipped": new_state.skipped}
+                   "skipped": new_state.skipped, **objective_metrics}
         if schedule is not None:
             metrics["learning_rate"] = schedule(state.step)
         if stats is not None:

@@ -47,7 +47,11 @@ TOKENIZED_DATA = (PackedDataset, ChatDataset)
 
 
 def evaluation_line(step: int, result: dict) -> str:
-    """``step N  held-out loss X  bits/byte Y  recall Z`` (the parts the evaluation has)."""
+    """``step N  held-out loss X  bits/byte Y  recall Z`` (the parts the evaluation has); for RL
+    ``step N  held-out greedy reward X  pass P  (n prompts)``."""
+    if "heldout_reward" in result:
+        return (f"step {step}  held-out greedy reward {result['heldout_reward']:.4f}  pass "
+                f"{result['heldout_pass']:.3f}  ({result['heldout_prompts']} prompts)")
     parts = [f"step {step}  held-out loss {result['heldout_loss']:.4f}"]
     if "heldout_bits_per_byte" in result:
         parts.append(f"bits/byte {result['heldout_bits_per_byte']:.4f}")
@@ -117,7 +121,9 @@ def enable_compilation_cache(directory: str | None) -> None:
 
 
 class Trainer:
-    """Builds everything a run needs from its `Config`."""
+    """Builds everything a run needs from its `Config` (``train.objective=lm``; `RLTrainer` runs ``grpo``)."""
+
+    objective = "lm"
 
     def __init__(self, config: Config, signals: StopSignals | None = None):
         """``signals``: the caller's `StopSignals`, checked between the phases of the start (a signal
@@ -147,6 +153,9 @@ class Trainer:
 
     def _set_up(self) -> None:
         config = self.config
+        if config.train.objective != self.objective:
+            raise ConfigError("train.objective", f"{config.train.objective} runs with "
+                                                 f"{'k3jax.training.RLTrainer' if config.train.objective == 'grpo' else 'k3jax.training.Trainer'}")
         enable_compilation_cache(config.train.compilation_cache)
         if config.logging.tensorboard and self.primary:
             try:
@@ -170,7 +179,7 @@ class Trainer:
         self.abstract_state, self.shardings = layout.state, layout.shardings
         self.abstract_frozen = layout.frozen
         self.frozen, self.base = None, None      # a LoRA run's base: its arrays, and where they came from
-        self.batch_rows = process_rows(self.shardings.batch, config.train.batch_size)
+        self.batch_rows = process_rows(self.shardings.batch, self.batch_size)
         self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", keep=config.checkpoint.keep,
                                           every=config.checkpoint.every, async_save=config.checkpoint.async_save)
         self.position = 0  # batches consumed
@@ -181,12 +190,22 @@ class Trainer:
         self._stop_point()
         if self.primary:
             write_atomically(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
+        self.frozen_args = () if self.frozen is None else (self.frozen,)
+        self._build_steps()
+
+    @property
+    def batch_size(self) -> int:
+        """Rows of each global batch."""
+        return self.config.train.batch_size
+
+    def _build_steps(self) -> None:
+        """The jitted programs of the run: its train step and eval step."""
+        config = self.config
         # Several processes start each program together: gloo's collectives wait only 30 s for a peer.
         self.train_step = compiled_together(
             make_train_step(self.parts, self.optimizer, accumulation=config.train.grad_accum, schedule=self.schedule,
                             shardings=self.shardings, dropout_seed=config.train.seed), "train step")
         self.eval_step = compiled_together(make_eval_step(self.parts, self.shardings), "eval step")
-        self.frozen_args = () if self.frozen is None else (self.frozen,)
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -277,11 +296,11 @@ class Trainer:
     def _host_batch(self, step: int, split: str = "train"):
         """This process's block of rows of global batch ``step``."""
         index, count = self.batch_rows
-        return self.data.batch(step, self.config.train.batch_size, split, process_index=index, process_count=count)
+        return self.data.batch(step, self.batch_size, split, process_index=index, process_count=count)
 
     def _device_batch(self, rows):
         """The global batch assembled from every process's block of ``rows``."""
-        return global_batch(rows, self.shardings.batch, self.config.train.batch_size)
+        return global_batch(rows, self.shardings.batch, self.batch_size)
 
     def run(self) -> dict:
         """Train to ``train.steps`` (or until SIGTERM/SIGINT), save, evaluate; releases the run directory."""
@@ -306,10 +325,7 @@ class Trainer:
             progress.write(f"resumed from checkpoint {self.resumed_from} in {self.run_dir}")
         started = time.perf_counter()
         first = self.position
-        # The prefetch thread also moves each batch onto the devices.
-        read_batch = lambda step: self._device_batch(self._host_batch(step))  # noqa: E731
-        with Prefetcher(read_batch, self.position, cfg.steps, self.config.data.prefetch) as batches:
-            self._train_loop(batches, signals, log, board, progress, flops_per_token, peak)
+        self._loop(signals, log, board, progress, flops_per_token, peak)
         if self.position != first:
             self.save(force=True)
         self.checkpoints.wait()
@@ -332,6 +348,13 @@ class Trainer:
             write_atomically(self.run_dir / "summary.json", json.dumps(jsonable(summary), indent=2, allow_nan=False))
         return summary
 
+    def _loop(self, signals: StopSignals, log: MetricsLog, board, progress: Progress, flops_per_token: float,
+              peak: float) -> None:
+        """The steps, their batches read ahead (the prefetch thread also moves each onto the devices)."""
+        read_batch = lambda step: self._device_batch(self._host_batch(step))  # noqa: E731
+        with Prefetcher(read_batch, self.position, self.config.train.steps, self.config.data.prefetch) as batches:
+            self._train_loop(batches, signals, log, board, progress, flops_per_token, peak)
+
     def _train_loop(self, batches: Prefetcher, signals: StopSignals, log: MetricsLog, board, progress: Progress,
                     flops_per_token: float, peak: float) -> None:
         """Steps from ``self.position`` to ``train.steps`` (or a signal), each logged, evaluated and saved when due.
@@ -342,7 +365,7 @@ class Trainer:
         Where step n's state itself is needed (an evaluation or a checkpoint due at n, the last
         step, a stop signal), step n is finished before anything else is dispatched."""
         cfg = self.config.train
-        tokens_per_step = cfg.batch_size * self.config.data.seq_len
+        tokens_per_step = self.batch_size * self.config.data.seq_len
         last_finished = [time.perf_counter()]
 
         def finish(step: int, metrics) -> None:

@@ -1,0 +1,122 @@
+"""GRPO-family policy optimisation: group-relative advantages, the update's rows, the clipped
+policy-gradient objective with an optional KL penalty (DeepSeekMath, arXiv 2402.03300; Dr. GRPO,
+arXiv 2503.20783).
+
+For a group of G completions of one prompt with rewards r_1..r_G:
+
+    grpo      A_i = (r_i - mean(r)) / (std(r) + 1e-6)      (population std)
+    dr_grpo   A_i = r_i - mean(r)
+
+Each sampled token t of completion i, with policy log-prob l_t (recomputed by the update's forward),
+the log-prob recorded while sampling o_t and the reference's l^ref_t:
+
+    ratio_t = exp(l_t - o_t)
+    pg_t    = -min(ratio_t A_i, clip(ratio_t, 1 - eps, 1 + eps) A_i)
+    kl_t    = exp(l^ref_t - l_t) - (l^ref_t - l_t) - 1           (k3, an unbiased KL(policy || ref) >= 0)
+    loss    = sum_t w_t (pg_t + beta kl_t) / sum_t w_t
+
+with w_t = 1 on every sampled token (``loss_average=token``) or 1 / |completion i| (``sequence``:
+each completion weighs the same). The rollout's parameters are the update's, so on the first update
+of a rollout l_t = o_t up to the decode / training-forward difference, which the step reports as
+``logprob_mismatch_max`` = max_t |l_t - o_t| (its ratio is 1 to that precision).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.layers.lora import set_adapter_dropout
+
+ADVANTAGE_EPS = 1e-6
+
+
+def group_advantages(rewards: np.ndarray, kind: str) -> np.ndarray:
+    """Advantages ``[P, G]`` of rewards ``[P, G]`` (one row per prompt's group), float64."""
+    rewards = np.asarray(rewards, np.float64)
+    centred = rewards - rewards.mean(axis=1, keepdims=True)
+    if kind == "dr_grpo":
+        return centred
+    if kind == "grpo":
+        return centred / (rewards.std(axis=1, keepdims=True) + ADVANTAGE_EPS)
+    raise ValueError(f"unknown advantage {kind!r}; expected grpo or dr_grpo")
+
+
+def update_rows(completions: Sequence, seq_len: int, loss_average: str) -> dict[str, np.ndarray]:
+    """The update's batch ``[N, seq_len]`` of N completions (`k3jax.training.rollout.Completion`):
+    row i is prompt + completion i (``seq_len + 1`` tokens at most) as inputs / targets, padded with
+    segment 0; ``loss_mask`` marks the targets the policy sampled, ``old_logprobs`` their recorded
+    log-probs, ``advantages`` the completion's advantage and ``weights`` w_t (module docstring)."""
+    rows = len(completions)
+    batch = {name: np.zeros((rows, seq_len), np.int32) for name in ("tokens", "targets", "segment_ids")}
+    batch.update({name: np.zeros((rows, seq_len), np.float32)
+                  for name in ("loss_mask", "weights", "old_logprobs", "advantages")})
+    for row, completion in enumerate(completions):
+        sequence = np.concatenate([completion.prompt.tokens, np.asarray(completion.tokens, np.int32)])
+        if sequence.size > seq_len + 1:
+            raise ValueError(f"completion {row} has {sequence.size} tokens with its prompt, more than seq_len + 1")
+        positions = sequence.size - 1
+        batch["tokens"][row, :positions] = sequence[:-1]
+        batch["targets"][row, :positions] = sequence[1:]
+        batch["segment_ids"][row, :positions] = 1
+        start = completion.prompt.tokens.size - 1           # the position whose target is the first new token
+        sampled = np.asarray(completion.sampled, bool)
+        where = start + np.flatnonzero(sampled)
+        batch["loss_mask"][row, where] = 1.0
+        batch["old_logprobs"][row, where] = [lp for lp, s in zip(completion.logprobs, sampled) if s]
+        batch["advantages"][row, :positions] = completion.advantage
+        batch["weights"][row, where] = 1.0 if loss_average == "token" else 1.0 / max(len(where), 1)
+    return batch
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """``log_softmax(logits)[targets]`` ``[B, T]`` in fp32 from logits ``[B, T, V]``."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
+
+
+def policy_objective(clip: float, kl_coef: float):
+    """The GRPO objective (`k3jax.training.steps.make_train_step`'s ``objective``) -> ``(sum_t w_t
+    loss_t, sum_t w_t, metrics)``; the batch is `update_rows`'s (plus ``reference_logprobs`` when
+    ``kl_coef`` > 0). Metrics: sampled tokens, the sums of kl_t, of clipped tokens and of the ratio,
+    and ``logprob_mismatch_max``."""
+
+    def objective(logits, batch):
+        mask, advantages = batch["loss_mask"], batch["advantages"]
+        logprobs = token_logprobs(logits, batch["targets"])
+        delta = jnp.where(mask > 0, logprobs - batch["old_logprobs"], 0.0)
+        ratio = jnp.exp(delta)
+        clipped_ratio = jnp.clip(ratio, 1.0 - clip, 1.0 + clip)
+        loss = -jnp.minimum(ratio * advantages, clipped_ratio * advantages)
+        metrics = {"sampled_tokens": jnp.sum(mask),
+                   "clipped_tokens": jnp.sum(mask * (ratio * advantages > clipped_ratio * advantages)),
+                   "ratio_sum": jnp.sum(mask * jax.lax.stop_gradient(ratio)),
+                   "logprob_mismatch_max": jnp.max(jnp.abs(jax.lax.stop_gradient(delta)))}
+        if kl_coef:
+            log_ratio = jnp.where(mask > 0, batch["reference_logprobs"] - logprobs, 0.0)
+            kl = jnp.exp(log_ratio) - log_ratio - 1.0
+            loss = loss + kl_coef * kl
+            metrics["kl_sum"] = jnp.sum(mask * jax.lax.stop_gradient(kl))
+        weights = batch["weights"]
+        return jnp.sum(weights * loss), jnp.sum(weights), metrics
+
+    return objective
+
+
+def make_logprob_step(parts, shardings=None):
+    """The jitted ``logprob_step(params, buffers, batch[, frozen]) -> [B, T]``: the model's log-prob
+    of each target (adapter dropout off) -- the reference policy's, given its parameters."""
+
+    def logprob_step(params, buffers, batch, *frozen):
+        model = parts.merge(params, buffers, frozen[0] if frozen else None)
+        set_adapter_dropout(model, 0.0)
+        out = model(batch["tokens"], segment_ids=batch["segment_ids"])
+        return token_logprobs(out.logits, batch["targets"])
+
+    if shardings is None:
+        return jax.jit(logprob_step)
+    frozen = () if parts.frozen is None else (shardings.frozen,)
+    return jax.jit(logprob_step, in_shardings=(shardings.state.params, shardings.state.buffers, shardings.batch, *frozen),
+                   out_shardings=shardings.batch)

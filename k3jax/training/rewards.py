@@ -1,0 +1,118 @@
+"""Rewards of completions (``rl.reward``): built-in ones that compare with the record's ``answer``,
+or any Python callable named ``module:function``.
+
+    exact_match   1.0 when the completion, stripped, equals str(answer) stripped (a list answer: any of them)
+    contains      1.0 when str(answer) occurs in the completion (a list: any of them)
+    numeric       1.0 when the completion's last number equals the answer as numbers (a list: any):
+                  "1,234.50" = 1234.5; integers compare exactly, others to a relative 1e-9
+
+A function is called as ``function(prompt, completion, record) -> float`` (``prompt``: the prompt
+text, or a chat record's last message; ``completion``: the completion's text, or a chat reply's
+response text; ``record``: the whole record). A reward that raises or returns anything but a
+finite number is a `RewardError` naming the record.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from typing import Any, Callable
+
+from k3jax.data.errors import DataError
+
+RewardFunction = Callable[[str, str, dict], float]
+NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+class RewardError(DataError):
+    """A reward that could not be computed; one line naming the record."""
+
+
+def _answers(record: dict) -> list[str]:
+    answer = record["answer"]
+    return [str(a).strip() for a in (answer if isinstance(answer, list) else [answer])]
+
+
+def exact_match(prompt: str, completion: str, record: dict) -> float:
+    return float(completion.strip() in _answers(record))
+
+
+def contains(prompt: str, completion: str, record: dict) -> float:
+    return float(any(answer in completion for answer in _answers(record)))
+
+
+def parse_number(text: str) -> float | int | None:
+    """The last number written in ``text`` (thousands commas allowed), None when there is none."""
+    found = NUMBER.findall(text)
+    if not found:
+        return None
+    number = found[-1].replace(",", "")
+    try:
+        return int(number) if re.fullmatch(r"[-+]?\d+", number) else float(number)
+    except ValueError:
+        return None
+
+
+def numbers_equal(a, b) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
+
+
+def numeric(prompt: str, completion: str, record: dict) -> float:
+    value = parse_number(completion)
+    if value is None:
+        return 0.0
+    expected = [parse_number(answer) for answer in _answers(record)]
+    return float(any(e is not None and numbers_equal(value, e) for e in expected))
+
+
+BUILT_IN: dict[str, RewardFunction] = {"exact_match": exact_match, "contains": contains, "numeric": numeric}
+
+
+def load_callable(name: str, setting: str) -> Any:
+    """The object ``module:attribute`` names; a one-line `DataError` naming ``setting`` otherwise."""
+    module_name, sep, attribute = name.partition(":")
+    if not sep or not module_name or not attribute:
+        raise DataError(f"{setting}: {name!r} is neither built in nor of the form module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # noqa: BLE001 - an import can fail in any way; report it in one line
+        raise DataError(f"{setting}: cannot import {module_name!r} ({type(error).__name__}: {error})") from None
+    try:
+        found = getattr(module, attribute)
+    except AttributeError:
+        raise DataError(f"{setting}: module {module_name!r} has no {attribute!r}") from None
+    if not callable(found):
+        raise DataError(f"{setting}: {name} is not callable")
+    return found
+
+
+def load_reward(name: str) -> RewardFunction:
+    """``rl.reward``'s function."""
+    return BUILT_IN.get(name) or load_callable(name, "rl.reward")
+
+
+def check_records(name: str, prompts) -> None:
+    """A built-in reward needs every record's ``answer``: a `DataError` naming the first without one."""
+    if name not in BUILT_IN:
+        return
+    for prompt in prompts:
+        if "answer" not in prompt.record:
+            raise DataError(f"{prompt.where}: no 'answer' field (rl.reward={name} compares the completion with it)")
+
+
+def checked_reward(value: Any, where: str) -> float:
+    """``value`` as a float; a `RewardError` naming the record unless it is a finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RewardError(f"{where}: the reward is {value!r}, not a finite number")
+    return float(value)
+
+
+def score(reward: RewardFunction, prompt, completion: str) -> float:
+    """``reward(prompt text, completion, record)``, checked; any exception becomes a `RewardError`."""
+    try:
+        value = reward(prompt.text, completion, prompt.record)
+    except Exception as error:  # noqa: BLE001 - a user's function may raise anything
+        raise RewardError(f"{prompt.where}: the reward raised {type(error).__name__}: {error}") from None
+    return checked_reward(value, prompt.where)

@@ -1,0 +1,231 @@
+"""`RLTrainer`: reinforcement learning on prompts (``train.objective=grpo``, settings ``rl.*``).
+
+A step at policy step n (the optimizer has made n x ``rl.updates_per_rollout`` updates; checkpoint n
+holds exactly these parameters):
+
+    rollout   ``rl.prompts_per_step`` prompts of the data's step n, each prefilled once and forked
+              into ``rl.group_size`` sessions; all completions decode together on the session store
+              with the train state's own parameters (`k3jax.training.rollout`), recording each
+              sampled token's log-prob; rewards (``rl.reward`` or the environment)
+    update    group-relative advantages and ``rl.updates_per_rollout`` optimizer steps on the clipped
+              policy-gradient objective (`k3jax.training.grpo`), the first with the very parameters
+              that sampled (``logprob_mismatch`` = max |recomputed - recorded| log-prob)
+
+``<run_dir>/rollouts.jsonl`` gets one record per completion (``policy_step``, ``prompt_index``,
+``sample``, ``prompt_tokens``, ``completion_tokens``, ``completion``, ``logprobs``, ``reward``,
+``advantage``, ``finish_reason``; with an environment also ``sampled``, ``tool_calls``, ``retries``),
+and ``metrics.jsonl`` one record per step (reward mean / std, pass@1, pass@G, completion length, KL,
+clip fraction, log-prob mismatch, rollout and update seconds). Held-out evaluation (every
+``train.eval_every`` steps and at the end): the mean reward of greedy completions of the first
+``rl.eval_prompts`` held-out prompts. A resumed run samples exactly what the killed one would have:
+the sampling keys are functions of ``(train.seed, step, prompt slot, sample)``, and records of steps
+after the restored checkpoint are dropped from both files.
+
+The reference policy of the KL penalty (``rl.kl_coef`` > 0) is ``init_from``'s parameters (a full
+fine-tune keeps one more copy of them), or for LoRA the frozen base itself: the adapters set to zero,
+no extra memory. Rollouts run on one device in one process for now.
+"""
+from __future__ import annotations
+
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.checkpoint import CheckpointError, restore_subtree
+from k3jax.config import ConfigError
+from k3jax.data import DataError
+from k3jax.layers.lora import set_adapter_dropout
+from k3jax.sharding import compiled_together
+from k3jax.training.environments import load_environment
+from k3jax.training.grpo import group_advantages, make_logprob_step, policy_objective, update_rows
+from k3jax.training.metrics import MetricsLog, Progress
+from k3jax.training.rewards import check_records, load_reward
+from k3jax.training.rollout import Rollout, SamplingSettings
+from k3jax.training.run_dir import RunError
+from k3jax.training.signals import StopSignals
+from k3jax.training.steps import make_train_step
+from k3jax.training.trainer import Trainer
+
+
+def sampling_seed(seed: int, step: int) -> int:
+    """The 32-bit sampling seed of policy step ``step`` of a run seeded ``seed``."""
+    return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
+
+
+def rollout_records(groups, policy_step: int) -> list[dict]:
+    """The ``rollouts.jsonl`` records of one step's groups (``step``: the step they train, policy_step + 1)."""
+    records = []
+    for group in groups:
+        for c in group:
+            record = {"step": policy_step + 1, "policy_step": policy_step, "prompt_index": c.prompt_index,
+                      "sample": c.sample, "prompt_tokens": c.prompt.tokens.tolist(), "completion_tokens": c.tokens,
+                      "completion": c.text, "logprobs": c.logprobs, "reward": c.reward, "advantage": c.advantage,
+                      "finish_reason": c.finish_reason}
+            if not all(c.sampled):
+                record.update(sampled=c.sampled)
+            if c.tool_calls or c.retries:
+                record.update(tool_calls=c.tool_calls, retries=c.retries)
+            records.append(record)
+    return records
+
+
+def group_metrics(groups, threshold: float) -> dict:
+    """Reward mean / std, pass@1 (completions with reward >= threshold), pass@G (prompts with one),
+    completion length, finish reasons and tool use of one step's groups."""
+    rewards = np.array([[c.reward for c in group] for group in groups], np.float64)
+    completions = [c for group in groups for c in group]
+    passed = rewards >= threshold
+    metrics = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+               "pass_at_1": float(passed.mean()), f"pass_at_{rewards.shape[1]}": float(passed.any(axis=1).mean()),
+               "completion_length": float(np.mean([c.length for c in completions])),
+               "finished_fraction": float(np.mean([c.finish_reason == "stop" for c in completions]))}
+    if any(c.tool_calls or c.retries for c in completions):
+        metrics.update(tool_calls=sum(c.tool_calls for c in completions),
+                       tool_retries=sum(c.retries for c in completions))
+    return metrics
+
+
+class RLTrainer(Trainer):
+    """`Trainer` whose steps are rollouts and policy updates (module docstring)."""
+
+    objective = "grpo"
+
+    @property
+    def batch_size(self) -> int:
+        return self.config.rl.rows
+
+    def _build_steps(self) -> None:
+        config, rl = self.config, self.config.rl
+        if jax.process_count() > 1 or self.mesh.size > 1:
+            raise RunError(f"train.objective=grpo samples on one device in one process for now; this run has "
+                           f"{jax.process_count()} process(es) and a mesh of {self.mesh.size} devices (set the mesh "
+                           f"sizes to 1, and mesh.cpu_devices=1 on CPU)")
+        if rl.environment is not None:
+            if not self.data.chat:
+                raise ConfigError("rl.environment", "a tool environment needs chat prompts (records with 'messages')")
+            self.environment, self.reward = load_environment(rl.environment), None
+            self._check_fields(getattr(self.environment, "required_fields", ()), "rl.environment")
+        else:
+            self.environment, self.reward = None, load_reward(rl.reward)
+            check_records(rl.reward, self.data.splits["train"] + self.data.splits["heldout"])
+        if not self.data.num_prompts("train"):
+            raise DataError(f"{config.data.path}: the train split has no prompts")
+        self.settings = SamplingSettings(rl.temperature, rl.top_k, rl.top_p, rl.max_new_tokens)
+        self.train_step = compiled_together(
+            make_train_step(self.parts, self.optimizer, accumulation=config.train.grad_accum, schedule=self.schedule,
+                            shardings=self.shardings, dropout_seed=config.train.seed,
+                            objective=policy_objective(rl.clip, rl.kl_coef)), "train step")
+        self.logprob_step = make_logprob_step(self.parts, self.shardings) if rl.kl_coef else None
+        self.reference = self._reference_params() if rl.kl_coef else None
+
+    def _check_fields(self, fields, setting: str) -> None:
+        for prompt in self.data.splits["train"] + self.data.splits["heldout"]:
+            missing = [field for field in fields if field not in prompt.record]
+            if missing:
+                raise DataError(f"{prompt.where}: no {missing[0]!r} field ({setting}={getattr(self.config.rl, setting[3:])} reads it)")
+
+    def _reference_params(self):
+        """The KL penalty's reference parameters: zero adapters (LoRA: the frozen base), else init_from's."""
+        if self.base is not None:
+            return None
+        source = pathlib.Path(self.config.init_from).expanduser()
+        try:
+            params, _ = restore_subtree(source, "params", self.abstract_state.params)
+        except CheckpointError as error:
+            raise CheckpointError(f"init_from={source}: {error}") from None
+        return params
+
+    # -- a step ----------------------------------------------------------------------------------
+
+    def policy_model(self):
+        """The current policy as a model over the train state's arrays (no copy), adapter dropout off."""
+        model = self.parts.merge(self.state.params, self.state.buffers, self.frozen)
+        set_adapter_dropout(model, 0.0)
+        return model
+
+    def _rollout(self) -> Rollout:
+        rl = self.config.rl
+        return Rollout(self.policy_model(), self.data, self.settings, reward=self.reward,
+                       environment=self.environment, tool_retries=rl.tool_retries, max_turns=rl.max_turns,
+                       fingerprint=f"{self.run_dir}@{self.position}")
+
+    def _reference_logprobs(self, batch) -> jax.Array:
+        params = self.reference if self.reference is not None else jax.tree.map(jnp.zeros_like, self.state.params)
+        return self.logprob_step(params, self.state.buffers, batch, *self.frozen_args)
+
+    def rl_step(self) -> tuple[list, dict]:
+        """One rollout and its updates at the current position -> (groups, metrics record)."""
+        rl, policy_step = self.config.rl, self.position
+        started = time.perf_counter()
+        rollout = self._rollout()
+        groups = rollout.sample(self.data.prompts(policy_step, rl.prompts_per_step), rl.group_size,
+                                sampling_seed(self.config.train.seed, policy_step))
+        del rollout                                          # its store holds the parameters the update donates
+        advantages = group_advantages([[c.reward for c in group] for group in groups], rl.advantage)
+        for group, row in zip(groups, advantages):
+            for completion, advantage in zip(group, row):
+                completion.advantage = float(advantage)
+        rolled_out = time.perf_counter()
+        batch = self._device_batch(update_rows([c for group in groups for c in group], self.config.data.seq_len,
+                                               rl.loss_average))
+        if self.logprob_step is not None:
+            batch = {**batch, "reference_logprobs": self._reference_logprobs(batch)}
+        updates = []
+        for _ in range(rl.updates_per_rollout):
+            self.state, metrics = self.train_step(self.state, batch, *self.frozen_args)
+            updates.append(jax.device_get(metrics))
+        updated = time.perf_counter()
+        return groups, self._record(policy_step + 1, groups, updates, rolled_out - started, updated - rolled_out)
+
+    def _record(self, step: int, groups, updates: list[dict], rollout_seconds: float, update_seconds: float) -> dict:
+        first, last = updates[0], updates[-1]
+        sampled = max(float(first["sampled_tokens"]), 1.0)
+        record = {"step": step, "loss": float(first["loss"]), "grad_norm": float(first["grad_norm"]),
+                  "learning_rate": float(first["learning_rate"]),
+                  **group_metrics(groups, self.config.rl.pass_threshold),
+                  "logprob_mismatch": float(first["logprob_mismatch_max"]),
+                  "ratio_mean": float(first["ratio_sum"]) / sampled,
+                  "clip_fraction": float(np.mean([float(u["clipped_tokens"]) for u in updates])) / sampled,
+                  "rollout_seconds": rollout_seconds, "update_seconds": update_seconds,
+                  "tokens_per_second": sampled / max(rollout_seconds + update_seconds, 1e-9),
+                  "skipped": not all(bool(u["finite"]) for u in updates), "skipped_in_a_row": int(last["skipped"])}
+        if "kl_sum" in first:
+            record["kl"] = float(first["kl_sum"]) / sampled
+        return record
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def _loop(self, signals: StopSignals, log: MetricsLog, board, progress: Progress, flops_per_token: float,
+              peak: float) -> None:
+        cfg = self.config.train
+        rollouts = MetricsLog(self.run_dir / "rollouts.jsonl", self.position)
+        try:
+            while self.position < cfg.steps and signals.received is None:
+                groups, record = self.rl_step()
+                self.position += 1
+                for line in rollout_records(groups, self.position - 1):
+                    rollouts.write(line)
+                self._log_step(record, log, board, progress)
+                self._periodic_evaluation(log, board, progress)
+                if self.checkpoints.due(self.position):
+                    self.save(force=True)
+        finally:
+            rollouts.close()
+
+    # -- evaluation --------------------------------------------------------------------------------
+
+    def evaluate(self, signals: StopSignals | None = None) -> dict:
+        """Greedy completions of the first ``rl.eval_prompts`` held-out prompts: their mean reward and
+        the fraction with reward >= ``rl.pass_threshold``."""
+        count = self.config.rl.eval_prompts
+        prompts = self.data.heldout(count) if count else []
+        if not prompts or (signals is not None and signals.received):
+            return {}
+        groups = self._rollout().sample(prompts, 1, seed=0, greedy=True)
+        rewards = np.array([group[0].reward for group in groups])
+        return {"heldout_reward": float(rewards.mean()),
+                "heldout_pass": float(np.mean(rewards >= self.config.rl.pass_threshold)),
+                "heldout_prompts": len(prompts)}

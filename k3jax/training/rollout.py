@@ -1,0 +1,247 @@
+"""Rollouts: groups of completions sampled on forked memory banks, with the policy's log-probs.
+
+Each prompt is prefilled once (`k3jax.sessions.SessionStore.open`) and its session forked G - 1
+times (KDA state and conv tail copied, MLA pages shared); all P x G sessions then decode together,
+one batched step per token (`SessionStore.step`), with the very parameters the update uses. For
+each sampled token the rollout records its log-probability under the policy,
+
+    logprob_t = log_softmax(logits_t)[token_t]      (float64 from the step's fp32 logits; no temperature
+                                                     or top-p: the policy's own distribution)
+
+which the update recomputes with the training forward (`k3jax.training.grpo`). Token t of a
+completion draws from the key fold_in(fold_in(key(seed), stream), position) (`Sampling`): ``seed``
+a function of the run's seed and the policy step, ``stream`` of the prompt's slot in the step, the
+sample and the attempt -- never of the batch -- so a resumed run samples the same tokens.
+
+A completion stops at the stop token (EOS; ``<|end_of_msg|>`` for chat), at ``max_new_tokens``, or
+where the update row (``seq_len + 1`` tokens with the prompt) is full.
+
+With an environment (`k3jax.training.environments`) a completion is an episode of assistant turns:
+after each reply the environment answers with tool results, which are rendered in K3's chat format
+with the next generation prompt and appended to the same session (no new prefill). A reply whose
+tool call does not parse, or that the environment refuses (`ToolCallError`), is undone -- the
+session rolls back to its snapshot from before the reply -- and sampled again with another stream.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import numpy as np
+
+from k3jax.data.chat_format import generation_prompt, render_conversation
+from k3jax.generate import log_softmax
+from k3jax.sessions import Sampling, SessionStore
+from k3jax.training.environments import ToolCallError
+from k3jax.training.rewards import RewardError, checked_reward, score
+
+
+@dataclasses.dataclass
+class Completion:
+    """One sampled completion of a prompt. ``tokens``: every token after the prompt (with an
+    environment, the tool results and generation prompts between the replies too); ``sampled``:
+    which of them the policy sampled (the update's loss counts only those); ``logprobs``: the
+    policy's log-prob of each sampled token (None for the others)."""
+
+    prompt_index: int
+    sample: int
+    prompt: object                        # k3jax.data.Prompt
+    tokens: list = dataclasses.field(default_factory=list)
+    sampled: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    finish_reason: str = ""               # stop | length | turns (rl.max_turns) | tool_error
+    text: str = ""
+    reward: float = 0.0
+    advantage: float = 0.0
+    tool_calls: int = 0
+    retries: int = 0
+
+    def add(self, tokens, logprobs=None) -> None:
+        """Append sampled tokens (with their log-probs) or, without, tokens the environment inserted."""
+        self.tokens += list(map(int, tokens))
+        self.sampled += [logprobs is not None] * len(tokens)
+        self.logprobs += list(map(float, logprobs)) if logprobs is not None else [None] * len(tokens)
+
+    @property
+    def length(self) -> int:
+        """Tokens the policy sampled."""
+        return sum(self.sampled)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings:
+    temperature: float
+    top_k: int | None
+    top_p: float
+    max_new_tokens: int
+
+
+@dataclasses.dataclass
+class Decoded:
+    tokens: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    stopped: bool = False
+
+
+def decode(store: SessionStore, rules: dict, limits: dict, stop_id: int) -> dict[int, Decoded]:
+    """Sample each session of ``rules`` ({sid: `Sampling`}) until its ``stop_id`` or ``limits[sid]``
+    tokens, all in one batched step per token -> {sid: `Decoded`} (tokens, their policy log-probs)."""
+    out = {sid: Decoded() for sid in rules}
+    active = {sid: rule for sid, rule in rules.items() if limits[sid] > 0}
+    while active:
+        before = {sid: store.logits(sid) for sid in active}
+        for sid, token in store.step(active).items():
+            decoded = out[sid]
+            decoded.tokens.append(token)
+            decoded.logprobs.append(float(log_softmax(before[sid])[token]))
+            decoded.stopped = token == stop_id
+            if decoded.stopped or len(decoded.tokens) >= limits[sid]:
+                del active[sid]
+    return out
+
+
+class Rollout:
+    """Sampling for one policy: ``model`` (its adapters' dropout off), its prompts' ``dataset``
+    (`k3jax.data.PromptDataset`), ``settings`` and the reward (or environment class)."""
+
+    def __init__(self, model, dataset, settings: SamplingSettings, *, reward: Callable | None = None,
+                 environment=None, tool_retries: int = 0, max_turns: int = 1, fingerprint: str | None = None):
+        self.model, self.dataset, self.settings = model, dataset, settings
+        self.reward, self.environment = reward, environment
+        self.tool_retries, self.max_turns = tool_retries, max_turns
+        self.store = SessionStore(model, fingerprint=fingerprint)
+        self.attempts = max_turns * (tool_retries + 1)   # streams per completion
+        self.seconds = 0.0
+
+    # -- what to sample ------------------------------------------------------------------------
+
+    def _rule(self, seed: int, slot: int, attempt: int, greedy: bool) -> Sampling:
+        s = self.settings
+        if greedy:
+            return Sampling(0.0, stream=0)
+        return Sampling(s.temperature, s.top_k, None if s.top_p >= 1 else s.top_p, seed=seed,
+                        stream=slot * self.attempts + attempt)
+
+    def _room(self, completion: Completion) -> int:
+        """Tokens the completion may still sample: its budget and the update row's room."""
+        row_room = self.dataset.seq_len + 1 - completion.prompt.tokens.size - len(completion.tokens)
+        return max(0, min(self.settings.max_new_tokens - completion.length, row_room))
+
+    def _text(self, tokens) -> str:
+        if self.dataset.chat:
+            return self.dataset.encoder.parse_reply(tokens, self.dataset.thinking).content
+        return self.dataset.tokenizer.decode([t for t in tokens if t != self.dataset.stop_id])
+
+    # -- the rollout ---------------------------------------------------------------------------
+
+    def sample(self, prompts, group_size: int, seed: int, greedy: bool = False) -> list[list[Completion]]:
+        """``group_size`` completions of each ``(index, Prompt)`` of ``prompts`` (greedy: temperature
+        0), rewarded -> one list per prompt. Completion g of the prompt in slot i of ``prompts``
+        samples with stream (i * G + g) * attempts + attempt."""
+        started = time.perf_counter()
+        groups, sessions = [], {}
+        for slot, (index, prompt) in enumerate(prompts):
+            sid = self.store.open(prompt.tokens)
+            group = [Completion(index, sample, prompt) for sample in range(group_size)]
+            for sample, completion in enumerate(group):
+                sessions[sid if sample == 0 else self.store.fork(sid)] = (slot * group_size + sample, completion)
+            groups.append(group)
+        try:
+            if self.environment is None:
+                self._single_turn(sessions, seed, greedy)
+            else:
+                self._episodes(sessions, seed, greedy)
+        finally:
+            for sid in sessions:
+                self.store.close(sid)
+        self.seconds += time.perf_counter() - started
+        return groups
+
+    def _single_turn(self, sessions: dict, seed: int, greedy: bool) -> None:
+        rules = {sid: self._rule(seed, slot, 0, greedy) for sid, (slot, _) in sessions.items()}
+        limits = {sid: self._room(completion) for sid, (_, completion) in sessions.items()}
+        for sid, decoded in decode(self.store, rules, limits, self.dataset.stop_id).items():
+            completion = sessions[sid][1]
+            completion.add(decoded.tokens, decoded.logprobs)
+            completion.finish_reason = "stop" if decoded.stopped else "length"
+            completion.text = self._text(decoded.tokens)
+            completion.reward = score(self.reward, completion.prompt, completion.text)
+
+    def _episodes(self, sessions: dict, seed: int, greedy: bool) -> None:
+        """Assistant turns of every episode together, one batched decode per turn, until each is done."""
+        envs = {}
+        for sid, (_, completion) in sessions.items():
+            env = self.environment()
+            self._environment_call(completion, lambda: env.reset(completion.prompt.record))
+            envs[sid] = env
+        attempts, turns, turn_retries = dict.fromkeys(sessions, 0), dict.fromkeys(sessions, 0), dict.fromkeys(sessions, 0)
+        running = set(sessions)
+        while running:
+            snapshots = {sid: self.store.snapshot(sid) for sid in running}
+            rules = {sid: self._rule(seed, sessions[sid][0], attempts[sid], greedy) for sid in running}
+            limits = {sid: self._room(sessions[sid][1]) for sid in running}
+            decoded = decode(self.store, rules, limits, self.dataset.stop_id)
+            for sid in sorted(running):
+                completion = sessions[sid][1]
+                attempts[sid] += 1
+                outcome = self._reply(envs[sid], completion, decoded[sid])
+                if outcome == "retry" and turn_retries[sid] < self.tool_retries:
+                    turn_retries[sid] += 1
+                    completion.retries += 1
+                    self.store.rollback(sid, snapshots[sid])
+                    continue
+                completion.add(decoded[sid].tokens, decoded[sid].logprobs)
+                turns[sid] += 1
+                turn_retries[sid] = 0
+                if outcome == "retry":
+                    completion.finish_reason, completion.reward = "tool_error", 0.0
+                elif isinstance(outcome, tuple):                   # tool results to feed back
+                    tokens = self._tool_turn(outcome)
+                    if turns[sid] >= self.max_turns:
+                        completion.finish_reason, completion.reward = "turns", 0.0
+                    elif len(tokens) >= self._room(completion):
+                        completion.finish_reason, completion.reward = "length", 0.0
+                    else:
+                        self.store.append(sid, tokens)
+                        completion.add(tokens)
+                        continue
+                running.discard(sid)
+
+    def _reply(self, env, completion: Completion, decoded: Decoded):
+        """What a reply leads to: "retry" (a call that does not parse or run), a tuple of tool
+        messages, or None when the episode ended (its reward and finish reason set)."""
+        if not decoded.stopped:
+            completion.finish_reason, completion.reward = "length", 0.0
+            completion.text = self._text(decoded.tokens)
+            return None
+        reply = self.dataset.encoder.parse_reply(decoded.tokens, self.dataset.thinking)
+        if reply.malformed:
+            return "retry"
+        message = {**reply.message(self.dataset.thinking), "tool_calls": reply.tool_calls}
+        try:
+            turn = self._environment_call(completion, lambda: env.step(message))
+        except ToolCallError:
+            return "retry"
+        completion.tool_calls += len(reply.tool_calls)
+        if turn.done:
+            completion.finish_reason, completion.text = "stop", reply.content
+            completion.reward = checked_reward(turn.reward, completion.prompt.where)
+            return None
+        return tuple(turn.messages)
+
+    @staticmethod
+    def _environment_call(completion: Completion, call):
+        try:
+            return call()
+        except ToolCallError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a user's environment may raise anything
+            raise RewardError(f"{completion.prompt.where}: the environment raised "
+                              f"{type(error).__name__}: {error}") from None
+
+    def _tool_turn(self, messages: tuple) -> np.ndarray:
+        """Tool results rendered in K3's chat format, then the next generation prompt."""
+        thinking = self.dataset.thinking
+        segments = render_conversation(list(messages), thinking=thinking, thinking_effort=None, where="tool results")
+        return self.dataset.encoder.encode(segments + generation_prompt(thinking))[0]
