@@ -97,22 +97,28 @@ class RLTrainer(Trainer):
     def batch_size(self) -> int:
         return self.config.rl.rows
 
-    def _build_steps(self) -> None:
-        config, rl = self.config, self.config.rl
-        if jax.process_count() > 1 or self.mesh.size > 1:
-            raise RunError(f"train.objective=grpo samples on one device in one process for now; this run has "
-                           f"{jax.process_count()} process(es) and a mesh of {self.mesh.size} devices (set the mesh "
-                           f"sizes to 1, and mesh.cpu_devices=1 on CPU)")
+    def _check_data(self) -> None:
+        """The reward or environment, and the fields they read in every record; one device and process."""
+        rl, records = self.config.rl, self.data.splits["train"] + self.data.splits["heldout"]
+        if jax.process_count() > 1:
+            raise RunError(f"train.objective=grpo samples in one process for now; this run has "
+                           f"{jax.process_count()} processes")
         if rl.environment is not None:
             if not self.data.chat:
                 raise ConfigError("rl.environment", "a tool environment needs chat prompts (records with 'messages')")
             self.environment, self.reward = load_environment(rl.environment), None
-            self._check_fields(getattr(self.environment, "required_fields", ()), "rl.environment")
+            self._check_fields(records, getattr(self.environment, "required_fields", ()), "rl.environment")
         else:
             self.environment, self.reward = None, load_reward(rl.reward)
-            check_records(rl.reward, self.data.splits["train"] + self.data.splits["heldout"])
+            check_records(rl.reward, records)
         if not self.data.num_prompts("train"):
-            raise DataError(f"{config.data.path}: the train split has no prompts")
+            raise DataError(f"{self.config.data.path}: the train split has no prompts")
+
+    def _build_steps(self) -> None:
+        config, rl = self.config, self.config.rl
+        if self.mesh.size > 1:
+            raise RunError(f"train.objective=grpo samples on one device for now; the mesh has {self.mesh.size} "
+                           f"devices (set the mesh sizes to 1)")
         self.settings = SamplingSettings(rl.temperature, rl.top_k, rl.top_p, rl.max_new_tokens)
         self.train_step = compiled_together(
             make_train_step(self.parts, self.optimizer, accumulation=config.train.grad_accum, schedule=self.schedule,
@@ -121,8 +127,8 @@ class RLTrainer(Trainer):
         self.logprob_step = make_logprob_step(self.parts, self.shardings) if rl.kl_coef else None
         self.reference = self._reference_params() if rl.kl_coef else None
 
-    def _check_fields(self, fields, setting: str) -> None:
-        for prompt in self.data.splits["train"] + self.data.splits["heldout"]:
+    def _check_fields(self, records, fields, setting: str) -> None:
+        for prompt in records:
             missing = [field for field in fields if field not in prompt.record]
             if missing:
                 raise DataError(f"{prompt.where}: no {missing[0]!r} field ({setting}={getattr(self.config.rl, setting[3:])} reads it)")
@@ -203,6 +209,8 @@ class RLTrainer(Trainer):
         cfg = self.config.train
         rollouts = MetricsLog(self.run_dir / "rollouts.jsonl", self.position)
         try:
+            if self.position == 0:
+                self._periodic_evaluation(log, board, progress)  # the policy before RL too
             while self.position < cfg.steps and signals.received is None:
                 groups, record = self.rl_step()
                 self.position += 1

@@ -123,15 +123,21 @@ class Rollout:
         return Sampling(s.temperature, s.top_k, None if s.top_p >= 1 else s.top_p, seed=seed,
                         stream=slot * self.attempts + attempt)
 
+    def _row_room(self, completion: Completion) -> int:
+        """Tokens the update row (``seq_len + 1`` with the prompt) still holds after the completion."""
+        return self.dataset.seq_len + 1 - completion.prompt.tokens.size - len(completion.tokens)
+
     def _room(self, completion: Completion) -> int:
         """Tokens the completion may still sample: its budget and the update row's room."""
-        row_room = self.dataset.seq_len + 1 - completion.prompt.tokens.size - len(completion.tokens)
-        return max(0, min(self.settings.max_new_tokens - completion.length, row_room))
+        return max(0, min(self.settings.max_new_tokens - completion.length, self._row_room(completion)))
 
     def _text(self, tokens) -> str:
+        """A completion's text: a chat reply's response channel; else its tokens decoded, without the
+        stop token and ids beyond the tokenizer's vocabulary (a model's vocabulary may be padded)."""
         if self.dataset.chat:
             return self.dataset.encoder.parse_reply(tokens, self.dataset.thinking).content
-        return self.dataset.tokenizer.decode([t for t in tokens if t != self.dataset.stop_id])
+        tokenizer = self.dataset.tokenizer
+        return tokenizer.decode([t for t in tokens if t != self.dataset.stop_id and t < tokenizer.vocab_size])
 
     # -- the rollout ---------------------------------------------------------------------------
 
@@ -200,7 +206,7 @@ class Rollout:
                     tokens = self._tool_turn(outcome)
                     if turns[sid] >= self.max_turns:
                         completion.finish_reason, completion.reward = "turns", 0.0
-                    elif len(tokens) >= self._room(completion):
+                    elif len(tokens) >= self._row_room(completion) or self._room(completion) == 0:
                         completion.finish_reason, completion.reward = "length", 0.0
                     else:
                         self.store.append(sid, tokens)

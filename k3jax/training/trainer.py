@@ -164,6 +164,7 @@ class Trainer:
                 raise ConfigError("logging.tensorboard", "needs tensorboardX: pip install 'k3jax[tensorboard]'") from None
         self.data = make_dataset(config.data)
         self.data_hash = self.data.content_hash()   # saved with each checkpoint, checked on resume
+        self._check_data()
         self._stop_point()
         if self.data.vocab_size > config.model.vocab_size:
             raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the data's "
@@ -192,6 +193,9 @@ class Trainer:
             write_atomically(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
         self.frozen_args = () if self.frozen is None else (self.frozen,)
         self._build_steps()
+
+    def _check_data(self) -> None:
+        """What the objective needs of the data, checked before anything is computed."""
 
     @property
     def batch_size(self) -> int:

@@ -1,0 +1,138 @@
+"""RL's inputs: prompt records (text and chat, rendered as the eval programs render them), rewards
+(built-in and user functions) and the settings -- every bad one a one-line error before any compute."""
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+
+from eval.chat_turns import ChatTurns
+from k3jax.config import ConfigError, load_config
+from k3jax.data import DataError, PromptDataset, load_tokenizer
+from k3jax.training.rewards import RewardError, check_records, load_reward, parse_number, score
+from tests.data.chat_tokenizer import write_chat_tokenizer
+from tests.helpers import MICRO
+
+TEXT = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(4) for b in range(5)]
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+def test_text_prompts_are_their_bytes_and_the_last_records_are_held_out(tmp_path):
+    data = PromptDataset(write_jsonl(tmp_path / "p.jsonl", TEXT), 16, heldout_fraction=0.25)
+    assert data.num_prompts("train") == 15 and data.num_prompts("heldout") == 5
+    assert [p.record for _, p in data.heldout(10)] == TEXT[15:]
+    index, prompt = data.prompts(0, 3)[1]
+    assert index == 1 and prompt.tokens.tolist() == list(prompt.record["prompt"].encode()) and not data.chat
+    assert data.stop_id == load_tokenizer(None).eos_id
+    first_epoch = [p.record["prompt"] for step in range(5) for _, p in data.prompts(step, 3)]
+    assert sorted(first_epoch) == sorted(r["prompt"] for r in TEXT[:15])          # a shuffled epoch
+    assert first_epoch == [p.record["prompt"] for step in range(5) for _, p in data.prompts(step, 3)]
+
+
+def test_chat_prompts_render_like_the_chat_programs_with_the_end_of_message_stop(tmp_path):
+    tokenizer = write_chat_tokenizer(tmp_path / "tok")
+    records = [{"messages": [{"role": "user", "content": f"what is {a} + 1?"}], "answer": a + 1} for a in range(4)]
+    data = PromptDataset(write_jsonl(tmp_path / "c.jsonl", records), 200, tokenizer_path=tokenizer,
+                         heldout_fraction=0.25, thinking=False, thinking_effort=None)
+    turns = ChatTurns(load_tokenizer(tokenizer), thinking=False, thinking_effort=None)
+    for index, prompt in data.heldout(1) + data.prompts(0, 3):
+        assert prompt.tokens.tolist() == turns.user_turn(prompt.record["messages"][0]["content"]).tolist()
+        assert prompt.text == prompt.record["messages"][-1]["content"]
+    assert data.chat and data.stop_id == turns.eos_id
+
+
+def test_parquet_prompts_equal_their_jsonl(tmp_path):
+    pyarrow = pytest.importorskip("pyarrow")
+    import pyarrow.parquet
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(TEXT), tmp_path / "p.parquet")
+    jsonl = PromptDataset(write_jsonl(tmp_path / "p.jsonl", TEXT), 16)
+    parquet = PromptDataset(tmp_path / "p.parquet", 16)
+    assert [p.record for p in parquet.splits["train"]] == [p.record for p in jsonl.splits["train"]]
+    assert parquet.content_hash() == jsonl.content_hash()
+
+
+@pytest.mark.parametrize("records, words", [
+    ([{"answer": "1"}], "'prompt' (text) or 'messages' (chat)"),
+    ([{"prompt": "1+1=", "messages": [], "answer": "2"}], "'prompt' (text) or 'messages' (chat)"),
+    ([{"prompt": "", "answer": "2"}], "'prompt' must be non-empty text"),
+    ([{"prompt": "x" * 17, "answer": "2"}], "the prompt is 17 tokens, more than data.seq_len = 16"),
+])
+def test_bad_prompt_records_are_one_line_errors_naming_the_record(tmp_path, records, words):
+    with pytest.raises(DataError, match="p.jsonl:1: ") as error:
+        PromptDataset(write_jsonl(tmp_path / "p.jsonl", records), 16)
+    assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def prompt(record, where="p.jsonl: line 3"):
+    return type("Prompt", (), {"record": record, "where": where, "text": record.get("prompt", "")})()
+
+
+@pytest.mark.parametrize("name, completion, answer, reward", [
+    ("exact_match", " 12\n", "12", 1.0), ("exact_match", "12 apples", "12", 0.0), ("exact_match", "b", ["a", "b"], 1.0),
+    ("contains", "it is 12 apples", "12", 1.0), ("contains", "it is 13", "12", 0.0),
+    ("numeric", "so the total is 1,234.50", "1234.5", 1.0), ("numeric", "x = 3 then 12", 12, 1.0),
+    ("numeric", "12.0000001", "12", 0.0), ("numeric", "no number", "12", 0.0), ("numeric", "-7", "-7", 1.0),
+])
+def test_built_in_rewards(name, completion, answer, reward):
+    assert score(load_reward(name), prompt({"prompt": "q", "answer": answer}), completion) == reward
+
+
+def test_parse_number_reads_the_last_number():
+    assert parse_number("a 1 b 2,000 c") == 2000 and parse_number("1e3") == 1000.0 and parse_number("none") is None
+    assert isinstance(parse_number("42"), int) and math.isclose(parse_number(".5"), 0.5)
+
+
+def test_user_rewards_are_called_with_prompt_completion_and_record(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "def length(prompt, completion, record):\n    return len(completion) * record['scale']\n"
+        "def broken(prompt, completion, record):\n    raise KeyError('scale')\n"
+        "def not_finite(prompt, completion, record):\n    return float('nan')\n"
+        "VALUE = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
+    assert score(load_reward("my_rewards:length"), prompt({"scale": 0.5}), "abcd") == 2.0
+    with pytest.raises(RewardError, match=r"^p.jsonl: line 3: the reward raised KeyError: 'scale'$"):
+        score(load_reward("my_rewards:broken"), prompt({}), "x")
+    with pytest.raises(RewardError, match=r"^p.jsonl: line 3: the reward is nan, not a finite number$"):
+        score(load_reward("my_rewards:not_finite"), prompt({}), "x")
+    for name, words in [("my_rewards:missing", "has no 'missing'"), ("my_rewards:VALUE", "is not callable"),
+                        ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
+                        ("exactmatch", "neither built in nor of the form module:function")]:
+        with pytest.raises(DataError, match=words):
+            load_reward(name)
+
+
+def test_a_built_in_reward_needs_every_answer():
+    check_records("my:function", [prompt({"prompt": "x"})])
+    with pytest.raises(DataError, match="p.jsonl: line 3: no 'answer' field"):
+        check_records("numeric", [prompt({"prompt": "x", "answer": 1}), prompt({"prompt": "y"})])
+
+
+GRPO = ["train.objective=grpo", "data.kind=prompts", "data.path=p.jsonl", "init_from=runs/sft"]
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    (GRPO + ["rl.group_size=1"], "rl.group_size", "at least 2"),
+    (GRPO[:3], "init_from", "set init_from=RUN_DIR"),
+    (GRPO[1:], "train.objective", "data.kind=prompts goes with train.objective=grpo"),
+    (GRPO[:1], "data.kind", "set data.kind=prompts"),
+    (GRPO + ["train.grad_accum=3", "train.batch_size=3"], "train.grad_accum", "rl.prompts_per_step x rl.group_size = 64"),
+    (GRPO + ["finetune.lora_rank=4", "finetune.lora_dropout=0.1"], "finetune.lora_dropout", "must be 0"),
+    (GRPO + ["rl.top_p=0"], "rl.top_p", "(0, 1]"),
+    (GRPO + ["rl.advantage=ppo"], "rl.advantage", "not one of"),
+    (GRPO + ["rl.kl_coef=-1"], "rl.kl_coef", "non-negative"),
+])
+def test_bad_rl_settings_are_one_line_errors(overrides, key, words):
+    with pytest.raises(ConfigError) as error:
+        load_config(MICRO, overrides)
+    assert error.value.key == key and words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_rows_of_an_update():
+    config = load_config(MICRO, GRPO + ["rl.prompts_per_step=3", "rl.group_size=5"])
+    assert config.rl.rows == 15 and np.isclose(config.rl.clip, 0.2)

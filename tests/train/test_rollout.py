@@ -1,0 +1,151 @@
+"""Rollouts on forked sessions against the full forward over each whole sequence: the recorded
+log-probs are the model's (<= 1e-5), greedy groups are `k3jax.generate`, one prefill per prompt,
+samples depend on (seed, slot, sample) only; tool episodes continue their session exactly through
+tool results and rollbacks."""
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax.config import load_config
+from k3jax.data import PromptDataset
+from k3jax.data.chat_format import generation_prompt, render_conversation
+from k3jax.generate import generate, log_softmax
+from k3jax.model import K3Model
+from k3jax.training.environments import ToolCallError, Turn
+from k3jax.training.rollout import Rollout, SamplingSettings
+from tests.data.chat_tokenizer import write_chat_tokenizer
+from tests.helpers import MICRO
+
+@pytest.fixture(scope="module")
+def model():
+    return K3Model(load_config(MICRO).model, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def forward(model):
+    """The model's logits over ``tokens``, padded to a power of two (a few compiled programs serve all)."""
+    call = nnx.jit(lambda m, tokens: m(tokens).logits)
+    padded = lambda tokens: np.pad(np.asarray(tokens, np.int32), (0, (1 << (len(tokens) - 1).bit_length()) - len(tokens)))  # noqa: E731
+    return lambda tokens: np.asarray(call(model, padded(tokens)[None])[0])
+
+
+@pytest.fixture(scope="module")
+def text_data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{a} plus {b} is", "answer": str(a + b)}) + "\n"
+                            for a in range(3) for b in range(3)))
+    return PromptDataset(path, 24, heldout_fraction=0)
+
+
+def full_forward_logprobs(forward, completion) -> np.ndarray:
+    """log_softmax of the full forward over prompt + completion, at each sampled token, float64."""
+    sequence = np.concatenate([completion.prompt.tokens, completion.tokens])
+    logprobs = log_softmax(forward(sequence)[: len(sequence) - 1])
+    start = completion.prompt.tokens.size - 1
+    return np.array([logprobs[start + i, token] for i, (token, sampled) in
+                     enumerate(zip(completion.tokens, completion.sampled)) if sampled])
+
+
+def recorded(completion) -> np.ndarray:
+    return np.array([lp for lp in completion.logprobs if lp is not None])
+
+
+SAMPLING = SamplingSettings(temperature=1.0, top_k=None, top_p=1.0, max_new_tokens=8)
+
+
+def test_group_log_probs_are_the_full_forwards_and_one_prefill_per_prompt(model, forward, text_data):
+    rollout = Rollout(model, text_data, SAMPLING, reward=lambda p, c, r: float(len(c)))
+    prompts = text_data.prompts(0, 3)
+    groups = rollout.sample(prompts, 4, seed=7)
+    assert rollout.store.stats()["prefill_tokens"] == sum(p.tokens.size for _, p in prompts)
+    assert rollout.store.sessions() == []
+    worst = 0.0
+    for (index, prompt), group in zip(prompts, groups):
+        assert [(c.prompt_index, c.sample) for c in group] == [(index, g) for g in range(4)]
+        assert len({tuple(c.tokens) for c in group}) > 1                 # the forks sample apart
+        for c in group:
+            assert c.finish_reason == ("stop" if c.tokens[-1] == text_data.stop_id else "length")
+            assert len(c.tokens) <= 8 and all(c.sampled) and c.reward == len(c.text)
+            worst = max(worst, float(np.abs(recorded(c) - full_forward_logprobs(forward, c)).max()))
+    assert worst <= 1e-5
+
+
+def test_samples_depend_on_seed_slot_and_sample_only(model, text_data):
+    prompts = text_data.prompts(0, 3)
+    together = Rollout(model, text_data, SAMPLING, reward=lambda *a: 0.0).sample(prompts, 3, seed=7)
+    alone = Rollout(model, text_data, SAMPLING, reward=lambda *a: 0.0).sample(prompts[:1], 3, seed=7)
+    other_seed = Rollout(model, text_data, SAMPLING, reward=lambda *a: 0.0).sample(prompts[:1], 3, seed=8)
+    assert [c.tokens for c in alone[0]] == [c.tokens for c in together[0]]
+    # another batch size is another compiled program: the log-probs may differ in the last bits
+    np.testing.assert_allclose(np.concatenate([c.logprobs for c in alone[0]]),
+                               np.concatenate([c.logprobs for c in together[0]]), rtol=0, atol=1e-6)
+    assert [c.tokens for c in other_seed[0]] != [c.tokens for c in alone[0]]
+
+
+def test_a_greedy_group_is_generate_for_every_sample(model, text_data):
+    prompts = text_data.prompts(1, 2)
+    groups = Rollout(model, text_data, SAMPLING, reward=lambda *a: 0.0).sample(prompts, 3, seed=0, greedy=True)
+    for (_, prompt), group in zip(prompts, groups):
+        expected = generate(model, prompt.tokens, max_new_tokens=8, eos_id=text_data.stop_id)
+        for c in group:
+            assert c.tokens == np.asarray(expected.tokens)[: int(expected.lengths)].tolist()
+
+
+class StopAt:
+    """The dataset with another stop token: a random model's greedy cycle (445) ends its replies."""
+
+    def __init__(self, data, stop_id):
+        self._data, self.stop_id = data, stop_id
+
+    def __getattr__(self, name):
+        return getattr(self._data, name)
+
+
+class Scripted:
+    """Refuses the first reply, answers the next with a tool result, ends on the one after."""
+
+    calls = []
+
+    def reset(self, record):
+        self.turns, self.refused = 0, False
+
+    def step(self, reply):
+        Scripted.calls.append(reply)
+        if not self.refused:
+            self.refused = True
+            raise ToolCallError("first reply refused")
+        self.turns += 1
+        if self.turns < 2:
+            return Turn(messages=({"role": "tool", "name": "add", "content": str(40 + self.turns)},))
+        return Turn(done=True, reward=1.5)
+
+
+@pytest.mark.slow   # ~40 s: long chat sequences compile their own prefill, decode and reference programs
+def test_tool_episodes_continue_their_session_through_tool_results_and_rollbacks(model, forward, tmp_path):
+    tokenizer = write_chat_tokenizer(tmp_path / "tok")
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"add {a} and 2"}]})
+                                              + "\n" for a in range(2)))
+    chat = PromptDataset(tmp_path / "c.jsonl", 360, tokenizer_path=tokenizer, heldout_fraction=0, thinking=False,
+                         thinking_effort=None)
+    data = StopAt(chat, 445)
+    settings = SamplingSettings(temperature=1.0, top_k=1, top_p=1.0, max_new_tokens=60)
+    rollout = Rollout(model, data, settings, environment=Scripted, tool_retries=2, max_turns=4)
+    groups = rollout.sample(chat.prompts(0, 2), 2, seed=3)
+    tool_turn = lambda n: chat.encoder.encode(render_conversation(  # noqa: E731
+        [{"role": "tool", "name": "add", "content": str(40 + n)}], thinking=False, thinking_effort=None)
+        + generation_prompt(False))[0].tolist()
+    finished = 0
+    for c in (c for group in groups for c in group):
+        assert np.abs(recorded(c) - full_forward_logprobs(forward, c)).max() <= 1e-5
+        if c.finish_reason != "stop":
+            continue
+        finished += 1
+        assert c.retries == 1 and c.reward == 1.5
+        inserted = [t for t, sampled in zip(c.tokens, c.sampled) if not sampled]
+        assert inserted == tool_turn(1)
+        assert sum(1 for t, s in zip(c.tokens, c.sampled) if s and t == 445) == 2      # two replies kept
+    assert finished >= 2 and rollout.store.sessions() == []
+    assert len(Scripted.calls) >= 3 * finished
