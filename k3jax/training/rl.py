@@ -11,7 +11,10 @@ holds exactly these parameters):
               policy-gradient objective (`k3jax.training.grpo`), the first with the very parameters
               that sampled (``logprob_mismatch`` = max |recomputed - recorded| log-prob)
 
-``<run_dir>/rollouts.jsonl`` gets one record per completion (``policy_step``, ``prompt_index``,
+``<run_dir>/rollouts.jsonl`` gets one record per completion (``policy_step``: its parameters are
+checkpoint ``policy_step``'s, `restore_model(run_dir, step=policy_step)`, where that checkpoint is kept:
+the run saves step 0 before sampling and then every ``checkpoint.every`` steps, so
+``checkpoint.every=1`` with ``checkpoint.keep`` >= ``train.steps`` + 1 keeps every policy; ``prompt_index``,
 ``sample``, ``prompt_tokens``, ``completion_tokens``, ``completion``, ``logprobs``, ``reward``,
 ``advantage``, ``finish_reason``; with an environment also ``sampled``, ``tool_calls``, ``retries``),
 and ``metrics.jsonl`` one record per step (reward mean / std, pass@1, pass@G, completion length, KL,
@@ -210,6 +213,7 @@ class RLTrainer(Trainer):
         rollouts = MetricsLog(self.run_dir / "rollouts.jsonl", self.position)
         try:
             if self.position == 0:
+                self.save(force=True)                            # policy step 0 can be restored like the others
                 self._periodic_evaluation(log, board, progress)  # the policy before RL too
             while self.position < cfg.steps and signals.received is None:
                 groups, record = self.rl_step()

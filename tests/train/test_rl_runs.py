@@ -1,0 +1,136 @@
+"""GRPO runs end to end (in this process): a micro model trained on text, then RL on prompts.
+
+The recorded log-probs equal those of the checkpointed policy's full forward; the update recomputes
+them to <= 1e-5 (full fine-tuning and LoRA); a resumed run repeats the unbroken one exactly; LoRA
+keeps its base bit for bit; bad input ends the launcher with one line before any compute."""
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax.checkpoint import RunCheckpoints
+from k3jax.config import load_config
+from k3jax.generate import log_softmax
+from k3jax.training import RLTrainer, Trainer, restore_model
+from tests.helpers import MICRO
+from tests.train.test_heldout_eval import write_corpus
+
+pytestmark = pytest.mark.slow    # five trainers: ~2 minutes of compilation on 2 cores
+
+PROMPTS = [{"prompt": f"the {word} is", "answer": word} for word in
+           "cat dog mat sun sea sky tree bird fish cow hen pig fox owl bee ant".split()]
+
+
+@pytest.fixture(scope="module")
+def setting(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rl")
+    corpus = write_corpus(root)
+    (root / "prompts.jsonl").write_text("".join(json.dumps(record) + "\n" for record in PROMPTS))
+    cache = root / "xla"
+    Trainer(load_config(MICRO, [f"run_dir={root / 'sft'}", "model.vocab_size=258", "data.kind=text",
+                                f"data.path={corpus}", "train.steps=2", "train.eval_batches=0",
+                                f"train.compilation_cache={cache}"])).run()
+    return root
+
+
+def letters(prompt, completion, record) -> float:
+    """A reward that differs between samples of a barely trained model: the letters written."""
+    return float(sum(character.isalpha() for character in completion))
+
+
+def grpo(root, name, steps, *overrides):
+    config = load_config(MICRO, [
+        f"run_dir={root / name}", f"init_from={root / 'sft'}", "model.vocab_size=258", "train.objective=grpo",
+        "data.kind=prompts", f"data.path={root / 'prompts.jsonl'}", "data.seq_len=16", "data.heldout_fraction=0.25",
+        f"train.steps={steps}", "rl.prompts_per_step=2", "rl.group_size=3", "rl.max_new_tokens=5", "rl.eval_prompts=2",
+        "rl.reward=tests.train.test_rl_runs:letters", "rl.advantage=dr_grpo", "checkpoint.every=1", "checkpoint.keep=10", "optimizer.learning_rate=3e-2",
+        "optimizer.warmup_steps=0", "optimizer.schedule_steps=4", f"train.compilation_cache={root / 'xla'}",
+        *overrides])
+    summary = RLTrainer(config).run()
+    return summary, read_jsonl(root / name / "rollouts.jsonl"), read_jsonl(root / name / "metrics.jsonl")
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def policy_logprobs(run_dir, record) -> np.ndarray:
+    """The float64 log-probs of the record's completion under checkpoint policy_step's full forward."""
+    model = restore_model(run_dir, step=record["policy_step"]).model
+    sequence = np.array(record["prompt_tokens"] + record["completion_tokens"], np.int32)
+    logits = np.asarray(nnx.jit(lambda m, t: m(t).logits)(model, np.pad(sequence, (0, 32 - sequence.size))[None])[0])
+    start = len(record["prompt_tokens"]) - 1
+    return log_softmax(logits[start : start + len(record["completion_tokens"])])[
+        np.arange(len(record["completion_tokens"])), record["completion_tokens"]]
+
+
+def test_rollouts_are_the_checkpointed_policys_and_the_update_recomputes_them(setting):
+    summary, rollouts, metrics = grpo(setting, "full", 3, "rl.kl_coef=0.05", "train.eval_every=3")
+    steps = [m for m in metrics if "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3] and len(rollouts) == 3 * 2 * 3
+    fields = {"policy_step", "prompt_index", "sample", "prompt_tokens", "completion_tokens", "completion", "logprobs",
+              "reward", "advantage", "finish_reason"}
+    assert all(fields <= set(record) for record in rollouts)
+    assert [r["policy_step"] for r in rollouts] == [s for s in range(3) for _ in range(6)]
+    assert [r["sample"] for r in rollouts[:6]] == [0, 1, 2, 0, 1, 2]
+    for m in steps:
+        assert m["grad_norm"] > 0 and m["reward_std"] > 0
+        assert m["logprob_mismatch"] <= 1e-5 and abs(m["ratio_mean"] - 1) <= 1e-5 and m["kl"] >= 0
+        assert {"reward_mean", "reward_std", "pass_at_1", "pass_at_3", "completion_length", "clip_fraction",
+                "rollout_seconds", "update_seconds"} <= set(m)
+    assert steps[0]["kl"] == pytest.approx(0, abs=1e-6)            # step 0's policy is the reference
+    worst = 0.0
+    for record in rollouts[::2]:
+        worst = max(worst, float(np.abs(policy_logprobs(setting / "full", record) - record["logprobs"]).max()))
+    assert worst <= 1e-5
+    for group in (rollouts[i:i + 3] for i in range(0, len(rollouts), 3)):
+        rewards = np.array([r["reward"] for r in group])
+        np.testing.assert_allclose([r["advantage"] for r in group], rewards - rewards.mean(), rtol=1e-12, atol=1e-12)
+    evaluations = [m for m in metrics if m.get("kind") == "eval"]
+    assert [e["step"] for e in evaluations] == [0, 3] and summary["heldout_prompts"] == 2
+
+
+def test_a_resumed_run_repeats_the_unbroken_one_exactly(setting):
+    _, straight, straight_metrics = grpo(setting, "straight", 4, "rl.updates_per_rollout=2")
+    grpo(setting, "resumed", 2, "rl.updates_per_rollout=2")
+    _, resumed, resumed_metrics = grpo(setting, "resumed", 4, "rl.updates_per_rollout=2")
+    assert resumed == straight
+    drop_times = lambda ms: [{k: v for k, v in m.items() if "seconds" not in k and k != "tokens_per_second"}  # noqa: E731
+                             for m in ms if "loss" in m]
+    assert drop_times(resumed_metrics) == drop_times(straight_metrics)
+    states = [RunCheckpoints(setting / name / "checkpoints", read_only=True) for name in ("straight", "resumed")]
+    a, b = (s.read_state(4) for s in states)
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    assert int(a["step"]) == 8                                       # two updates per rollout
+
+
+def test_lora_rl_keeps_its_base_and_its_log_probs(setting):
+    _, rollouts, metrics = grpo(setting, "lora", 2, "finetune.lora_rank=4", "rl.kl_coef=0.1")
+    assert all(m["logprob_mismatch"] <= 1e-5 for m in metrics if "loss" in m)
+    base, tuned = restore_model(setting / "sft").model, restore_model(setting / "lora").model
+    base_state = dict(nnx.to_flat_state(nnx.state(base, nnx.Param)))
+    for path, value in nnx.to_flat_state(nnx.state(tuned, nnx.Param)):
+        if path in base_state and "lora" not in str(path):
+            assert np.array_equal(np.asarray(value[...]), np.asarray(base_state[path][...])), path
+    record = rollouts[-1]
+    assert np.abs(policy_logprobs(setting / "lora", record) - record["logprobs"]).max() <= 1e-5
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([], "prompts.jsonl:17: no 'answer' field (rl.reward=contains compares"),
+    (["rl.reward=nowhere_module:f"], "rl.reward: cannot import 'nowhere_module'"),
+    (["rl.environment=calculator"], "rl.environment: a tool environment needs chat prompts"),
+    (["rl.reward=tests.train.test_rl_runs:letters", "init_from=/nonexistent/run"], "init_from=/nonexistent/run"),
+])
+def test_bad_input_is_one_line_before_any_compute(setting, tmp_path, capsys, overrides, message):
+    from train.cli import main
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text((setting / "prompts.jsonl").read_text() + json.dumps({"prompt": "no answer"}) + "\n")
+    code = main([str(MICRO), f"run_dir={tmp_path / 'run'}", f"init_from={setting / 'sft'}", "model.vocab_size=258",
+                 "train.objective=grpo", "data.kind=prompts", f"data.path={prompts}", "data.seq_len=16",
+                 "rl.reward=contains", *overrides])
+    error = capsys.readouterr().err.strip()
+    assert code == 2 and message in error and "\n" not in error
+    assert not (tmp_path / "run").exists()
