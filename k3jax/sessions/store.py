@@ -69,16 +69,20 @@ class SessionStore:
     """Sessions over ``model``; ``device_bytes`` / ``host_bytes`` None = unlimited, ``disk_dir``
     None = no disk tier. ``fingerprint`` names the model's weights in prefix-cache keys and saved
     stores; None: `model_fingerprint` (a hash of every weight; pass a name of your own where hashing
-    costs too much, e.g. an RL policy's step). See the module docstring."""
+    costs too much, e.g. an RL policy's step). ``prefix_cache`` False: every `open` prefills its
+    whole prompt and no state is kept for later ones (no host copies at chunk boundaries; for work
+    that never repeats a prefix, such as one rollout's distinct prompts). See the module docstring."""
 
     def __init__(self, model, device_bytes: int | None = None, host_bytes: int | None = None,
-                 disk_dir: str | os.PathLike | None = None, fingerprint: str | None = None):
+                 disk_dir: str | os.PathLike | None = None, fingerprint: str | None = None,
+                 prefix_cache: bool = True):
         config = model.config
         self._gathered_decode = False   # bench.sessions's baseline: paged.decode_step(gathered=True)
         self.model, self.config = model, config
         self._graphdef, self._params = nnx.split(model)
         self.page_size = config.kda.chunk_size
         self.fingerprint = fingerprint or model_fingerprint(model)
+        self.prefix_cache = prefix_cache
         self._device = DevicePools(paged.empty_pools(config, _INITIAL_SLOTS, _INITIAL_PAGES, self.page_size))
         self.slot_bytes, self.page_bytes = self._device.slot_bytes, self._device.page_bytes
         self.device_budget, self.host_budget = device_bytes, host_bytes
@@ -100,7 +104,7 @@ class SessionStore:
         self._collect()
         tokens = self._check_tokens(prompt_tokens)
         self._tiers.check_fits(len(tokens))
-        entry = self._prefix.longest_prefix(tokens)
+        entry = self._prefix.longest_prefix(tokens) if self.prefix_cache else None
         start = 0 if entry is None else entry.length
         value = Value(list(tokens[:start]), None if entry is None else entry.logits)
         if entry is None:
@@ -347,7 +351,9 @@ class SessionStore:
         return {sid: int(tokens[index]) for index, sid in enumerate(sids)}
 
     def _remember_prefix(self, value: Value) -> None:
-        """Cache ``value``'s state (it is on device) and pages at its current length."""
+        """Cache ``value``'s state (it is on device) and pages at its current length (with the prefix cache on)."""
+        if not self.prefix_cache:
+            return
         key = self._prefix.key(value.tokens)
         if self._prefix.touch(key):
             return

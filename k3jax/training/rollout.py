@@ -110,7 +110,7 @@ class Rollout:
         self.model, self.dataset, self.settings = model, dataset, settings
         self.reward, self.environment = reward, environment
         self.tool_retries, self.max_turns = tool_retries, max_turns
-        self.store = SessionStore(model, fingerprint=fingerprint)
+        self.store = SessionStore(model, fingerprint=fingerprint, prefix_cache=False)
         self.attempts = max_turns * (tool_retries + 1)   # streams per completion
         self.seconds = 0.0
 
@@ -141,17 +141,20 @@ class Rollout:
 
     # -- the rollout ---------------------------------------------------------------------------
 
-    def sample(self, prompts, group_size: int, seed: int, greedy: bool = False) -> list[list[Completion]]:
+    def sample(self, prompts, group_size: int, seed: int, greedy: bool = False,
+               fork: bool = True) -> list[list[Completion]]:
         """``group_size`` completions of each ``(index, Prompt)`` of ``prompts`` (greedy: temperature
         0), rewarded -> one list per prompt. Completion g of the prompt in slot i of ``prompts``
-        samples with stream (i * G + g) * attempts + attempt."""
+        samples with stream (i * G + g) * attempts + attempt. ``fork`` False prefills the prompt once
+        per completion instead of forking one prefill (the baseline `bench.rl` compares)."""
         started = time.perf_counter()
         groups, sessions = [], {}
         for slot, (index, prompt) in enumerate(prompts):
             sid = self.store.open(prompt.tokens)
             group = [Completion(index, sample, prompt) for sample in range(group_size)]
             for sample, completion in enumerate(group):
-                sessions[sid if sample == 0 else self.store.fork(sid)] = (slot * group_size + sample, completion)
+                copy = sid if sample == 0 else self.store.fork(sid) if fork else self.store.open(prompt.tokens)
+                sessions[copy] = (slot * group_size + sample, completion)
             groups.append(group)
         try:
             if self.environment is None:

@@ -104,6 +104,15 @@ def test_whole_prompt_hit_needs_no_prefill(model):
     np.testing.assert_array_equal(store.append(second, TURN), store.append(first, TURN))
 
 
+def test_without_the_prefix_cache_every_open_prefills_its_prompt_to_the_same_values(model):
+    store = SessionStore(model, prefix_cache=False)
+    first = store.open(PROMPT)
+    second = store.open(PROMPT)
+    assert store.stats()["prefill_tokens"] == 2 * len(PROMPT) and store.stats()["prefix_entries"] == 0
+    np.testing.assert_array_equal(store.logits(second), store.logits(first))
+    np.testing.assert_array_equal(store.append(second, TURN), store.append(first, TURN))
+
+
 def test_save_load_continue_equals_never_stopping(model, tmp_path):
     store = SessionStore(model)
     sid = store.open(PROMPT)

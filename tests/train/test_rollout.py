@@ -73,6 +73,16 @@ def test_group_log_probs_are_the_full_forwards_and_one_prefill_per_prompt(model,
     assert worst <= 1e-5
 
 
+def test_forked_groups_equal_groups_prefilled_once_per_sample(model, text_data):
+    prompts = text_data.prompts(2, 2)
+    forked = Rollout(model, text_data, SAMPLING, reward=lambda *a: 0.0)
+    groups = forked.sample(prompts, 3, seed=5)
+    separate = Rollout(model, text_data, SAMPLING, reward=lambda *a: 0.0)
+    expected = separate.sample(prompts, 3, seed=5, fork=False)
+    assert [[(c.tokens, c.logprobs) for c in g] for g in groups] == [[(c.tokens, c.logprobs) for c in g] for g in expected]
+    assert separate.store.stats()["prefill_tokens"] == 3 * forked.store.stats()["prefill_tokens"]
+
+
 def test_samples_depend_on_seed_slot_and_sample_only(model, text_data):
     prompts = text_data.prompts(0, 3)
     together = Rollout(model, text_data, SAMPLING, reward=lambda *a: 0.0).sample(prompts, 3, seed=7)
