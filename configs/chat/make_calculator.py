@@ -17,6 +17,12 @@ questions `bench/serve_tools.py` asks) holds pairs the training split never show
 same arguments write the same file.
 
     python configs/chat/make_calculator.py [--records 2000] [--max-value 99] [--seed 0] [--out PATH]
+                                           [--prompts configs/rl/calculator_prompts.jsonl]
+
+``--prompts`` also writes the same records as RL prompts (`k3jax.data.PromptDataset`): the tools,
+the user's question and ``answer`` (the sum), for ``rl.environment=calculator``
+(`configs/rl/calculator.yaml`). Held out at the same fraction, its held-out prompts are the
+conversations' held-out ones.
 
 Rendered with the stand-in byte-level tokenizer (configs/chat/tokenizer), a conversation is 603-624
 tokens (~300 of them the tool declaration), so ``data.seq_len=640`` holds each whole. Thinking off
@@ -55,6 +61,11 @@ def conversation(a: int, b: int, phrasing: str, call_id: str) -> dict:
         {"role": "assistant", "content": total}]}
 
 
+def rl_prompt(record: dict) -> dict:
+    """The RL prompt of a conversation: its tools and question, the sum as the answer."""
+    return {"tools": record["tools"], "messages": record["messages"][:1], "answer": int(record["messages"][-1]["content"])}
+
+
 def records(count: int, max_value: int, seed: int) -> list[dict]:
     """``count`` conversations with distinct (a, b) pairs from [0, max_value], phrasings drawn at random."""
     pairs = (max_value + 1) ** 2
@@ -72,11 +83,16 @@ def main() -> None:
     parser.add_argument("--max-value", type=int, default=99)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--prompts", help="also write the records as RL prompts to this JSONL file")
     args = parser.parse_args()
     written = records(args.records, args.max_value, args.seed)
     with open(args.out, "w") as file:
         file.writelines(json.dumps(record, separators=(",", ":")) + "\n" for record in written)
     print(f"wrote {len(written)} conversations to {args.out}")
+    if args.prompts:
+        with open(args.prompts, "w") as file:
+            file.writelines(json.dumps(rl_prompt(record), separators=(",", ":")) + "\n" for record in written)
+        print(f"wrote {len(written)} prompts to {args.prompts}")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ after the restored checkpoint are dropped from both files.
 
 The reference policy of the KL penalty (``rl.kl_coef`` > 0) is ``init_from``'s parameters (a full
 fine-tune keeps one more copy of them), or for LoRA the frozen base itself: the adapters set to zero,
-no extra memory. Rollouts run on one device in one process for now.
+no extra memory. Rollouts run in one process, on the run's mesh: the session pools are placed
+beside the (sharded) parameters by the jitted steps themselves.
 """
 from __future__ import annotations
 
@@ -119,9 +120,6 @@ class RLTrainer(Trainer):
 
     def _build_steps(self) -> None:
         config, rl = self.config, self.config.rl
-        if self.mesh.size > 1:
-            raise RunError(f"train.objective=grpo samples on one device for now; the mesh has {self.mesh.size} "
-                           f"devices (set the mesh sizes to 1)")
         self.settings = SamplingSettings(rl.temperature, rl.top_k, rl.top_p, rl.max_new_tokens)
         self.train_step = compiled_together(
             make_train_step(self.parts, self.optimizer, accumulation=config.train.grad_accum, schedule=self.schedule,

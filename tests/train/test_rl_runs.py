@@ -134,3 +134,9 @@ def test_bad_input_is_one_line_before_any_compute(setting, tmp_path, capsys, ove
     error = capsys.readouterr().err.strip()
     assert code == 2 and message in error and "\n" not in error
     assert not (tmp_path / "run").exists()
+
+
+def test_rl_on_a_mesh_samples_with_the_sharded_parameters():
+    from tests.sharding.test_multi_device import program, program_result
+    result = program_result(program("rl_mesh"))
+    assert result["rollouts"] == 2 * 2 * 4 and result["mismatch"] <= 1e-5 and result["policy_vs_one_device"] <= 1e-5
