@@ -1,6 +1,12 @@
 """The launcher's CLIs in process (`train.cli`, `train.plan`): fast checks of their one-line errors.
 The end-to-end runs of ``python -m train`` are in test_cli.py (subprocesses, slow)."""
+import json
+
+import pytest
+
+from tests.helpers import MICRO
 from train import plan as plan_cli
+from train.cli import main as train_main
 
 
 def test_plan_needs_a_device_count_for_a_filled_axis(capsys):
@@ -12,3 +18,21 @@ def test_plan_refuses_a_device_count_it_cannot_create(capsys):
     for devices in ("0", "-3", "1000000"):
         assert plan_cli.main(["configs/tiny.yaml", "--devices", devices, "--layout-only"]) == 2
         assert capsys.readouterr().err.strip() == f"error: --devices: must be in 1..16384, got {devices}"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([], "prompts.jsonl:17: no 'answer' field (rl.reward=contains compares"),
+    (["rl.reward=nowhere_module:f"], "rl.reward: cannot import 'nowhere_module'"),
+    (["rl.environment=calculator"], "rl.environment: a tool environment needs chat prompts"),
+    (["rl.reward=tests.train.test_rl_runs:letters"], "init_from=/nonexistent/run"),
+])
+def test_bad_rl_input_is_one_line_before_any_compute(tmp_path, capsys, overrides, message):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{n} + 1 =", "answer": n + 1}) + "\n" for n in range(16))
+                       + json.dumps({"prompt": "no answer"}) + "\n")
+    code = train_main([str(MICRO), f"run_dir={tmp_path / 'run'}", "init_from=/nonexistent/run", "model.vocab_size=258",
+                       "train.objective=grpo", "data.kind=prompts", f"data.path={prompts}", "data.seq_len=16",
+                       "rl.reward=contains", *overrides])
+    error = capsys.readouterr().err.strip()
+    assert code == 2 and message in error and "\n" not in error
+    assert not (tmp_path / "run").exists()
