@@ -17,10 +17,12 @@ Two files beside this script, every (a, b) pair in at most one record of them:
                         then the ``--heldout`` held-out ones, which are its last
                         ``data.heldout_fraction = heldout / (rl_records + heldout)`` records (0.125)
 
-So the held-out problems are neither in the SFT text nor among GRPO's training prompts. The SFT set
-is kept small on purpose (``--sft-records``): the tiny model learns the format and part of the
-algorithm from it and then overfits, so its held-out greedy accuracy stays partial however long
-SFT runs; GRPO then learns from its own sampled answers to new problems with an exact-match reward.
+So the held-out problems are neither in the SFT text nor among GRPO's training prompts. The SFT
+demonstrations are imperfect on purpose: a share ``--mistakes`` (0.6) of them drop every carry
+(each digit (a_i + b_i) mod 10, the last 0: "381+571=8430"). The SFT model learns both behaviours
+and, the carry-free one being the more frequent, greedily drops carries: it is right on the
+problems without a carry (~30% of the held-out ones). Its samples still carry ~40% of the time, so
+GRPO with an exact-match reward finds the right answers and makes carrying the greedy behaviour.
 Seeded: the same arguments write the same files.
 """
 from __future__ import annotations
@@ -33,10 +35,19 @@ import random
 HERE = pathlib.Path(__file__).resolve().parent
 
 
+def reverse(n: int, width: int) -> str:
+    return str(n).zfill(width)[::-1]
+
+
 def problem(a: int, b: int, digits: int) -> tuple[str, str]:
     """``(prompt, answer)`` of a + b, every number reversed and zero-padded."""
-    reverse = lambda n, width: str(n).zfill(width)[::-1]  # noqa: E731
     return f"{reverse(a, digits)}+{reverse(b, digits)}=", reverse(a + b, digits + 1)
+
+
+def carry_free(prompt: str) -> str:
+    """The answer of ``prompt`` with every carry dropped: each digit (a_i + b_i) mod 10, the last 0."""
+    a, b = prompt[:-1].split("+")
+    return "".join(str((int(x) + int(y)) % 10) for x, y in zip(a, b)) + "0"
 
 
 def problems(count: int, digits: int, seed: int) -> list[tuple[str, str]]:
@@ -58,10 +69,12 @@ def write_jsonl(path: pathlib.Path, records) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sft-records", type=int, default=1000)
+    parser.add_argument("--sft-records", type=int, default=10000)
     parser.add_argument("--rl-records", type=int, default=1792)
     parser.add_argument("--heldout", type=int, default=256)
     parser.add_argument("--digits", type=int, default=3)
+    parser.add_argument("--mistakes", type=float, default=0.6,
+                        help="share of the SFT examples whose answer drops every carry")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(HERE), help="directory of the two files")
     args = parser.parse_args(argv)
@@ -71,6 +84,8 @@ def main(argv=None) -> None:
     assert not {p for p, _ in heldout} & {p for p, _ in sft}, "a held-out problem is in the SFT text"
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed + 1)
+    sft = [(p, carry_free(p) if rng.random() < args.mistakes else a) for p, a in sft]
     write_jsonl(out / "addition_sft.jsonl", ({"text": p + a} for p, a in sft))
     write_jsonl(out / "addition.jsonl", ({"prompt": p, "answer": a} for p, a in prompts))
     print(f"{out / 'addition_sft.jsonl'}: {len(sft)} solved examples; {out / 'addition.jsonl'}: "
