@@ -20,8 +20,8 @@ Two files beside this script, every (a, b) pair in at most one record of them:
 So the held-out problems are neither in the SFT text nor among GRPO's training prompts. The SFT
 demonstrations are imperfect on purpose: a share ``--mistakes`` (0.6) of them drop every carry
 (each digit (a_i + b_i) mod 10, the last 0: "381+571=8430"). The SFT model learns both behaviours
-and, the carry-free one being the more frequent, greedily drops carries: it is right on the
-problems without a carry (~30% of the held-out ones). Its samples still carry ~40% of the time, so
+and, the carry-free one being the more frequent, greedily drops many carries: it is right on
+0.31-0.37 of the held-out problems (17% of them have no carry). Its samples carry often enough that
 GRPO with an exact-match reward finds the right answers and makes carrying the greedy behaviour.
 Seeded: the same arguments write the same files.
 """
