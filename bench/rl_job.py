@@ -6,13 +6,12 @@
 Per seed s, as subprocesses of this tree (``PYTHONPATH`` = the repository):
 
     python -m train SFT  run_dir=RUNS/sft-s  train.seed=s
-    (before)             the RL trainer's own held-out evaluation (`RLTrainer.evaluate`: greedy
-                         completions of the first ``rl.eval_prompts`` held-out prompts, rewarded) of
-                         the SFT parameters, i.e. what GRPO starts from -- step 0 of the GRPO run,
-                         which itself evaluates only at ``train.eval_every`` multiples and at the end
     python -m train GRPO run_dir=RUNS/grpo-s train.seed=s init_from=RUNS/sft-s
 
-"after" is the GRPO run's summary (its final held-out evaluation). Wall times are the whole
+"before" is the GRPO run's held-out evaluation at step 0 (`RLTrainer.evaluate` of the SFT
+parameters: greedy completions of the first ``rl.eval_prompts`` held-out prompts, rewarded; the
+config sets ``train.eval_every``), "after" its summary (the final evaluation); each run's largest
+``logprob_mismatch`` (recorded vs recomputed log-probs) is reported too. Wall times are the whole
 commands' (process start, compilation and checkpoints included); ``train_seconds`` the runs' own.
 The summary line is the mean over seeds +- the half-width of a two-sided 95% t interval (Student t
 quantiles below; n seeds give n - 1 degrees of freedom). The held-out prompts are checked to be
@@ -68,20 +67,6 @@ def run(command: list[str], log: pathlib.Path) -> float:
     return seconds
 
 
-def evaluate_initial(grpo_config: str, init_from: str, overrides: list[str]) -> dict:
-    """The GRPO run's held-out evaluation of ``init_from``'s parameters (its step 0), as JSON on stdout."""
-    from k3jax.config import load_config
-    from k3jax.training import RLTrainer
-
-    with tempfile.TemporaryDirectory(prefix="k3jax-rl-before-") as scratch:
-        config = load_config(grpo_config, [*overrides, f"init_from={init_from}", f"run_dir={scratch}/run"])
-        trainer = RLTrainer(config)
-        try:
-            return trainer.evaluate()
-        finally:
-            trainer.close()
-
-
 def check_heldout_unseen(sft_config: str, grpo_config: str, overrides: list[str]) -> int:
     """Raise unless no held-out prompt of the GRPO data occurs in the SFT text -> held-out prompts."""
     from k3jax.config import load_config
@@ -107,12 +92,8 @@ def main(argv=None) -> None:
     parser.add_argument("--grpo", default="configs/rl/addition.yaml")
     parser.add_argument("--runs", default=None, help="run directories go here (default: a temporary directory)")
     parser.add_argument("--out", default="bench/rl_job.json")
-    parser.add_argument("--evaluate-initial", nargs=2, metavar=("GRPO_CONFIG", "INIT_FROM"), help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="key=value settings for both commands")
     args = parser.parse_args(argv)
-    if args.evaluate_initial:
-        print(json.dumps(evaluate_initial(*args.evaluate_initial, args.overrides)), flush=True)
-        return
     os.chdir(ROOT)
     heldout = check_heldout_unseen(args.sft, args.grpo, args.overrides)
     print(f"{heldout} held-out prompts, none of them in the SFT text", flush=True)
@@ -125,19 +106,17 @@ def main(argv=None) -> None:
             sft_dir, grpo_dir = runs / f"sft-{seed}", runs / f"grpo-{seed}"
             sft_seconds = run([sys.executable, "-m", "train", args.sft, f"run_dir={sft_dir}", f"train.seed={seed}",
                                *args.overrides], runs / f"sft-{seed}.log")
-            before_log = runs / f"before-{seed}.log"
-            run([sys.executable, "-m", "bench.rl_job", "--evaluate-initial", args.grpo, str(sft_dir), *args.overrides],
-                before_log)
-            before = json.loads(before_log.read_text().strip().splitlines()[-1])
             grpo_seconds = run([sys.executable, "-m", "train", args.grpo, f"run_dir={grpo_dir}", f"train.seed={seed}",
                                 f"init_from={sft_dir}", *args.overrides], runs / f"grpo-{seed}.log")
             sft_summary = json.loads((sft_dir / "summary.json").read_text())
             grpo_summary = json.loads((grpo_dir / "summary.json").read_text())
             records = [json.loads(line) for line in (grpo_dir / "metrics.jsonl").read_text().splitlines()]
-            curve = [[0, before["heldout_reward"]]] + [[r["step"], r["heldout_reward"]] for r in records
-                                                       if r.get("kind") == "eval"]
+            curve = [[r["step"], r["heldout_reward"]] for r in records if r.get("kind") == "eval"]
+            if not curve or curve[0][0] != 0:
+                raise SystemExit(f"{grpo_dir}: no step-0 evaluation in metrics.jsonl (set train.eval_every)")
             steps = [r for r in records if r.get("kind") != "eval"]
-            rows.append({"seed": seed, "before": before["heldout_reward"], "after": grpo_summary["heldout_reward"],
+            rows.append({"seed": seed, "before": curve[0][1], "after": grpo_summary["heldout_reward"],
+                         "logprob_mismatch_max": max(r["logprob_mismatch"] for r in steps),
                          "heldout_prompts": grpo_summary["heldout_prompts"],
                          "sft_seconds": sft_seconds, "sft_train_seconds": sft_summary["train_seconds"],
                          "sft_heldout_loss": sft_summary.get("heldout_loss"),
