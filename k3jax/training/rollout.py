@@ -90,11 +90,12 @@ def decode(store: SessionStore, rules: dict, limits: dict, stop_id: int) -> dict
     out = {sid: Decoded() for sid in rules}
     active = {sid: rule for sid, rule in rules.items() if limits[sid] > 0}
     while active:
-        before = {sid: store.logits(sid) for sid in active}
+        sids = list(active)
+        logprobs = dict(zip(sids, log_softmax(np.stack([store.logits(sid) for sid in sids]))))   # one call per step
         for sid, token in store.step(active).items():
             decoded = out[sid]
             decoded.tokens.append(token)
-            decoded.logprobs.append(float(log_softmax(before[sid])[token]))
+            decoded.logprobs.append(float(logprobs[sid][token]))
             decoded.stopped = token == stop_id
             if decoded.stopped or len(decoded.tokens) >= limits[sid]:
                 del active[sid]

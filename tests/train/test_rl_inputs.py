@@ -47,7 +47,7 @@ def test_chat_prompts_render_like_the_chat_programs_with_the_end_of_message_stop
 
 
 def test_parquet_prompts_equal_their_jsonl(tmp_path):
-    pyarrow = pytest.importorskip("pyarrow")
+    import pyarrow
     import pyarrow.parquet
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist(TEXT), tmp_path / "p.parquet")
     jsonl = PromptDataset(write_jsonl(tmp_path / "p.jsonl", TEXT), 16)

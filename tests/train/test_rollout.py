@@ -4,7 +4,6 @@ samples depend on (seed, slot, sample) only; tool episodes continue their sessio
 tool results and rollbacks."""
 import json
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
