@@ -193,7 +193,7 @@ def sessions(smoke: bool) -> Iterator[Row]:
     result = measure(load_config("configs/tiny.yaml").model, **sizes)
     yield figure(f"batched decode tokens/s, {sizes['sessions']} sessions", result["batched_tokens_per_s"])
     yield figure("one-at-a-time decode tokens/s", result["one_at_a_time_tokens_per_s"])
-    yield figure(f"pooled ({result['decode_kernel']}) / gathered decode speed", result["pooled_vs_gathered_speedup"])
+    yield figure(f"pooled ({result['kda_implementation']}) / gathered decode speed", result["pooled_vs_gathered_speedup"])
     yield figure(f"cold prefill s, {sizes['prefix']}+16 tokens", result["cold_prefill_s"])
     yield figure("prefix-cache hit s (prefill 16 tokens)", result["prefix_hit_s"])
     yield figure("prefix hit vs cold, max |logit difference|", result["prefix_hit_max_logit_difference"])
