@@ -170,11 +170,13 @@ def train_step(smoke: bool) -> Iterator[Row]:
     from k3jax.flops import measured_peak_flops, training_flops
 
     config_path, overrides = SMOKE_TRAIN if smoke else K3_SHAPED
+    overrides = [*overrides, f"model.kda.implementation={kda_implementation()}"]
     with scratch_trainer(config_path, ["train.compilation_cache=null", *overrides]) as trainer:
         config = trainer.config
         state, batch = step_inputs(trainer)
         (state, metrics), first = timed(trainer.train_step, state, batch)
-        yield figure(f"{'smoke-sized' if smoke else 'K3-shaped'} step ({config_path}): tokens per step",
+        yield figure(f"{'smoke-sized' if smoke else 'K3-shaped'} step ({config_path}, KDA "
+                     f"{config.model.kda.implementation}): tokens per step",
                      config.train.batch_size * config.data.seq_len)
         yield figure("first step s (compiles)", first)
         finite = bool(metrics["finite"]) and bool(np.isfinite(metrics["loss"]))
@@ -196,13 +198,22 @@ def sessions(smoke: bool) -> Iterator[Row]:
     from k3jax.config import load_config
 
     sizes = SMOKE_SESSIONS if smoke else SESSIONS
-    result = measure(load_config("configs/tiny.yaml").model, **sizes)
+    config = load_config("configs/tiny.yaml", [f"model.kda.implementation={kda_implementation()}"])
+    result = measure(config.model, **sizes)
     yield figure(f"batched decode tokens/s, {sizes['sessions']} sessions", result["batched_tokens_per_s"])
     yield figure("one-at-a-time decode tokens/s", result["one_at_a_time_tokens_per_s"])
     yield figure(f"pooled ({result['kda_implementation']}) / gathered decode speed", result["pooled_vs_gathered_speedup"])
     yield figure(f"cold prefill s, {sizes['prefix']}+16 tokens", result["cold_prefill_s"])
     yield figure("prefix-cache hit s (prefill 16 tokens)", result["prefix_hit_s"])
     yield figure("prefix hit vs cold, max |logit difference|", result["prefix_hit_max_logit_difference"])
+
+
+KDA_IMPLEMENTATION_VARIABLE = "K3JAX_BENCH_KDA_IMPLEMENTATION"   # --kda-implementation, to the parts
+
+
+def kda_implementation() -> str:
+    """The KDA implementation the train-step and sessions parts build their models with."""
+    return os.environ.get(KDA_IMPLEMENTATION_VARIABLE, "auto")
 
 
 class Part(NamedTuple):
@@ -316,6 +327,8 @@ def main(argv=None) -> int:
     parser.add_argument("--parts", nargs="+", choices=names, default=names, help="the parts to run (default: all)")
     parser.add_argument("--budget-s", type=float, help=f"wall-clock budget of all parts together (default: "
                                                        f"{DEVICE_BUDGET_S} s; none with --smoke)")
+    parser.add_argument("--kda-implementation", choices=("auto", "chunk", "pallas"), default="auto",
+                        help="the KDA kernels of the train-step and sessions parts' models (default: auto)")
     parser.add_argument("--out", default="bench/gpu.json")
     parser.add_argument("--part", choices=names, help=argparse.SUPPRESS)   # a child process: run this part
     parser.add_argument("--rows", help=argparse.SUPPRESS)                  # ... writing its rows here
@@ -323,12 +336,14 @@ def main(argv=None) -> int:
     if args.part:
         write_rows(PARTS[names.index(args.part)], args.smoke, args.rows)
         return 0
+    os.environ[KDA_IMPLEMENTATION_VARIABLE] = args.kda_implementation
     budget_s = args.budget_s or (None if args.smoke else DEVICE_BUDGET_S)
     started = time.perf_counter()
     results = run_parts([part for part in PARTS if part.name in args.parts], args.smoke, budget_s)
     seconds = time.perf_counter() - started
     print(report(results, args.smoke, seconds))
     path = write_json(args.out, {"smoke": args.smoke, "budget_s": budget_s, "seconds": round(seconds, 1),
+                                 "kda_implementation": args.kda_implementation,
                                  "parts": results})
     print(f"wrote {path}")
     return int(any(row["verdict"] == "FAIL" for result in results for row in result["rows"]))

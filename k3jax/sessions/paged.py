@@ -113,6 +113,24 @@ def prefill_piece(graphdef, params, pools: Pools, slot, table, length, tokens):
     return out.logits[0], scatter_bank(pools, slots, tables, lengths, out.memory, tokens.shape[0])
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
+def feed_rows(graphdef, params, pools: Pools, slots, tables, lengths, tokens, restore=None):
+    """B sequences continue by ``tokens [B, T]`` each, in one call (a speculative round's verify
+    and replay, `k3jax.sessions.speculate`) -> (logits [B, T, vocab] fp32, pools, the KDA states
+    and conv tails of the slots before the call ``(state, conv)`` [B, ...]).
+
+    ``restore`` ``(state, conv)`` [B, ...] (such a pair from an earlier call) is written into the
+    slots first: the rollback of a verify before the replay of its accepted tokens. Padding rows:
+    page tables of page N_pages (nothing read or written) and free slots of their own."""
+    if restore is not None:
+        pools = pools._replace(state=pools.state.at[slots].set(restore[0], mode="drop"),
+                               conv=pools.conv.at[slots].set(restore[1], mode="drop"))
+    bank = gather_bank(pools, slots, tables, lengths)
+    before = (jnp.swapaxes(bank.kda.state, 0, 1), jnp.swapaxes(bank.kda.conv, 0, 1))
+    out = nnx.merge(graphdef, params)(tokens, memory=bank)
+    return out.logits, scatter_bank(pools, slots, tables, lengths, out.memory, tokens.shape[1]), before
+
+
 def pooled_bank(pools: Pools, slots: jax.Array, tables: jax.Array, lengths: jax.Array) -> Memory:
     """The pooled bank (`k3jax.memory`) of B sequences: the pools reshaped to rows (no copy),
     KDA rows ``slot * N_kda + layer`` ``[N_kda, B]`` and MLA pages ``layer * N_pages + page``

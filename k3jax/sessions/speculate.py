@@ -1,0 +1,246 @@
+"""Speculative rounds over the sessions of a `SessionStore`: draft, verify in one batched call,
+roll back and replay, exactly (the rules: `k3jax.speculative`).
+
+    speculator = Speculator(store, PromptLookup(max_ngram=3), k=4)      # or DraftModel(draft_model)
+    out = speculator.round({sid: Sampling(...), ...}, limits={sid: 16}, stop_ids={2})
+    out[sid].tokens, out[sid].logprobs                                   # this round's, >= 1 token each
+    speculator.stats.as_dict()                                           # acceptance, draft / verify s
+
+One round of B sessions:
+  1. each session's first token t_0 is drawn from its logits (`k3jax.speculative`) and the drafts
+     d_1..d_k proposed after it;
+  2. verify: one `paged.feed_rows` call feeds [t_0, d_1..d_k] to every session (rows padded to the
+     round's longest, batch to a power of two); it returns the logits of every position and each
+     session's KDA state and conv tails from before the call;
+  3. each session accepts a prefix of its drafts; one that accepted all is done (its memory is the
+     verify's). The others are rolled back and replayed: a `feed_rows` call per kept length
+     writes the saved states back into their slots and feeds [t_0, d_1..d_j] again. MLA rows past
+     a session's length are masked, so only the KDA states and conv tails need restoring.
+After the round every session's KDA state, conv tails, MLA rows and logits are those of feeding
+exactly its emitted tokens, and its history holds them. Pages a verify took beyond that are given
+back (a fork must never share a page it may write).
+"""
+from __future__ import annotations
+
+import time
+from typing import Mapping, NamedTuple, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.generate import log_softmax
+from k3jax.sessions import paged
+from k3jax.sessions.batching import Sampling
+from k3jax.sessions.tiers import NoRoom, Value
+from k3jax.speculative import (DRAW, UNIFORM, AdaptiveK, SpeculationStats, accepted_drafts, draw, position_rng,
+                               prompt_lookup, residual, sampling_probs)
+
+
+class RoundResult(NamedTuple):
+    """One session's round: the ``tokens`` it emitted (>= 1) and each one's ``logprobs`` (the
+    target's log-softmax, no temperature or filter)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+
+
+class PromptLookup:
+    """Drafts copied from the session's own history (`k3jax.speculative.prompt_lookup`)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not (isinstance(max_ngram, int) and isinstance(min_ngram, int) and 1 <= min_ngram <= max_ngram):
+            raise ValueError(f"prompt lookup needs integers 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, histories: Mapping[int, list[int]], lengths: Mapping[int, int]) -> dict[int, list[int]]:
+        return {sid: prompt_lookup(history, lengths[sid], self.max_ngram, self.min_ngram)
+                for sid, history in histories.items() if lengths[sid] > 0}
+
+    def keep(self, sid: int, history: list[int]) -> None:
+        """The session's history is now ``history`` (prompt lookup keeps nothing)."""
+
+    def leave(self, sid: int) -> None:
+        """The session no longer speculates."""
+
+
+class DraftModel:
+    """Greedy drafts from a smaller model with the same tokenizer, in a session store of its own:
+    each target session has a draft session holding the same tokens, all drafting in one
+    batched `SessionStore.generate` per round."""
+
+    def __init__(self, model, device_bytes: int | None = None):
+        from k3jax.sessions.store import SessionStore
+        self.store = SessionStore(model, device_bytes=device_bytes, fingerprint="draft", prefix_cache=False)
+        self._sessions: dict[int, int] = {}        # target session -> draft session
+
+    def _synced(self, sid: int, history: list[int]) -> int:
+        """The draft session of ``sid`` holding exactly ``history``."""
+        draft = self._sessions.get(sid)
+        held = [] if draft is None else list(self.store.tokens(draft))
+        if held[: len(history)] != history[: len(held)] or len(held) > len(history):
+            if draft is not None:
+                self.store.close(draft)
+            draft, held = None, []
+        if draft is None:
+            draft = self._sessions[sid] = self.store.open(np.asarray(history, np.int32))
+        elif len(held) < len(history):
+            self.store.append(draft, np.asarray(history[len(held):], np.int32))
+        return draft
+
+    def propose(self, histories: Mapping[int, list[int]], lengths: Mapping[int, int]) -> dict[int, list[int]]:
+        sids = [sid for sid in histories if lengths[sid] > 0]
+        if not sids:
+            return {}
+        drafts = [self._synced(sid, histories[sid]) for sid in sids]
+        tokens = self.store.generate(drafts, max(lengths[sid] for sid in sids))
+        return {sid: [int(t) for t in out[: lengths[sid]]] for sid, out in zip(sids, tokens)}
+
+    def keep(self, sid: int, history: list[int]) -> None:
+        """Roll the draft session back to ``history`` (the target's, after the round) when it
+        drafted past it: rebuilt from the common prefix on the next proposal."""
+        draft = self._sessions.get(sid)
+        if draft is not None and list(self.store.tokens(draft)) != history[: self.store.tokens(draft).size]:
+            self.store.close(draft)
+            del self._sessions[sid]
+
+    def leave(self, sid: int) -> None:
+        draft = self._sessions.pop(sid, None)
+        if draft is not None:
+            self.store.close(draft)
+
+
+class Speculator:
+    """Speculative rounds for sessions of ``store`` with ``drafter`` (`PromptLookup` or
+    `DraftModel`) proposing up to ``k`` tokens a round (`AdaptiveK` per session when ``adaptive``).
+    See the module docstring."""
+
+    def __init__(self, store, drafter, k: int = 4, adaptive: bool = True):
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculate k must be an integer >= 1, got {k!r}")
+        self.store, self.drafter, self.k, self.adaptive = store, drafter, k, adaptive
+        self.stats = SpeculationStats()
+        self._k: dict[int, AdaptiveK] = {}
+        self._rejected: dict[int, int] = {}       # session -> the draft its last round rejected (sampled)
+
+    def leave(self, sid: int) -> None:
+        """Forget ``sid``'s speculation state (its draft session, draft length)."""
+        self.drafter.leave(sid)
+        self._k.pop(sid, None)
+        self._rejected.pop(sid, None)
+
+    def round(self, sampling: Mapping[int, Sampling], limits: Mapping[int, int] | None = None,
+              stop_ids: Sequence[int] = ()) -> dict[int, RoundResult]:
+        """One round of every session of ``sampling`` ({session id: `Sampling`}): each emits at
+        least one and at most ``limits[sid]`` tokens (default 1 + k), none after a stop id ->
+        {session id: `RoundResult`}. ValueError when the device budget cannot hold the round."""
+        store, stops = self.store, frozenset(int(t) for t in stop_ids)
+        store._collect()
+        sids = list(sampling)
+        values = [store._session(sid) for sid in sids]
+        limits = {sid: (1 + self.k) if limits is None else int(limits[sid]) for sid in sids}
+        if any(limit < 1 for limit in limits.values()):
+            raise ValueError(f"every session must be allowed at least one token, got limits {limits}")
+        first, first_logprob = {}, {}
+        for sid, value in zip(sids, values):
+            rule = sampling[sid]
+            probs = sampling_probs(value.logits, rule.temperature, rule.top_k, rule.top_p)
+            if sid in self._rejected and rule.temperature > 0:
+                probs = residual(probs, self._rejected[sid])
+            stream = sid if rule.stream is None else rule.stream
+            token = int(np.argmax(probs)) if rule.temperature == 0 else \
+                draw(probs, position_rng(rule.seed, stream, value.length, DRAW))
+            first[sid], first_logprob[sid] = token, float(log_softmax(value.logits)[token])
+        self._rejected.clear()
+
+        started = time.perf_counter()
+        lengths = {sid: 0 if first[sid] in stops else min(self._adaptive(sid).next(), limits[sid] - 1) for sid in sids}
+        drafts = self.drafter.propose({sid: value.tokens + [first[sid]] for sid, value in zip(sids, values)}, lengths)
+        drafts = {sid: drafts.get(sid, [])[: lengths[sid]] for sid in sids}
+        self.stats.draft_seconds += time.perf_counter() - started
+
+        started = time.perf_counter()
+        width = 1 + max(len(d) for d in drafts.values())
+        fed = {sid: [first[sid], *drafts[sid]] for sid in sids}
+        self._make_room(values, width)
+        logits, before = self._feed(values, [fed[sid] for sid in sids], width)
+        kept, results = {}, {}
+        for row, (sid, value) in enumerate(zip(sids, values)):
+            rule, stream = sampling[sid], sid if sampling[sid].stream is None else sampling[sid].stream
+            probs = [sampling_probs(logits[row, i], rule.temperature, rule.top_k, rule.top_p)
+                     for i in range(len(drafts[sid]))]
+            uniforms = [position_rng(rule.seed, stream, value.length + 1 + i, UNIFORM).random()
+                        for i in range(len(drafts[sid]))]
+            accepted = accepted_drafts(probs, drafts[sid], uniforms, stops)
+            stopped = accepted > 0 and drafts[sid][accepted - 1] in stops
+            if accepted < len(drafts[sid]) and not stopped:
+                self._rejected[sid] = drafts[sid][accepted]
+            kept[sid] = fed[sid][: 1 + accepted]
+            logprobs = [first_logprob[sid]] + [float(log_softmax(logits[row, i])[drafts[sid][i]])
+                                               for i in range(accepted)]
+            results[sid] = RoundResult(kept[sid], logprobs)
+            self._adaptive(sid).update(len(drafts[sid]), accepted)
+            self.stats.rounds += 1
+            self.stats.drafted += len(drafts[sid])
+            self.stats.accepted += accepted
+            self.stats.emitted += 1 + accepted
+        last = {sid: logits[row, len(kept[sid]) - 1] for row, sid in enumerate(sids)}
+        replayed = [row for row, sid in enumerate(sids) if len(kept[sid]) < width]
+        for length in sorted({len(kept[sids[row]]) for row in replayed}):
+            rows = [row for row in replayed if len(kept[sids[row]]) == length]
+            restore = tuple(array[jnp.asarray(rows)] for array in before)
+            replay_logits, _ = self._feed([values[row] for row in rows], [kept[sids[row]] for row in rows], length,
+                                          restore)
+            last.update({sids[row]: replay_logits[index, -1] for index, row in enumerate(rows)})
+        for sid, value in zip(sids, values):
+            value.tokens.extend(kept[sid])
+            value.logits = last[sid]
+            self._give_back_pages(value)
+            self.drafter.keep(sid, value.tokens)
+        self.stats.verify_seconds += time.perf_counter() - started
+        store._counters["decode_steps"] += 1
+        store._counters["decode_tokens"] += sum(len(r.tokens) for r in results.values())
+        return results
+
+    # ------------------------------------------------------------------ internals
+    def _adaptive(self, sid: int) -> AdaptiveK:
+        if sid not in self._k:
+            self._k[sid] = AdaptiveK(self.k, floor=0.1 if self.adaptive else 0.0)
+        return self._k[sid]
+
+    def _make_room(self, values: list[Value], width: int) -> None:
+        """Every session on device with pages for ``width`` more tokens (shared pages copied)."""
+        tiers = self.store._tiers
+        for index, value in enumerate(values):
+            try:
+                tiers.writable(value, width, pinned=values[:index])
+            except NoRoom:
+                raise ValueError(f"the device budget cannot hold a speculative round of {len(values)} "
+                                 f"session(s) of up to {width} tokens each") from None
+
+    def _feed(self, values: list[Value], tokens: list[list[int]], width: int, restore=None):
+        """`paged.feed_rows` over ``values`` (each fed its ``tokens``, padded to ``width``) ->
+        (logits [B, width, vocab] on host, the states from before on device)."""
+        device = self.store._device
+        batch = paged.next_power_of_two(len(values))
+        pad = batch - len(values)
+        pages = paged.next_power_of_two(max(device.pages_for(v.length + width) for v in values))
+        slots = np.asarray([v.slot for v in values] + device.scratch_slots(pad), np.int32)
+        tables = np.stack([device.table(v.pages, pages) for v in values] + [device.table([], pages)] * pad)
+        lengths = np.asarray([v.length for v in values] + [0] * pad, np.int32)
+        rows = np.zeros((batch, width), np.int32)
+        for index, row in enumerate(tokens):
+            rows[index, : len(row)] = row
+        if restore is not None:
+            restore = tuple(jnp.concatenate([a, jnp.zeros((pad, *a.shape[1:]), a.dtype)]) for a in restore)
+        logits, device.arrays, before = paged.feed_rows(
+            self.store._graphdef, self.store._params, device.arrays, jnp.asarray(slots), jnp.asarray(tables),
+            jnp.asarray(lengths), jnp.asarray(rows), restore)
+        return np.asarray(logits)[: len(values)], before
+
+    def _give_back_pages(self, value: Value) -> None:
+        """Release the pages past the ones ``value``'s tokens fill."""
+        device = self.store._device
+        spare = value.pages[device.pages_for(value.length):]
+        if spare:
+            del value.pages[device.pages_for(value.length):]
+            device.pages.release(spare)
