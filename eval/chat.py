@@ -31,7 +31,7 @@ import sys
 import numpy as np
 
 from k3jax.data import DataError
-from k3jax.generate import check_sampling
+from k3jax.sampling import check_sampling
 from k3jax.sessions import SessionStore
 
 from .chat_turns import ChatTurns, chat_turns_for

@@ -11,19 +11,12 @@ prompts of any length reuse a few compiled programs. The padding is its own pack
 restart and MLA hides the padded slots, so each sequence continues exactly as if it were alone.
 
 The whole loop is one jitted program (`lax.while_loop` over decode steps) that stops when every
-sequence has produced ``eos_id`` or after ``max_new_tokens``. Sampling per step, on fp32 logits:
-
-    greedy        temperature == 0: argmax
-    temperature   logits / temperature
-    top-k         keep the k largest logits
-    top-p         keep the smallest set of most likely tokens whose probability reaches p
+sequence has produced ``eos_id`` or after ``max_new_tokens``; each step samples from the fp32
+logits (`k3jax.sampling.sample_logits`).
 """
 from __future__ import annotations
 
 import functools
-import math
-import numbers
-import os
 from typing import NamedTuple, Sequence
 
 import jax
@@ -31,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax.memory import init_memory, memory_bytes
+from k3jax.memory import init_memory, memory_bytes, memory_limit
 from k3jax.model import K3Model, check_token_range
+from k3jax.sampling import check_sampling, is_integer, sample_logits
 
 MIN_PROMPT_BUCKET = 8
 
@@ -43,62 +37,6 @@ class Generation(NamedTuple):
 
     tokens: jax.Array
     lengths: jax.Array
-
-
-def sample_logits(logits: jax.Array, key: jax.Array, temperature, top_k, top_p) -> jax.Array:
-    """One token per row of ``logits [B, V]`` -> ``[B]`` int32.
-
-    ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 switch those filters off. All three
-    may be traced scalars, so one compiled program serves every sampling setting.
-    """
-    logits = logits.astype(jnp.float32)
-    order = jnp.argsort(-logits, axis=-1)
-    ranked = jnp.take_along_axis(logits, order, axis=-1) / jnp.maximum(temperature, 1e-6)
-    rank = jnp.arange(logits.shape[-1])
-    keep = (rank < top_k) | (top_k <= 0)
-    probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf), axis=-1)
-    keep = keep & ((jnp.cumsum(probs, axis=-1) - probs < top_p) | (top_p >= 1))   # the top token always stays
-    choice = jax.random.categorical(key, jnp.where(keep, ranked, -jnp.inf), axis=-1)
-    choice = jnp.where(temperature > 0, choice, 0)
-    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-
-
-def log_softmax(logits) -> np.ndarray:
-    """``log softmax`` over the last axis of host ``logits``, in float64:
-    ``x - max(x) - log(sum(exp(x - max(x))))``."""
-    logits = np.asarray(logits, np.float64)
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-
-
-def _is_integer(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def check_sampling(max_new_tokens, temperature, top_k, top_p, seed) -> None:
-    """ValueError (one line) unless ``max_new_tokens`` is an integer >= 1, ``temperature`` a finite
-    number >= 0, ``top_k`` None or an integer >= 1, ``top_p`` None or a number in (0, 1] and ``seed``
-    an integer (what `generate` and `k3jax.sessions.SessionStore.generate` take)."""
-    if not _is_integer(max_new_tokens) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if not (_is_real(temperature) and temperature >= 0) or not (top_k is None or _is_integer(top_k) and top_k >= 1) \
-            or not (top_p is None or _is_real(top_p) and 0 < top_p <= 1):
-        raise ValueError(f"need a finite temperature >= 0, an integer top_k >= 1 (or None) and 0 < top_p <= 1 "
-                         f"(or None); got {temperature!r}, {top_k!r}, {top_p!r}")
-    if not _is_integer(seed):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
-
-
-def memory_limit(device=None) -> int:
-    """Bytes one device can hold: its allocator's limit where it reports one (GPU, TPU), else the
-    host's physical memory (CPU)."""
-    device = device or jax.devices()[0]
-    stats = device.memory_stats() or {}
-    return int(stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def check_bank_fits(config, sequences: int, length: int, what: str) -> None:
@@ -192,6 +130,7 @@ def generate(
     top_p: float | None = None,
     seed: int = 0,
     eos_id: int | None = None,
+    speculation=None,
 ) -> Generation:
     """Continue ``prompt_tokens``: ``[T]``, ``[B, T]``, or a list of B token lists of any lengths
     >= 1 (ids in ``[0, vocab_size)``). Each sequence continues as if it were generated alone.
@@ -200,20 +139,45 @@ def generate(
     the same tokens. Compiles once per model structure, batch size, prompt bucket and
     ``max_new_tokens``; the sampling settings, seed and EOS are runtime values. Bad arguments
     raise ValueError before anything runs.
+
+    ``speculation`` (a `k3jax.speculative.Speculation`): speculative decoding over a session store
+    instead (`speculative_generate`): greedy output is token for token the same; sampled output
+    follows the same distribution with other random numbers.
     """
     prompts, squeeze = _as_prompt_list(prompt_tokens)
     if not all(np.issubdtype(p.dtype, np.integer) for p in prompts):
         raise ValueError("prompt tokens must be integer ids")
     for prompt in prompts:
         check_token_range(prompt, model.config.vocab_size)
-    if eos_id is not None and not (_is_integer(eos_id) and 0 <= eos_id < model.config.vocab_size):
+    if eos_id is not None and not (is_integer(eos_id) and 0 <= eos_id < model.config.vocab_size):
         raise ValueError(f"eos_id must be an integer in [0, {model.config.vocab_size}), got {eos_id!r}")
     check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
     check_bank_fits(model.config, len(prompts), prompt_bucket(max(p.size for p in prompts)) + max_new_tokens - 1,
                     f"max_new_tokens={max_new_tokens}")
+    if speculation is not None:
+        result = speculative_generate(model, prompts, speculation, max_new_tokens, temperature, top_k, top_p, seed,
+                                      eos_id)
+        return Generation(result.tokens[0], result.lengths[0]) if squeeze else result
     sampling = (jnp.float32(temperature), jnp.int32(top_k or 0), jnp.float32(1.0 if top_p is None else top_p))
     prompt, segments = pad_prompts(prompts)
     graphdef, state = nnx.split(model)
     result = _generate(graphdef, state, prompt, segments, jax.random.key(seed), sampling,
                        jnp.int32(-1 if eos_id is None else eos_id), max_new_tokens=max_new_tokens)
     return Generation(result.tokens[0], result.lengths[0]) if squeeze else result
+
+
+def speculative_generate(model: K3Model, prompts: list[np.ndarray], speculation, max_new_tokens: int,
+                         temperature: float, top_k: int | None, top_p: float | None, seed: int,
+                         eos_id: int | None) -> Generation:
+    """`generate` by speculative rounds: the prompts open sessions of a store of their own
+    (`k3jax.sessions.speculate.Speculator`), all of them speculating together."""
+    from k3jax.sessions import SessionStore, Speculator
+
+    store = SessionStore(model, fingerprint="generate", prefix_cache=False)
+    sids = [store.open(prompt.astype(np.int32)) for prompt in prompts]
+    outputs = store.generate(sids, max_new_tokens, temperature, top_k, top_p, seed, eos_id,
+                             speculator=Speculator.of(store, speculation))
+    tokens = np.full((len(prompts), max_new_tokens), max(eos_id or 0, 0), np.int32)
+    for row, output in enumerate(outputs):
+        tokens[row, : output.size] = output
+    return Generation(jnp.asarray(tokens), jnp.asarray([output.size for output in outputs], jnp.int32))

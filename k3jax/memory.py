@@ -35,6 +35,7 @@ model threads the pools through its layers (`split_pools`, `join_pools`).
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from typing import NamedTuple
 
@@ -217,3 +218,11 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def memory_limit(device=None) -> int:
+    """Bytes one device can hold: its allocator's limit where it reports one (GPU, TPU), else the
+    host's physical memory (CPU)."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() or {}
+    return int(stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

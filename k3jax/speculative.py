@@ -11,7 +11,7 @@ A round of one sequence whose fed history is x_1..x_n and whose logits z_n predi
 
 p(z) is the target's sampling distribution: softmax(z / temperature) restricted to the top-k tokens
 and then to the smallest most likely set whose mass reaches top-p (the top token always stays), as
-`k3jax.generate.sample_logits`; temperature 0 puts all mass on argmax z. With j drafts accepted
+`k3jax.sampling.sample_logits`; temperature 0 puts all mass on argmax z. With j drafts accepted
 the round emits t_0, d_1..d_j and the sequence is left as if only those had been fed. After a
 rejection of d at z'_j, the next round's t_0 is drawn from the residual r = p(z'_j) with d's mass
 removed and renormalised. Every emitted token is then distributed exactly as p: P(d) =
@@ -32,7 +32,7 @@ UNIFORM, DRAW = 0, 1        # the two uses of a position's random numbers
 
 def sampling_probs(logits, temperature: float, top_k: int | None, top_p: float | None) -> np.ndarray:
     """p(z) of the module docstring in float64 for one row of ``logits [V]``: the distribution
-    `k3jax.generate.sample_logits` draws from (ties in the ranking go to the lower id)."""
+    `k3jax.sampling.sample_logits` draws from (ties in the ranking go to the lower id)."""
     logits = np.asarray(logits, np.float64)
     if temperature == 0:
         probs = np.zeros_like(logits)
@@ -98,6 +98,27 @@ def prompt_lookup(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: 
             start = int(starts[-1]) + n
             return [int(t) for t in history[start : start + k]]
     return []
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+    """How to speculate: drafts from ``prompt_lookup`` (the longest n-gram matched, n <= this) or
+    from ``draft`` (a smaller `k3jax.model.K3Model` with the target's vocabulary), up to ``k``
+    per round (adaptive when ``adaptive``). `k3jax.sessions.speculate.Speculator.of` builds it."""
+
+    prompt_lookup: int | None = None
+    draft: object = None
+    k: int = 4
+    adaptive: bool = True
+
+    def __post_init__(self):
+        if (self.prompt_lookup is None) == (self.draft is None):
+            raise ValueError("speculation needs exactly one draft: prompt_lookup (a max n-gram) or a draft model")
+        if self.prompt_lookup is not None and not (isinstance(self.prompt_lookup, int) and self.prompt_lookup >= 1):
+            raise ValueError(f"prompt_lookup must be an integer >= 1 (the longest n-gram matched), "
+                             f"got {self.prompt_lookup!r}")
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
+            raise ValueError(f"speculate k must be an integer >= 1, got {self.k!r}")
 
 
 @dataclasses.dataclass

@@ -28,7 +28,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from k3jax.generate import log_softmax
+from k3jax.sampling import log_softmax
 from k3jax.sessions import Sampling, SessionStore
 
 log = logging.getLogger("k3jax.serve")

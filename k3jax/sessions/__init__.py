@@ -2,6 +2,8 @@
 rollback, device/host/disk tiers and one batched decode step (`k3jax.sessions.store`, whose
 docstring maps the package's modules, one job each)."""
 from k3jax.sessions.batching import Sampling
+from k3jax.sessions.speculate import DraftModel, PromptLookup, RoundResult, Speculator
 from k3jax.sessions.store import SessionStore, Snapshot, model_fingerprint
 
-__all__ = ["Sampling", "SessionStore", "Snapshot", "model_fingerprint"]
+__all__ = ["DraftModel", "PromptLookup", "RoundResult", "Sampling", "SessionStore", "Snapshot", "Speculator",
+           "model_fingerprint"]

@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from k3jax.generate import check_sampling
+from k3jax.sampling import check_sampling
 from k3jax.sessions.paged import RowSampling, next_power_of_two
 from k3jax.sessions.pools import DevicePools
 

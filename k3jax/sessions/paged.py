@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.generate import sample_logits
+from k3jax.sampling import sample_logits
 from k3jax.memory import KDAMemory, KDAPool, Memory, MLAMemory, MLAPages
 
 
@@ -156,7 +156,7 @@ def pools_of(bank: Memory, like: Pools) -> Pools:
 class RowSampling(NamedTuple):
     """Each row's sampling, arrays ``[B]``: the key of the token a row samples at position p is
     fold_in(fold_in(key(seed), stream), p); temperature 0 is greedy, top_k 0 and top_p 1 are off
-    (`k3jax.generate.sample_logits`)."""
+    (`k3jax.sampling.sample_logits`)."""
 
     seed: jax.Array          # uint32
     stream: jax.Array        # uint32

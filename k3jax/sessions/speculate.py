@@ -2,6 +2,7 @@
 roll back and replay, exactly (the rules: `k3jax.speculative`).
 
     speculator = Speculator(store, PromptLookup(max_ngram=3), k=4)      # or DraftModel(draft_model)
+    speculator = Speculator.of(store, Speculation(prompt_lookup=3))     # the same
     out = speculator.round({sid: Sampling(...), ...}, limits={sid: 16}, stop_ids={2})
     out[sid].tokens, out[sid].logprobs                                   # this round's, >= 1 token each
     speculator.stats.as_dict()                                           # acceptance, draft / verify s
@@ -28,11 +29,12 @@ from typing import Mapping, NamedTuple, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.generate import log_softmax
+from k3jax.sampling import log_softmax
 from k3jax.sessions import paged
 from k3jax.sessions.batching import Sampling
+from k3jax.sessions.store import SessionStore
 from k3jax.sessions.tiers import NoRoom, Value
-from k3jax.speculative import (DRAW, UNIFORM, AdaptiveK, SpeculationStats, accepted_drafts, draw, position_rng,
+from k3jax.speculative import (DRAW, UNIFORM, AdaptiveK, Speculation, SpeculationStats, accepted_drafts, draw, position_rng,
                                prompt_lookup, residual, sampling_probs)
 
 
@@ -69,7 +71,6 @@ class DraftModel:
     batched `SessionStore.generate` per round."""
 
     def __init__(self, model, device_bytes: int | None = None):
-        from k3jax.sessions.store import SessionStore
         self.store = SessionStore(model, device_bytes=device_bytes, fingerprint="draft", prefix_cache=False)
         self._sessions: dict[int, int] = {}        # target session -> draft session
 
@@ -121,6 +122,16 @@ class Speculator:
         self.stats = SpeculationStats()
         self._k: dict[int, AdaptiveK] = {}
         self._rejected: dict[int, int] = {}       # session -> the draft its last round rejected (sampled)
+
+    @classmethod
+    def of(cls, store, speculation: Speculation) -> "Speculator":
+        """The speculator ``speculation`` describes, over ``store``."""
+        if speculation.draft is None:
+            return cls(store, PromptLookup(speculation.prompt_lookup), speculation.k, speculation.adaptive)
+        if speculation.draft.config.vocab_size != store.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({speculation.draft.config.vocab_size} tokens) is not "
+                             f"the target's ({store.config.vocab_size})")
+        return cls(store, DraftModel(speculation.draft), speculation.k, speculation.adaptive)
 
     def leave(self, sid: int) -> None:
         """Forget ``sid``'s speculation state (its draft session, draft length)."""
@@ -223,7 +234,7 @@ class Speculator:
         device = self.store._device
         batch = paged.next_power_of_two(len(values))
         pad = batch - len(values)
-        pages = paged.next_power_of_two(max(device.pages_for(v.length + width) for v in values))
+        pages = paged.next_power_of_two(max(len(v.pages) for v in values))     # room for width tokens: made
         slots = np.asarray([v.slot for v in values] + device.scratch_slots(pad), np.int32)
         tables = np.stack([device.table(v.pages, pages) for v in values] + [device.table([], pages)] * pad)
         lengths = np.asarray([v.length for v in values] + [0] * pad, np.int32)

@@ -6,6 +6,7 @@ rolled back and moved between device, host and disk.
     store.append(sid, tokens)           # -> logits [T, vocab]; store.logits(sid) -> [vocab]
     store.generate([sid, ...], 32)      # one batched jitted step per token over all the sessions
     store.step({sid: Sampling(...), ...})  # one token for each (a server's continuous batching)
+    store.generate(sids, 32, speculator=Speculator(store, PromptLookup()))   # speculative rounds
     h = store.snapshot(sid); store.rollback(sid, h); sid2 = store.fork(sid); store.close(sid)
     store.save(dir); SessionStore.load(model, dir)
 
@@ -16,6 +17,7 @@ This module is the public API; each job lives in its own module:
     prefix     the prefix cache: boundary states keyed by sha256(model fingerprint, token ids)
     tiers      where a value lives (device, host, disk) and the moves that keep the byte budgets
     batching   which sessions step together in `generate`, and the padded inputs of their step
+    speculate  speculative rounds: draft, verify in one batched call, roll back and replay
     persist    `save` / `load`: the directory format
     recency    least-recently-used order
 
@@ -36,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax.generate import check_sampling
+from k3jax.sampling import check_sampling
 from k3jax.sessions import batching, paged, persist
 from k3jax.sessions.batching import Sampling
 from k3jax.sessions.pools import DevicePools
@@ -141,14 +143,19 @@ class SessionStore:
         return self._extend(value, tokens)
 
     def generate(self, sids, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-                 top_p: float | None = None, seed: int = 0, eos_id: int | None = None) -> list[np.ndarray]:
+                 top_p: float | None = None, seed: int = 0, eos_id: int | None = None,
+                 speculator=None) -> list[np.ndarray]:
         """Continue each session by up to ``max_new_tokens`` sampled tokens (stopping after
         ``eos_id``); they are appended to its history. Returns one int32 array per session.
 
         All sessions step together in one jitted decode step (`step`; batch and page counts in
         power-of-two buckets); when the device budget cannot hold them all, those earlier in
         ``sids`` run first and the others join as sessions finish. A session's samples depend
-        only on (seed, its id, its position), not on the batch it runs in."""
+        only on (seed, its id, its position), not on the batch it runs in.
+
+        ``speculator`` (a `k3jax.sessions.speculate.Speculator` of this store): speculative rounds
+        instead of single steps; greedy output is the same, sampled output follows the same
+        distribution (with its own random numbers)."""
         check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
         self._collect()
         sids = list(sids)
@@ -159,18 +166,31 @@ class SessionStore:
             raise ValueError(f"eos_id must be an integer in [0, {self.config.vocab_size}), got {eos_id!r}")
         for value in values:
             self._tiers.check_fits(value.length + max_new_tokens)
+        if speculator is not None and speculator.store is not self:
+            raise ValueError("the speculator belongs to another session store")
         sampling = Sampling(temperature, top_k, top_p, seed)
+        width = 1 if speculator is None else 1 + speculator.k
         new = {sid: [] for sid in sids}
         pending, running = list(sids), []
         while pending or running:
-            running = batching.admit(running, pending, self._make_room_to_decode)
-            for sid, token in self._decode({sid: sampling for sid in running}).items():
-                new[sid].append(token)
+            running = batching.admit(running, pending,
+                                     lambda sid, admitted: self._make_room_to_decode(sid, admitted, width))
+            if speculator is None:
+                emitted = {sid: [token] for sid, token in self._decode({sid: sampling for sid in running}).items()}
+            else:
+                rounds = speculator.round({sid: sampling for sid in running},
+                                          limits={sid: max_new_tokens - len(new[sid]) for sid in running},
+                                          stop_ids=() if eos_id is None else (eos_id,))
+                emitted = {sid: result.tokens for sid, result in rounds.items()}
+            for sid, tokens in emitted.items():
+                new[sid].extend(tokens)
             finished = [sid for sid in running if len(new[sid]) == max_new_tokens
                         or (eos_id is not None and new[sid][-1] == eos_id)]
             for sid in finished:
                 running.remove(sid)
                 self._remember_prefix(self._sessions[sid])
+                if speculator is not None:
+                    speculator.leave(sid)
         return [np.asarray(new[sid], np.int32) for sid in sids]
 
     def step(self, sampling: dict) -> dict[int, int]:
@@ -323,11 +343,11 @@ class SessionStore:
         self._remember_prefix(value)
         return logits
 
-    def _make_room_to_decode(self, sid: int, admitted: list[int]) -> bool:
-        """Room on device for one more token of session ``sid`` beside the ``admitted`` ones ->
-        whether there is."""
+    def _make_room_to_decode(self, sid: int, admitted: list[int], tokens: int = 1) -> bool:
+        """Room on device for ``tokens`` more tokens of session ``sid`` beside the ``admitted``
+        ones -> whether there is."""
         try:
-            self._tiers.writable(self._sessions[sid], 1, pinned=[self._sessions[s] for s in admitted])
+            self._tiers.writable(self._sessions[sid], tokens, pinned=[self._sessions[s] for s in admitted])
         except NoRoom:
             return False
         return True

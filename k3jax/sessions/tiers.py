@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Mapping, NamedTuple
 import jax
 import numpy as np
 
-from k3jax.generate import memory_limit
+from k3jax.memory import memory_limit
 from k3jax.sessions.pools import DevicePools
 from k3jax.sessions.prefix import PrefixCache
 from k3jax.sessions.recency import Clock, least_recent
@@ -180,7 +180,7 @@ class Tiers:
 
     def check_fits(self, length: int) -> None:
         """A session of ``length`` tokens must fit the device budget on its own (without a budget:
-        the device's memory, `k3jax.generate.memory_limit`)."""
+        the device's memory, `k3jax.memory.memory_limit`)."""
         need = self.device.slot_bytes + (self.device.pages_for(length) + 1) * self.device.page_bytes
         budget = memory_limit() if self.device_budget is None else self.device_budget
         if need > budget:

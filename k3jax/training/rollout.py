@@ -31,7 +31,7 @@ from typing import Callable
 import numpy as np
 
 from k3jax.data.chat_format import generation_prompt, render_conversation
-from k3jax.generate import log_softmax
+from k3jax.sampling import log_softmax
 from k3jax.sessions import Sampling, SessionStore
 from k3jax.training.environments import ToolCallError
 from k3jax.training.rewards import RewardError, checked_reward, score

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from k3jax.generate import sample_logits
+from k3jax.sampling import sample_logits
 from k3jax.sessions import Sampling, SessionStore
 from tests.sessions.conftest import contiguous_logits, random_tokens
 

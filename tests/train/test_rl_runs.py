@@ -12,7 +12,7 @@ from flax import nnx
 
 from k3jax.checkpoint import RunCheckpoints
 from k3jax.config import load_config
-from k3jax.generate import log_softmax
+from k3jax.sampling import log_softmax
 from k3jax.training import RLTrainer, Trainer, restore_model
 from tests.helpers import MICRO
 from tests.train.test_heldout_eval import write_corpus

@@ -11,7 +11,8 @@ from flax import nnx
 from k3jax.config import load_config
 from k3jax.data import PromptDataset
 from k3jax.data.chat_format import generation_prompt, render_conversation
-from k3jax.generate import generate, log_softmax
+from k3jax.generate import generate
+from k3jax.sampling import log_softmax
 from k3jax.model import K3Model
 from k3jax.training.environments import ToolCallError, Turn
 from k3jax.training.rollout import Rollout, SamplingSettings
