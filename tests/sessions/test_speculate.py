@@ -44,11 +44,12 @@ class ScriptedDrafts:
 def assert_session_is_one_prefill(model, store, sid):
     """The session's memory and logits equal one prefill of its tokens; its pages fit its tokens."""
     tokens = store.tokens(sid)
-    bank, value = contiguous_bank(model, tokens), store._arrays(store._sessions[sid])
+    capacity = 64 * -(-tokens.size // 64)
+    bank, value = contiguous_bank(model, tokens, capacity), store._arrays(store._sessions[sid])
     np.testing.assert_allclose(value.state, np.asarray(bank.kda.state[:, 0]), **TOL)
     np.testing.assert_allclose(value.conv, np.asarray(bank.kda.conv[:, 0]), **TOL)
     np.testing.assert_allclose(value.rows, np.asarray(bank.mla.latent[:, 0, : tokens.size]), **TOL)
-    np.testing.assert_allclose(store.logits(sid), contiguous_logits(model, tokens)[-1], **TOL)
+    np.testing.assert_allclose(store.logits(sid), contiguous_logits(model, tokens, capacity)[-1], **TOL)
     assert len(store._sessions[sid].pages) == store._device.pages_for(tokens.size)
 
 
