@@ -19,7 +19,8 @@ else the rendering in place of the sampled ids. So the session's tokens are alwa
 `render_conversation` of the turns so far plus the generation prompt. ``--raw`` (and every other
 run) takes turns as `eval.generate` takes prompts (`eval.generate.Codec`): plain text through the
 run's tokenizer, or space-separated token ids on MQAR runs, answered with ids. Sampling
-flags are those of `k3jax.generate.generate`. Bad input (a missing checkpoint, a bad flag, an
+flags are those of `k3jax.generate.generate`; ``--prompt-lookup N`` / ``--draft RUN_DIR`` with
+``--speculate-k K`` answer by speculative rounds (`eval.speculation`). Bad input (a missing checkpoint, a bad flag, an
 unknown command or session, a name that exists) prints one ``error:`` line; startup errors exit 2.
 """
 from __future__ import annotations
@@ -32,12 +33,13 @@ import numpy as np
 
 from k3jax.data import DataError
 from k3jax.sampling import check_sampling
-from k3jax.sessions import SessionStore
+from k3jax.sessions import SessionStore, Speculator
 
 from .chat_turns import ChatTurns, chat_turns_for
 from .cli import quiet_checkpoint_logging
 from .generate import Codec
 from .loading import EvalInputError, load_run
+from .speculation import add_speculation_flags, speculation_from
 
 
 class ChatInputError(Exception):
@@ -60,6 +62,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sessions-dir", default=None, help="where /save and /load keep stores (default RUN_DIR/sessions)")
     parser.add_argument("--raw", action="store_true", help="on a chat run: plain-text turns, no chat format")
+    add_speculation_flags(parser)
     args = parser.parse_args(argv)
     try:
         check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
@@ -72,10 +75,20 @@ class Chat:
     """The state of one chat: the store, the current session and each session's undo snapshots."""
 
     def __init__(self, model, codec: Codec | None, args: argparse.Namespace, sessions_dir: pathlib.Path,
-                 turns: ChatTurns | None = None):
-        """``turns``: K3's chat format for every turn; None: ``codec`` encodes turns as they are."""
+                 turns: ChatTurns | None = None, speculation=None):
+        """``turns``: K3's chat format for every turn; None: ``codec`` encodes turns as they are.
+        ``speculation`` (a `k3jax.speculative.Speculation`): replies by speculative rounds."""
         self.model, self.codec, self.args, self.sessions_dir, self.turns = model, codec, args, sessions_dir, turns
         self.store, self.current, self.undo = SessionStore(model), None, {}
+        self.speculation, self._speculator = speculation, None
+
+    def speculator(self) -> Speculator | None:
+        """The speculator of the current store (a new one after /load replaced the store)."""
+        if self.speculation is None:
+            return None
+        if self._speculator is None or self._speculator.store is not self.store:
+            self._speculator = Speculator.of(self.store, self.speculation)
+        return self._speculator
 
     def turn(self, line: str) -> str:
         if not line:
@@ -91,7 +104,8 @@ class Chat:
         args = self.args
         eos_id = self.codec.eos_id if self.turns is None else self.turns.eos_id
         new = self.store.generate([self.current], args.max_new_tokens, temperature=args.temperature,
-                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=eos_id)[0]
+                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=eos_id,
+                                  speculator=self.speculator())[0]
         if self.turns is None:
             return self.codec.decode(new)
         self._keep_rendered_reply(new, before_reply)
@@ -155,12 +169,13 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None) -> int:
         run = load_run(args.run, args.step)
         turns = None if args.raw else chat_turns_for(run.config)
         codec = Codec(run.config, raw=True) if turns is None else None
+        speculation = speculation_from(args, run.config)
     except (ChatInputError, EvalInputError, DataError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     sessions_dir = pathlib.Path(args.sessions_dir) if args.sessions_dir else run.run_dir / "sessions"
     sessions_dir.mkdir(parents=True, exist_ok=True)
-    chat = Chat(run.model, codec, args, sessions_dir, turns)
+    chat = Chat(run.model, codec, args, sessions_dir, turns, speculation)
     for line in stdin:
         line = line.strip()
         try:

@@ -6,6 +6,7 @@ continue prompts with a trained checkpoint.
     python -m eval.generate runs/default --prompt "3 17 250"                    # MQAR runs: token ids
     python -m eval.generate runs/chat --prompt "3 QWERTY"                       # chat runs: a user turn
     python -m eval.generate runs/chat --prompt "3 QWERTY" --raw                 # ... or plain text
+    python -m eval.generate runs/text --prompt-file prompts.txt --prompt-lookup 3   # speculative (`eval.speculation`)
 
 Chat runs (``data.kind=chat``, or a model whose tokenizer names K3's chat markers, such as an
 imported K3) take each prompt as a user turn in K3's chat format followed by the assistant's
@@ -28,6 +29,7 @@ from k3jax.data import DataError, load_tokenizer
 from .chat_turns import chat_turns_for
 from .cli import OneLineParser, quiet_checkpoint_logging
 from .loading import EvalInputError, load_run
+from .speculation import add_speculation_flags, speculation_from
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -44,6 +46,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--raw", action="store_true",
                         help="on a chat run: plain-text prompts and continuations, no chat format")
+    add_speculation_flags(parser)
     return parser.parse_args(argv)
 
 
@@ -100,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         codec = Codec(run.config, raw=args.raw)
         ids = [codec.encode(prompt) for prompt in prompts]
         out = generate(run.model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=codec.eos_id)
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=codec.eos_id,
+                       speculation=speculation_from(args, run.config))
     except (EvalInputError, DataError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2

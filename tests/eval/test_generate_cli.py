@@ -1,5 +1,7 @@
 """``python -m eval.generate``: prompts of different lengths in one batch, one continuation per line;
 bad input one line, status 2."""
+import io
+
 import pytest
 
 from eval.generate import main
@@ -25,5 +27,41 @@ def test_prompts_of_different_lengths_get_one_line_each(untrained_run, capsys):
 ])
 def test_bad_input_is_one_line_and_status_2(args, message, untrained_run, capsys):
     status = main([str(untrained_run.path), *args])
+    err = capsys.readouterr().err
+    assert status == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.slow     # compiles the verify and replay programs
+@pytest.mark.parametrize("flags", [["--prompt-lookup", "2"], ["--draft", "RUN", "--speculate-k", "3"]])
+def test_speculative_greedy_prints_what_greedy_prints(flags, untrained_run, capsys):
+    prompts = ["--prompt", "3 4 5 3 4 5 3 4", "--prompt", "6", "--max-new-tokens", "6"]
+    assert main([str(untrained_run.path), *prompts]) == 0
+    plain = capsys.readouterr().out
+    flags = [str(untrained_run.path) if flag == "RUN" else flag for flag in flags]    # the run as its own draft
+    assert main([str(untrained_run.path), *prompts, *flags]) == 0
+    assert capsys.readouterr().out == plain
+
+
+def test_speculative_chat_answers_what_plain_chat_answers(untrained_run, capsys):
+    from eval.chat import main as chat
+
+    turns = "3 4 5 3 4 5\n6 7\n/rollback\n6 7\n"
+    replies = []
+    for flags in ([], ["--prompt-lookup", "2"]):
+        stdout = io.StringIO()
+        assert chat([str(untrained_run.path), "--max-new-tokens", "4", *flags], io.StringIO(turns), stdout) == 0
+        replies.append(stdout.getvalue())
+    assert replies[1] == replies[0] and len(replies[0].splitlines()) == 4
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt-lookup", "2", "--draft", "x"], "not allowed with argument"),
+    (["--prompt-lookup", "0"], "prompt_lookup must be"),
+    (["--prompt-lookup", "2", "--speculate-k", "0"], "k must be"),
+    (["--speculate-k", "2"], "--speculate-k needs --prompt-lookup or --draft"),
+    (["--draft", "/no/such/run"], "/no/such/run"),
+])
+def test_bad_speculation_flags_are_one_line_and_status_2(args, message, untrained_run, capsys):
+    status = main([str(untrained_run.path), "--prompt", "3", *args])
     err = capsys.readouterr().err
     assert status == 2 and len(err.strip().splitlines()) == 1 and message in err, err

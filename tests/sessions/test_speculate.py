@@ -53,7 +53,7 @@ def assert_session_is_one_prefill(model, store, sid):
     assert len(store._sessions[sid].pages) == store._device.pages_for(tokens.size)
 
 
-def run_rounds(speculator, sids, sampling, new=NEW, check=None):
+def run_rounds(speculator, sids, sampling, new=NEW):
     """Rounds until every session has ``new`` tokens -> ({sid: tokens}, {sid: log-probs})."""
     tokens, logprobs = {sid: [] for sid in sids}, {sid: [] for sid in sids}
     while any(len(tokens[sid]) < new for sid in sids):
@@ -63,8 +63,6 @@ def run_rounds(speculator, sids, sampling, new=NEW, check=None):
             assert 1 <= len(result.tokens) == len(result.logprobs) <= new
             tokens[sid] += result.tokens
             logprobs[sid] += result.logprobs
-            if check:
-                check(sid)
     return tokens, logprobs
 
 
@@ -75,6 +73,7 @@ def assert_logprobs_of_one_prefill(model, store, sid, emitted, logprobs):
     np.testing.assert_allclose(logprobs, expected, atol=1e-5)
 
 
+@pytest.mark.slow    # compiles of verify / replay widths and of the reference prefills
 def test_greedy_rounds_with_rejections_equal_plain_greedy_and_leave_every_session_as_one_prefill(model):
     store = SessionStore(model)
     sids = [store.open(prompt) for prompt in PROMPTS]
@@ -82,15 +81,16 @@ def test_greedy_rounds_with_rejections_equal_plain_greedy_and_leave_every_sessio
     wrong = {sids[0]: {2, 3, 7}, sids[1]: {1, 9}, sids[2]: set()}      # different acceptances
     drafter = ScriptedDrafts(dict(zip(sids, PROMPTS)), plain, wrong)
     speculator = Speculator(store, drafter, k=3, adaptive=False)
-    tokens, logprobs = run_rounds(speculator, sids, Sampling(),
-                                  check=lambda sid: assert_session_is_one_prefill(model, store, sid))
+    tokens, logprobs = run_rounds(speculator, sids, Sampling())
     for sid in sids:
+        assert_session_is_one_prefill(model, store, sid)
         np.testing.assert_array_equal(tokens[sid], plain[sid])
         assert_logprobs_of_one_prefill(model, store, sid, tokens[sid], logprobs[sid])
     stats = speculator.stats
     assert 0 < stats.accepted < stats.drafted and stats.emitted == 3 * NEW
 
 
+@pytest.mark.slow    # compiles of verify / replay widths and of the reference prefills
 def test_sampled_rounds_are_reproducible_and_exact_in_memory(model):
     sampling = Sampling(temperature=1.0, top_p=0.9, seed=7)
 
@@ -109,6 +109,7 @@ def test_sampled_rounds_are_reproducible_and_exact_in_memory(model):
     assert first == again and stats.drafted > 0
 
 
+@pytest.mark.slow    # compiles of verify / replay widths and of the reference prefills
 def test_store_generate_and_generate_speculate_as_greedy_decoding_does(model):
     store = SessionStore(model)
     sids = [store.open(prompt) for prompt in PROMPTS[:2]]
@@ -125,6 +126,7 @@ def test_store_generate_and_generate_speculate_as_greedy_decoding_does(model):
     np.testing.assert_array_equal(got.tokens, expected.tokens)
 
 
+@pytest.mark.slow    # compiles of verify / replay widths and of the reference prefills
 def test_prompt_lookup_drafts_from_the_history_and_a_stop_id_ends_the_round(model):
     store = SessionStore(model)
     sid = store.open(np.tile(PROMPTS[2], 2))                            # most tokens recur: drafts
