@@ -1,0 +1,132 @@
+"""Speculative decoding vs plain decoding, side by side in one run (`k3jax.sessions.Speculator`):
+
+    copy     prompt lookup on a copy-heavy task: a model trained to copy a line ("old: <letters>"
+             then "new: <the same letters>"), prompted with held-out "old: ...\\nnew: "
+    chat     a draft model on the chat demo: the README's chat run as the target, a smaller model
+             trained on the same conversations as the draft, prompted with user turns
+
+For each: greedy decode tokens/s of B sessions decoding together (`SessionStore.generate`), plain
+vs speculative, the ratio, acceptance rate, mean accepted drafts per session-round, draft and verify
+seconds, and whether the outputs are equal token for token. Each trial starts from the same
+snapshots; the first two (one in each order) compile and are not counted; the variants alternate.
+
+    python -m bench.speculative --copy-run RUN --chat-run RUN --draft-run RUN [--sessions 4]
+                                [--new-tokens 32] [--k 4] [--trials 3] [--json bench/speculative.json]
+
+The runs (2-core CPU, a few minutes each; commands in `RUNS`) are trained with `python -m train`.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import numpy as np
+
+from bench.common import seconds, table, write_json
+from eval.chat_turns import chat_turns_for
+from eval.loading import load_run
+from k3jax.data import load_tokenizer
+from k3jax.sessions import DraftModel, PromptLookup, SessionStore, Speculator
+
+WARMUP_TRIALS = 2
+CHAT = ("data.kind=chat data.path=configs/chat/conversations.jsonl data.tokenizer=configs/chat/tokenizer "
+        "data.seq_len=128 data.chat_thinking=false data.chat_thinking_effort=null train.batch_size=8 train.steps=400")
+RUNS = {
+    "copy": "python -c 'from bench.speculative import copy_corpus; copy_corpus(\"copy.txt\")' && "
+            "python -m train configs/tiny.yaml run_dir=RUN data.kind=text data.path=copy.txt data.seq_len=128 "
+            "train.batch_size=8 train.steps=800",
+    "chat": f"python -m train configs/tiny.yaml run_dir=RUN {CHAT}",
+    "draft": f"python -m train configs/tiny.yaml run_dir=RUN {CHAT} model.num_layers=2 model.mla_period=2 "
+             "model.attn_res.block_size=2 model.d_model=32",
+}
+
+
+def copy_line(rng: np.random.Generator) -> str:
+    return "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), rng.integers(12, 25)))
+
+
+def copy_corpus(path: str, lines: int = 6000, seed: int = 0) -> None:
+    """The copy task's training text: ``old: s`` then ``new: s`` for random letter strings s."""
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as out:
+        for _ in range(lines):
+            line = copy_line(rng)
+            out.write(f"old: {line}\nnew: {line}\n")
+
+
+def compare(store: SessionStore, prompts: list, speculator: Speculator, new_tokens: int, trials: int) -> dict:
+    """Plain vs speculative greedy decoding of ``prompts`` (token lists) together, medians."""
+    sids = [store.open(np.asarray(prompt, np.int32)) for prompt in prompts]
+    handles = [store.snapshot(sid) for sid in sids]
+    outputs, times = {}, {"plain": [], "speculative": []}
+    modes = {"plain": lambda: store.generate(sids, new_tokens),
+             "speculative": lambda: store.generate(sids, new_tokens, speculator=speculator)}
+    for trial in range(trials + WARMUP_TRIALS):
+        for name in (list(modes) if trial % 2 == 0 else list(modes)[::-1]):
+            for sid, handle in zip(sids, handles):
+                store.rollback(sid, handle)
+            stats_before = speculator.stats.as_dict()
+            elapsed = seconds(lambda: outputs.__setitem__(name, modes[name]()))
+            if trial >= WARMUP_TRIALS:
+                times[name].append(elapsed)
+                if name == "speculative":
+                    speculator_rounds = {key: speculator.stats.as_dict()[key] - stats_before[key]
+                                         for key in ("rounds", "drafted", "accepted", "draft_seconds", "verify_seconds")}
+    tokens = len(prompts) * new_tokens
+    median = {name: statistics.median(values) for name, values in times.items()}
+    return {
+        "sessions": len(prompts), "new_tokens": new_tokens, "seconds": times,
+        "plain_tokens_per_s": tokens / median["plain"], "speculative_tokens_per_s": tokens / median["speculative"],
+        "speedup": median["plain"] / median["speculative"],
+        "acceptance_rate": speculator_rounds["accepted"] / max(speculator_rounds["drafted"], 1),
+        "mean_accepted_length": speculator_rounds["accepted"] / max(speculator_rounds["rounds"], 1),
+        "draft_seconds": speculator_rounds["draft_seconds"], "verify_seconds": speculator_rounds["verify_seconds"],
+        "outputs_equal": all(np.array_equal(a, b) for a, b in zip(outputs["plain"], outputs["speculative"])),
+    }
+
+
+def copy_case(run_dir: str, args) -> dict:
+    run = load_run(run_dir)
+    tokenizer = load_tokenizer(run.config.data.tokenizer)
+    rng = np.random.default_rng(1)                                 # other strings than training's seed 0
+    prompts = [list(tokenizer.encode(f"old: {copy_line(rng)}\nnew: ")) for _ in range(args.sessions)]
+    store = SessionStore(run.model, prefix_cache=False)
+    return compare(store, prompts, Speculator(store, PromptLookup(3), args.k), args.new_tokens, args.trials)
+
+
+def chat_case(run_dir: str, draft_dir: str, args) -> dict:
+    run, draft = load_run(run_dir), load_run(draft_dir)
+    turns = chat_turns_for(run.config)
+    rng = np.random.default_rng(1)
+    prompts = [turns.user_turn(f"{rng.integers(1, 4)} {copy_line(rng)[:8].upper()}", first=True).tolist()
+               for _ in range(args.sessions)]
+    store = SessionStore(run.model, prefix_cache=False)
+    return compare(store, prompts, Speculator(store, DraftModel(draft.model), args.k), args.new_tokens, args.trials)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__.splitlines()[0])
+    parser.add_argument("--copy-run", required=True, help=RUNS["copy"])
+    parser.add_argument("--chat-run", required=True, help=RUNS["chat"])
+    parser.add_argument("--draft-run", required=True, help=RUNS["draft"])
+    parser.add_argument("--sessions", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--json", default="bench/speculative.json")
+    args = parser.parse_args(argv)
+    results = {"copy (prompt lookup)": copy_case(args.copy_run, args),
+               "chat (draft model)": chat_case(args.chat_run, args.draft_run, args)}
+    rows = [[name, f"{r['plain_tokens_per_s']:.1f}", f"{r['speculative_tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
+             f"{r['acceptance_rate']:.2f}", f"{r['mean_accepted_length']:.2f}",
+             f"{r['draft_seconds']:.2f} / {r['verify_seconds']:.2f}", "yes" if r["outputs_equal"] else "NO"]
+            for name, r in results.items()]
+    print(table(["case", "plain tok/s", "speculative tok/s", "speed-up", "acceptance", "accepted / round",
+                 "draft / verify s", "equal"], rows))
+    print(f"wrote {write_json(args.json, {'args': vars(args), 'results': results})}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
