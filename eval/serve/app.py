@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3jax.data import DataError
@@ -321,8 +321,8 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        stats = await server.on_engine(lambda store: store.stats())
-        return PlainTextResponse(prometheus_text(server, stats), media_type="text/plain; version=0.0.4")
+        stats, speculation = await server.on_engine(lambda store: (store.stats(), server.engine.speculation()))
+        return PlainTextResponse(prometheus_text(server, stats, speculation), media_type="text/plain; version=0.0.4")
 
     return app
 
@@ -334,8 +334,10 @@ def _include_usage(body: dict) -> bool:
     return bool(options.get("include_usage"))
 
 
-def prometheus_text(server: Server, stats: dict) -> str:
-    """The server's counters and gauges in Prometheus's text format."""
+def prometheus_text(server: Server, stats: dict, speculation: dict | None = None) -> str:
+    """The server's counters and gauges in Prometheus's text format; ``speculation`` (the engine's
+    `Engine.speculation`) adds the ``k3jax_speculation_*`` ones, which a server without
+    speculative decoding leaves out."""
     engine = server.engine
     lines = []
 
@@ -349,8 +351,8 @@ def prometheus_text(server: Server, stats: dict) -> str:
     metric("requests_total", "counter", "HTTP requests by route and status",
            [({"route": route, "status": status}, count) for (route, status), count in sorted(server.requests.items())])
     metric("prompt_tokens_total", "counter", "prompt tokens of admitted requests", [({}, engine.counters["prompt_tokens"])])
-    metric("generation_tokens_total", "counter", "tokens sampled (/ decode steps: the mean batch)", [({}, engine.counters["generation_tokens"])])
-    metric("decode_steps_total", "counter", "batched decode steps", [({}, engine.counters["decode_steps"])])
+    metric("generation_tokens_total", "counter", "tokens generated (/ decode steps: the mean tokens per step)", [({}, engine.counters["generation_tokens"])])
+    metric("decode_steps_total", "counter", "engine steps (a batched decode step or speculative round)", [({}, engine.counters["decode_steps"])])
     metric("request_timeouts_total", "counter", "requests past their deadline", [({}, engine.counters["timeouts"])])
     metric("batch_size", "gauge", "sequences in the latest decode step", [({}, engine.last_batch)])
     metric("queue_depth", "gauge", "requests waiting to be admitted", [({}, engine.queue_depth)])
@@ -365,4 +367,18 @@ def prometheus_text(server: Server, stats: dict) -> str:
            [({"tier": tier}, stats[f"{tier}_bytes"]) for tier in ("device", "host", "disk")])
     metric("sessions", "gauge", "open sessions (running requests and stored responses)", [({}, stats["sessions"])])
     metric("stored_responses", "gauge", "responses kept for previous_response_id", [({}, len(server.responses.items))])
+    if speculation is not None:
+        for name, kind, key, help_text in SPECULATION_METRICS:
+            metric(f"speculation_{name}", kind, help_text, [({}, speculation[key])])
     return "\n".join(lines) + "\n"
+
+
+SPECULATION_METRICS = [      # (name after k3jax_speculation_, kind, `SpeculationStats.as_dict` key, help)
+    ("rounds_total", "counter", "rounds", "speculative rounds, one per sequence and engine step"),
+    ("drafted_tokens_total", "counter", "drafted", "draft tokens proposed"),
+    ("accepted_tokens_total", "counter", "accepted", "draft tokens accepted"),
+    ("acceptance_rate", "gauge", "acceptance_rate", "accepted / drafted"),
+    ("mean_accepted_length", "gauge", "mean_accepted_length", "accepted draft tokens per round"),
+    ("draft_seconds_total", "counter", "draft_seconds", "seconds spent drafting"),
+    ("verify_seconds_total", "counter", "verify_seconds", "seconds spent verifying, rolling back and replaying"),
+]

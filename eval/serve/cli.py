@@ -2,6 +2,7 @@
 
     python -m eval.serve runs/chat --port 8000                         # http://127.0.0.1:8000/v1
     python -m eval.serve runs/chat --api-key secret --state-dir state   # keys; stored responses survive restarts
+    python -m eval.serve runs/chat --prompt-lookup 3                    # speculative decoding (or --draft RUN_DIR)
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream``), ``POST /v1/responses`` (``previous_response_id``; ``GET`` / ``DELETE /v1/responses/{id}``,
@@ -10,6 +11,11 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 (`eval.serve.engine`). SIGTERM / SIGINT: no new requests; running ones get ``--drain-seconds`` to
 finish, the rest an error; with ``--state-dir`` the stored responses are saved, and loaded at the
 next start; the process then ends by the signal (status 143 after SIGTERM, as uvicorn does). Bad flags or an unusable run directory: one line on stderr, exit status 2.
+
+Speculative decoding (`k3jax.sessions.speculate`): ``--prompt-lookup N`` drafts by copying what
+followed the latest earlier occurrence of the last (up to N) tokens; ``--draft RUN_DIR`` drafts with
+that run's (smaller) model, which must read the same token ids (vocabulary size, tokenizer); up to
+``--speculate-k`` drafts a round. Greedy output is unchanged, sampled output keeps its distribution.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from ..cli import OneLineParser, quiet_checkpoint_logging
 from ..loading import EvalInputError, load_run
 
 DEFAULT_COMPILATION_CACHE = "~/.cache/k3jax/xla"    # `train.compilation_cache`'s default
+DEFAULT_SPECULATE_K = 4
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
@@ -72,10 +79,46 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              f"(default {DEFAULT_COMPILATION_CACHE}, as training's; 'none': off)")
     parser.add_argument("--drain-seconds", type=_positive(float), default=30.0,
                         help="on SIGTERM, seconds running requests get to finish (default 30)")
+    drafts = parser.add_mutually_exclusive_group()
+    drafts.add_argument("--prompt-lookup", type=_positive(int), default=None, metavar="N",
+                        help="speculative decoding, drafts copied from the sequence itself (n-grams up to N)")
+    drafts.add_argument("--draft", default=None, metavar="RUN_DIR",
+                        help="speculative decoding, drafts from this run's model (same tokenizer)")
+    parser.add_argument("--speculate-k", type=_positive(int), default=None, metavar="K",
+                        help=f"draft tokens per round (default {DEFAULT_SPECULATE_K})")
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
+    if args.speculate_k is not None and args.prompt_lookup is None and args.draft is None:
+        parser.error("--speculate-k needs --prompt-lookup or --draft")
+    if args.speculate_k is None:
+        args.speculate_k = DEFAULT_SPECULATE_K
     return args
+
+
+def load_drafter(args: argparse.Namespace, served):
+    """The drafter ``args`` name (None: no speculative decoding): prompt lookup, or the model of the
+    ``--draft`` run, which must read the same token ids as ``served`` (an `eval.serve.model.ServedModel`)."""
+    from k3jax.sessions.speculate import DraftModel, PromptLookup
+
+    from .model import ServedModel
+
+    if args.prompt_lookup is not None:
+        return PromptLookup(max_ngram=args.prompt_lookup)
+    if args.draft is None:
+        return None
+    try:
+        draft = ServedModel(load_run(args.draft), "draft", served.max_model_len)
+    except EvalInputError as error:
+        raise EvalInputError(f"--draft: {error}") from None
+    if draft.vocab_size != served.vocab_size:
+        raise EvalInputError(f"--draft {args.draft}: its vocabulary has {draft.vocab_size} tokens, the served "
+                             f"model's {served.vocab_size}")
+    ours, theirs = served.token_meaning(), draft.token_meaning()
+    differing = [key for key in ours if ours[key] != theirs[key]]
+    if differing:
+        raise EvalInputError(f"--draft {args.draft}: its {' and '.join(differing)} differ from the served model's")
+    return DraftModel(draft.model)
 
 
 def build(args: argparse.Namespace):
@@ -86,10 +129,12 @@ def build(args: argparse.Namespace):
     from .engine import Engine
     from .model import ServedModel
     from .responses import ResponseStore
+    from k3jax.sessions.speculate import Speculator
 
     run = load_run(args.run, args.step)
     name = args.model_name or run.run_dir.name
     served = ServedModel(run, name, args.max_model_len)
+    drafter = load_drafter(args, served)
     budgets = dict(device_bytes=args.device_bytes, host_bytes=args.host_bytes)
     state_dir = None if args.state_dir is None else pathlib.Path(args.state_dir)
     try:
@@ -100,7 +145,8 @@ def build(args: argparse.Namespace):
             responses, store = ResponseStore(), SessionStore(run.model, **budgets)
     except (OSError, ValueError) as error:
         raise EvalInputError(f"--state-dir {state_dir}: {error}") from None
-    engine = Engine(store, max_batch=args.max_batch, max_queue=args.max_queue)
+    speculator = None if drafter is None else Speculator(store, drafter, k=args.speculate_k)
+    engine = Engine(store, max_batch=args.max_batch, max_queue=args.max_queue, speculator=speculator)
     server = Server(served, engine, responses, api_key=args.api_key, request_timeout=args.request_timeout)
 
     def on_shutdown() -> None:

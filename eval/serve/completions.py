@@ -65,7 +65,7 @@ class _Choices:
     def sequence(self, sid: int, choice: int, top_logprobs: int | None) -> Sequence:
         stop_ids = frozenset() if self.ignore_eos or self.served.eos_id is None else frozenset([self.served.eos_id])
         return Sequence(sid, params.choice_sampling(self.temperature, self.top_p, self.seed, choice), self.max_tokens,
-                        stop_ids, top_logprobs)
+                        stop_ids, top_logprobs, text_stops=bool(self.stops))
 
     def text_of(self, tokens: list[int]) -> str:
         return self.served.decode(tokens)

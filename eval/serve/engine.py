@@ -7,6 +7,14 @@
                   (requests join and leave between steps); each token goes to its job's ``notify``;
                   a job whose sequences all ended runs ``job.finish(store)`` and sends its result
 
+With a ``speculator`` (`k3jax.sessions.speculate.Speculator`) each turn is one speculative round
+instead: every running sequence emits one or more tokens (up to its remaining ``max_tokens``, none
+after a stop id), with the tokens, text and log-probs plain steps would give (greedy: the same
+tokens; sampled: the same distribution). A sequence asking for top log-prob alternatives needs the
+logits of every position, so it takes a plain step beside the round. A stop string completed
+inside a round ends the sequence there: its session is rolled back to before the round and fed the
+kept tokens, holding exactly what plain decoding would have fed.
+
 Everything that touches the store runs on this thread (`Engine.call` for one-off work: forking a
 stored response, reading the store's stats), so the store needs no lock. A cancelled job (its client
 went away) or one past its deadline is aborted between steps and its sessions closed.
@@ -71,6 +79,7 @@ class Sequence:
     max_tokens: int
     stop_ids: frozenset = frozenset()
     top_logprobs: int | None = None        # None: no log-probs; k: the token's and the k most likely
+    text_stops: bool = False               # its job's ``stopped`` may end it inside a speculative round
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)   # a TokenLogprob per token (with top_logprobs)
     finish_reason: str | None = None
@@ -104,10 +113,11 @@ def close_sessions(store: SessionStore, sequences) -> None:
 class Engine:
     """The loop thread over ``store``; see the module docstring."""
 
-    def __init__(self, store: SessionStore, *, max_batch: int = 64, max_queue: int = 256):
+    def __init__(self, store: SessionStore, *, max_batch: int = 64, max_queue: int = 256, speculator=None):
+        """``speculator``: a `k3jax.sessions.speculate.Speculator` over ``store`` (None: plain steps)."""
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
-        self.store, self.max_batch, self.max_queue = store, max_batch, max_queue
+        self.store, self.max_batch, self.max_queue, self.speculator = store, max_batch, max_queue, speculator
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: collections.deque[Job] = collections.deque()
         self._queued = 0                      # submitted and not yet admitted (guarded by _lock)
@@ -144,6 +154,11 @@ class Engine:
     @property
     def queue_depth(self) -> int:
         return self._queued
+
+    def speculation(self) -> dict | None:
+        """The speculator's counters (`k3jax.speculative.SpeculationStats.as_dict`); None when
+        speculation is off. Read on the engine thread (`call`) for a consistent set."""
+        return None if self.speculator is None else self.speculator.stats.as_dict()
 
     def shutdown(self, drain_seconds: float, on_stop: Callable[[SessionStore], None] | None = None) -> None:
         """Stop accepting jobs; let running and waiting ones finish for up to ``drain_seconds``,
@@ -249,32 +264,94 @@ class Engine:
             self._finish_if_done(job)
 
     def _step(self) -> None:
+        """One turn of every running sequence: a plain step, or a speculative round (see the
+        module docstring); each emitted token is delivered until its sequence ends."""
         live = [(job, index, sequence) for job in self._jobs for index, sequence in enumerate(job.running)
                 if sequence.finish_reason is None]
-        before = {sequence.sid: self.store.logits(sequence.sid) for _, _, sequence in live
-                  if sequence.top_logprobs is not None}
-        tokens = self.store.step({sequence.sid: sequence.sampling for _, _, sequence in live})
-        self.last_batch = len(tokens)
+        sequences = [sequence for _, _, sequence in live]
+        if self.speculator is None:
+            emitted, snapshots = self._plain_step(sequences), {}
+        else:
+            plain = [sequence for sequence in sequences if sequence.top_logprobs]
+            speculative = [sequence for sequence in sequences if not sequence.top_logprobs]
+            snapshots = {sequence.sid: self.store.snapshot(sequence.sid) for sequence in speculative
+                         if sequence.text_stops}
+            emitted = {**self._plain_step(plain), **self._round(speculative)}
+        self.last_batch = len(emitted)
         self.counters["decode_steps"] += 1
-        self.counters["generation_tokens"] += len(tokens)
         for job, index, sequence in live:
-            if sequence.sid not in tokens:
-                continue
-            token = tokens[sequence.sid]
-            sequence.tokens.append(token)
-            logprob = None
-            if sequence.top_logprobs is not None:
-                logprob = token_logprobs(before[sequence.sid][None], [token], sequence.top_logprobs)[0]
-                sequence.logprobs.append(logprob)
-            job.notify(("token", index, token, logprob))
-            if token in sequence.stop_ids or job.stopped(sequence):
-                sequence.finish_reason = "stop"
-            elif len(sequence.tokens) >= sequence.max_tokens:
-                sequence.finish_reason = "length"
-            if sequence.finish_reason is not None:
-                job.notify(("end", index, sequence.finish_reason))
+            tokens = emitted.get(sequence.sid, [])
+            delivered = 0
+            while delivered < len(tokens) and sequence.finish_reason is None:
+                self._deliver(job, index, sequence, *tokens[delivered])
+                delivered += 1
+            if delivered < len(tokens):
+                self._cut_back(sequence.sid, snapshots[sequence.sid], [token for token, _ in tokens[:delivered]])
+            self.counters["generation_tokens"] += delivered
         for job in list(self._jobs):
             self._finish_if_done(job)
+
+    def _plain_step(self, sequences: list[Sequence]) -> dict[int, list[tuple[int, TokenLogprob | None]]]:
+        """One `SessionStore.step` over ``sequences`` -> {session id: [(token, its `TokenLogprob`
+        or None)]} for those that stepped (the store may leave some out for lack of room)."""
+        if not sequences:
+            return {}
+        before = {sequence.sid: self.store.logits(sequence.sid) for sequence in sequences
+                  if sequence.top_logprobs is not None}
+        tokens = self.store.step({sequence.sid: sequence.sampling for sequence in sequences})
+        emitted = {}
+        for sequence in sequences:
+            if sequence.sid in tokens:
+                token = tokens[sequence.sid]
+                logprob = None if sequence.top_logprobs is None else \
+                    token_logprobs(before[sequence.sid][None], [token], sequence.top_logprobs)[0]
+                emitted[sequence.sid] = [(token, logprob)]
+        return emitted
+
+    def _round(self, sequences: list[Sequence]) -> dict[int, list[tuple[int, TokenLogprob | None]]]:
+        """One `Speculator.round` over ``sequences`` (none asks for top alternatives) -> as
+        `_plain_step`. The round stops at any of their stop ids: a sequence that ignores EOS only
+        ends that round early. A round the device budget cannot hold raises ValueError (the
+        running jobs fail, as after any failed step)."""
+        if not sequences:
+            return {}
+        stop_ids = frozenset().union(*(sequence.stop_ids for sequence in sequences))
+        results = self.speculator.round({sequence.sid: sequence.sampling for sequence in sequences},
+                                        limits={s.sid: s.max_tokens - len(s.tokens) for s in sequences},
+                                        stop_ids=stop_ids)
+        emitted = {}
+        for sequence in sequences:
+            result = results[sequence.sid]
+            emitted[sequence.sid] = [(token, None if sequence.top_logprobs is None else TokenLogprob(logprob, []))
+                                     for token, logprob in zip(result.tokens, result.logprobs)]
+        return emitted
+
+    def _deliver(self, job: Job, index: int, sequence: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+        """``token`` to its sequence and job; the sequence ends after a stop id or stop string, or
+        at ``max_tokens``."""
+        sequence.tokens.append(token)
+        if logprob is not None:
+            sequence.logprobs.append(logprob)
+        job.notify(("token", index, token, logprob))
+        if token in sequence.stop_ids or job.stopped(sequence):
+            sequence.finish_reason = "stop"
+        elif len(sequence.tokens) >= sequence.max_tokens:
+            sequence.finish_reason = "length"
+        if sequence.finish_reason is not None:
+            self._leave([sequence])
+            job.notify(("end", index, sequence.finish_reason))
+
+    def _cut_back(self, sid: int, handle, kept: list[int]) -> None:
+        """Session ``sid`` back to ``handle`` (its snapshot from before the round) and fed the
+        ``kept`` tokens of the round: the ones after a stop string are not in its history."""
+        self.store.rollback(sid, handle)
+        self.store.append(sid, kept)
+
+    def _leave(self, sequences) -> None:
+        """The speculator forgets ``sequences`` (ended, cancelled or failed)."""
+        if self.speculator is not None:
+            for sequence in sequences:
+                self.speculator.leave(sequence.sid)
 
     def _finish_if_done(self, job: Job) -> None:
         if job in self._jobs and all(sequence.finish_reason is not None for sequence in job.running):
@@ -289,6 +366,7 @@ class Engine:
 
     def _drop(self, job: Job) -> None:
         self._jobs.remove(job)
+        self._leave(job.running)
         job.abort(self.store, job.running)
 
     def _fail(self, job: Job, error: ServeError) -> None:
