@@ -309,16 +309,14 @@ class Engine:
         return emitted
 
     def _round(self, sequences: list[Sequence]) -> dict[int, list[tuple[int, TokenLogprob | None]]]:
-        """One `Speculator.round` over ``sequences`` (none asks for top alternatives) -> as
-        `_plain_step`. The round stops at any of their stop ids: a sequence that ignores EOS only
-        ends that round early. A round the device budget cannot hold raises ValueError (the
-        running jobs fail, as after any failed step)."""
+        """One `Speculator.round` over ``sequences`` (none asks for top alternatives; each with its
+        own stop ids) -> as `_plain_step`. A round the device budget cannot hold raises ValueError
+        with every session as it was (the running jobs fail, as after any failed step)."""
         if not sequences:
             return {}
-        stop_ids = frozenset().union(*(sequence.stop_ids for sequence in sequences))
         results = self.speculator.round({sequence.sid: sequence.sampling for sequence in sequences},
                                         limits={s.sid: s.max_tokens - len(s.tokens) for s in sequences},
-                                        stop_ids=stop_ids)
+                                        stop_ids={s.sid: s.stop_ids for s in sequences})
         emitted = {}
         for sequence in sequences:
             result = results[sequence.sid]

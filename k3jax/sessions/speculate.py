@@ -140,17 +140,21 @@ class Speculator:
         self._rejected.pop(sid, None)
 
     def round(self, sampling: Mapping[int, Sampling], limits: Mapping[int, int] | None = None,
-              stop_ids: Sequence[int] = ()) -> dict[int, RoundResult]:
+              stop_ids: Sequence[int] | Mapping[int, Sequence[int]] = ()) -> dict[int, RoundResult]:
         """One round of every session of ``sampling`` ({session id: `Sampling`}): each emits at
-        least one and at most ``limits[sid]`` tokens (default 1 + k), none after a stop id ->
-        {session id: `RoundResult`}. ValueError when the device budget cannot hold the round."""
-        store, stops = self.store, frozenset(int(t) for t in stop_ids)
+        least one and at most ``limits[sid]`` tokens (default 1 + k), none after one of its
+        ``stop_ids`` (the same for all, or {session id: its ids}) -> {session id: `RoundResult`}.
+        ValueError, with every session as it was, when the device budget cannot hold the round."""
+        store = self.store
         store._collect()
         sids = list(sampling)
         values = [store._session(sid) for sid in sids]
         limits = {sid: (1 + self.k) if limits is None else int(limits[sid]) for sid in sids}
         if any(limit < 1 for limit in limits.values()):
             raise ValueError(f"every session must be allowed at least one token, got limits {limits}")
+        stops = {sid: frozenset(int(t) for t in (stop_ids.get(sid, ()) if isinstance(stop_ids, Mapping) else stop_ids))
+                 for sid in sids}
+        self._make_room(values, 1 + min(self.k, max(limits.values()) - 1))     # before anything changes
         first, first_logprob = {}, {}
         for sid, value in zip(sids, values):
             rule = sampling[sid]
@@ -164,7 +168,8 @@ class Speculator:
         self._rejected.clear()
 
         started = time.perf_counter()
-        lengths = {sid: 0 if first[sid] in stops else min(self._adaptive(sid).next(), limits[sid] - 1) for sid in sids}
+        lengths = {sid: 0 if first[sid] in stops[sid] else min(self._adaptive(sid).next(), limits[sid] - 1)
+                   for sid in sids}
         drafts = self.drafter.propose({sid: value.tokens + [first[sid]] for sid, value in zip(sids, values)}, lengths)
         drafts = {sid: drafts.get(sid, [])[: lengths[sid]] for sid in sids}
         self.stats.draft_seconds += time.perf_counter() - started
@@ -172,7 +177,6 @@ class Speculator:
         started = time.perf_counter()
         width = 1 + max(len(d) for d in drafts.values())
         fed = {sid: [first[sid], *drafts[sid]] for sid in sids}
-        self._make_room(values, width)
         logits, before = self._feed(values, [fed[sid] for sid in sids], width)
         kept, results = {}, {}
         for row, (sid, value) in enumerate(zip(sids, values)):
@@ -181,8 +185,8 @@ class Speculator:
                      for i in range(len(drafts[sid]))]
             uniforms = [position_rng(rule.seed, stream, value.length + 1 + i, UNIFORM).random()
                         for i in range(len(drafts[sid]))]
-            accepted = accepted_drafts(probs, drafts[sid], uniforms, stops)
-            stopped = accepted > 0 and drafts[sid][accepted - 1] in stops
+            accepted = accepted_drafts(probs, drafts[sid], uniforms, stops[sid])
+            stopped = accepted > 0 and drafts[sid][accepted - 1] in stops[sid]
             if accepted < len(drafts[sid]) and not stopped:
                 self._rejected[sid] = drafts[sid][accepted]
             kept[sid] = fed[sid][: 1 + accepted]
@@ -219,12 +223,15 @@ class Speculator:
         return self._k[sid]
 
     def _make_room(self, values: list[Value], width: int) -> None:
-        """Every session on device with pages for ``width`` more tokens (shared pages copied)."""
+        """Every session on device with pages for ``width`` more tokens (shared pages copied);
+        where there is no room, the pages taken are given back before the ValueError."""
         tiers = self.store._tiers
         for index, value in enumerate(values):
             try:
                 tiers.writable(value, width, pinned=values[:index])
             except NoRoom:
+                for taken in values[:index]:
+                    self._give_back_pages(taken)
                 raise ValueError(f"the device budget cannot hold a speculative round of {len(values)} "
                                  f"session(s) of up to {width} tokens each") from None
 

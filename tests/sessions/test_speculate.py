@@ -151,3 +151,20 @@ def test_bad_speculation_requests_are_one_line_errors(model):
     with pytest.raises(ValueError, match="another session store"):
         store.generate([sid], 2, speculator=Speculator(SessionStore(model), PromptLookup()))
 
+
+
+def test_a_round_the_budget_cannot_hold_leaves_every_session_as_it_was(model):
+    probe = SessionStore(model, prefix_cache=False)
+    probe.open(PROMPTS[0])
+    page_bytes, slot_bytes = probe.page_bytes, probe.slot_bytes
+    store = SessionStore(model, prefix_cache=False, device_bytes=2 * slot_bytes + 3 * page_bytes)
+    sids = [store.open(random_tokens(20 + i, 16)) for i in range(2)]         # one full page each; one page free
+    before = {sid: (store.tokens(sid).copy(), list(store._sessions[sid].pages)) for sid in sids}
+    speculator = Speculator(store, PromptLookup(), k=2)
+    with pytest.raises(ValueError, match="cannot hold a speculative round of 2"):
+        speculator.round({sid: Sampling() for sid in sids})
+    for sid in sids:
+        np.testing.assert_array_equal(store.tokens(sid), before[sid][0])
+        assert store._sessions[sid].pages == before[sid][1]
+    assert store.stats()["pages_in_use"] == 2
+    assert len(speculator.round({sids[0]: Sampling()})[sids[0]].tokens) >= 1     # one session fits
