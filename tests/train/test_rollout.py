@@ -166,8 +166,9 @@ LONGER = SamplingSettings(temperature=1.0, top_k=2, top_p=1.0, max_new_tokens=12
 
 
 def speculative(model, data, drafter: str) -> Rollout:
-    """A rollout drafting by prompt lookup over bigrams, or with the model itself."""
-    speculation = Speculation(4, prompt_lookup=2) if drafter == "lookup" else Speculation(4, draft_model=model)
+    """A rollout drafting by prompt lookup over bigrams, or with the model itself; two drafts a round
+    at most (each replayed length, batch and round width is a program of its own to compile)."""
+    speculation = Speculation(2, prompt_lookup=2) if drafter == "lookup" else Speculation(2, draft_model=model)
     return Rollout(model, data, LONGER, reward=lambda *a: 0.0, speculation=speculation)
 
 
