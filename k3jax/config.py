@@ -462,7 +462,12 @@ class RLConfig:
     ``module:function`` called with ``(prompt, completion, record)``. ``environment``: a multi-turn
     tool environment for chat prompts, ``calculator`` or ``module:Class`` (`k3jax.training.environments`);
     it gives the reward then. A completion counts as a success (pass@1, pass@G) when its reward is at
-    least ``pass_threshold``."""
+    least ``pass_threshold``.
+
+    Speculative rollouts (`k3jax.sessions.speculate`; the recorded log-probs stay the policy's):
+    ``prompt_lookup`` drafts by copying what followed the last n-gram (n <= ``prompt_lookup``) earlier
+    in the sequence; ``draft`` by a smaller model, the newest checkpoint of that run directory (same
+    tokenizer and vocabulary); up to ``speculate_k`` drafts a round. At most one of the two."""
 
     reward: str = "exact_match"
     environment: str | None = None
@@ -481,10 +486,15 @@ class RLConfig:
     max_turns: int = 4                    # assistant turns per completion with an environment
     eval_prompts: int = 32                # held-out prompts of each greedy evaluation (train.eval_every, the end)
     pass_threshold: float = 1.0
+    prompt_lookup: int | None = None      # speculative rollouts drafting by prompt lookup: the longest n-gram
+    draft: str | None = None              # speculative rollouts drafting with this run's model
+    speculate_k: int = 4                  # drafts per speculative round, at most
 
     def __post_init__(self):
         _positive(self, "prompts_per_step", "max_new_tokens", "updates_per_rollout", "max_turns", "top_k",
-                  "temperature", "clip")
+                  "temperature", "clip", "prompt_lookup", "speculate_k")
+        _require(self.prompt_lookup is None or self.draft is None, "draft",
+                 "drafts come from rl.prompt_lookup or rl.draft, not both: unset one")
         _require(self.group_size >= 2, "group_size",
                  f"must be at least 2 (advantages are relative to the group), got {self.group_size}")
         _require(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -497,6 +507,11 @@ class RLConfig:
     def rows(self) -> int:
         """Completions per step: the rows of each update."""
         return self.prompts_per_step * self.group_size
+
+    @property
+    def speculative(self) -> bool:
+        """Whether rollouts decode speculatively (a draft source is set)."""
+        return self.prompt_lookup is not None or self.draft is not None
 
 
 MESH_AXIS_NAMES = ("data", "fsdp", "expert", "context", "tensor")   # the mesh's axes, outermost first

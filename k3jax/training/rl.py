@@ -28,6 +28,13 @@ The reference policy of the KL penalty (``rl.kl_coef`` > 0) is ``init_from``'s p
 fine-tune keeps one more copy of them), or for LoRA the frozen base itself: the adapters set to zero,
 no extra memory. Rollouts run in one process, on the run's mesh: the session pools are placed
 beside the (sharded) parameters by the jitted steps themselves.
+
+With ``rl.prompt_lookup`` or ``rl.draft`` rollouts decode speculatively (`k3jax.training.rollout`,
+up to ``rl.speculate_k`` drafts a round) on each step's own store, so on the current policy; the
+draft model is restored once, at the start, on the first device. ``metrics.jsonl`` then also holds
+the step's ``speculation_acceptance_rate``, ``speculation_mean_accepted_length``,
+``speculation_tokens_per_round`` (emitted tokens per sequence-round), ``speculation_draft_seconds``
+and ``speculation_verify_seconds``.
 """
 from __future__ import annotations
 
@@ -38,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.checkpoint import CheckpointError, restore_subtree
+from k3jax.checkpoint import CheckpointError, latest_meta, restore_subtree
 from k3jax.config import ConfigError
 from k3jax.data import DataError
 from k3jax.layers.lora import set_adapter_dropout
@@ -47,7 +54,8 @@ from k3jax.training.environments import load_environment
 from k3jax.training.grpo import group_advantages, make_logprob_step, policy_objective, update_rows
 from k3jax.training.metrics import MetricsLog, Progress
 from k3jax.training.rewards import check_records, load_reward
-from k3jax.training.rollout import Rollout, SamplingSettings
+from k3jax.training.restore import restore_model
+from k3jax.training.rollout import Rollout, SamplingSettings, Speculation
 from k3jax.training.run_dir import RunError
 from k3jax.training.signals import StopSignals
 from k3jax.training.steps import make_train_step
@@ -57,6 +65,35 @@ from k3jax.training.trainer import Trainer
 def sampling_seed(seed: int, step: int) -> int:
     """The 32-bit sampling seed of policy step ``step`` of a run seeded ``seed``."""
     return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
+
+
+def same_tokenizer(a: str | None, b: str | None) -> bool:
+    """Whether two ``data.tokenizer`` settings name the same tokenizer: both bytes (None), or one file,
+    or files with the same content."""
+    if a is None or b is None:
+        return a == b
+    first, second = (pathlib.Path(path).expanduser().resolve() for path in (a, b))
+    return first == second or (first.is_file() and second.is_file() and first.read_bytes() == second.read_bytes())
+
+
+def check_draft(config) -> int:
+    """The step of ``rl.draft``'s newest checkpoint, after checking from its saved config that it
+    drafts in the policy's vocabulary: the same ``model.vocab_size`` and ``data.tokenizer``."""
+    source = pathlib.Path(config.rl.draft).expanduser()
+    try:
+        step, meta = latest_meta(source)
+    except CheckpointError as error:
+        raise ConfigError("rl.draft", str(error)) from None
+    saved = meta.get("config", {})
+    vocab = saved.get("model", {}).get("vocab_size")
+    if vocab != config.model.vocab_size:
+        raise ConfigError("rl.draft", f"{source} has a vocabulary of {vocab} tokens, the policy "
+                                      f"{config.model.vocab_size}: a draft must share the policy's vocabulary")
+    tokenizer = saved.get("data", {}).get("tokenizer")
+    if not same_tokenizer(tokenizer, config.data.tokenizer):
+        raise ConfigError("rl.draft", f"{source} was trained with tokenizer {tokenizer or 'bytes'}, this run's data "
+                                      f"uses {config.data.tokenizer or 'bytes'}: a draft must share the policy's tokenizer")
+    return step
 
 
 def rollout_records(groups, policy_step: int) -> list[dict]:
@@ -117,6 +154,7 @@ class RLTrainer(Trainer):
             check_records(rl.reward, records)
         if not self.data.num_prompts("train"):
             raise DataError(f"{self.config.data.path}: the train split has no prompts")
+        self.draft_step = check_draft(self.config) if rl.draft is not None else None
 
     def _build_steps(self) -> None:
         config, rl = self.config, self.config.rl
@@ -127,6 +165,16 @@ class RLTrainer(Trainer):
                             objective=policy_objective(rl.clip, rl.kl_coef)), "train step")
         self.logprob_step = make_logprob_step(self.parts, self.shardings) if rl.kl_coef else None
         self.reference = self._reference_params() if rl.kl_coef else None
+        self.speculation = self._speculation() if rl.speculative else None
+
+    def _speculation(self) -> Speculation:
+        """The rollouts' speculative decoding: prompt lookup, or ``rl.draft``'s model (restored here, once)."""
+        rl = self.config.rl
+        if rl.draft is None:
+            return Speculation(rl.speculate_k, prompt_lookup=rl.prompt_lookup)
+        draft = restore_model(rl.draft, step=self.draft_step).model
+        set_adapter_dropout(draft, 0.0)
+        return Speculation(rl.speculate_k, draft_model=draft)
 
     def _check_fields(self, records, fields, setting: str) -> None:
         for prompt in records:
@@ -157,7 +205,7 @@ class RLTrainer(Trainer):
         rl = self.config.rl
         return Rollout(self.policy_model(), self.data, self.settings, reward=self.reward,
                        environment=self.environment, tool_retries=rl.tool_retries, max_turns=rl.max_turns,
-                       fingerprint=f"{self.run_dir}@{self.position}")
+                       fingerprint=f"{self.run_dir}@{self.position}", speculation=self.speculation)
 
     def _reference_logprobs(self, batch) -> jax.Array:
         params = self.reference if self.reference is not None else jax.tree.map(jnp.zeros_like, self.state.params)
@@ -170,6 +218,7 @@ class RLTrainer(Trainer):
         rollout = self._rollout()
         groups = rollout.sample(self.data.prompts(policy_step, rl.prompts_per_step), rl.group_size,
                                 sampling_seed(self.config.train.seed, policy_step))
+        speculation = rollout.speculation_metrics()
         del rollout                                          # its store holds the parameters the update donates
         advantages = group_advantages([[c.reward for c in group] for group in groups], rl.advantage)
         for group, row in zip(groups, advantages):
@@ -185,9 +234,11 @@ class RLTrainer(Trainer):
             self.state, metrics = self.train_step(self.state, batch, *self.frozen_args)
             updates.append(jax.device_get(metrics))
         updated = time.perf_counter()
-        return groups, self._record(policy_step + 1, groups, updates, rolled_out - started, updated - rolled_out)
+        return groups, self._record(policy_step + 1, groups, updates, rolled_out - started, updated - rolled_out,
+                                    speculation)
 
-    def _record(self, step: int, groups, updates: list[dict], rollout_seconds: float, update_seconds: float) -> dict:
+    def _record(self, step: int, groups, updates: list[dict], rollout_seconds: float, update_seconds: float,
+                speculation: dict) -> dict:
         first, last = updates[0], updates[-1]
         sampled = max(float(first["sampled_tokens"]), 1.0)
         record = {"step": step, "loss": float(first["loss"]), "grad_norm": float(first["grad_norm"]),
@@ -198,7 +249,8 @@ class RLTrainer(Trainer):
                   "clip_fraction": float(np.mean([float(u["clipped_tokens"]) for u in updates])) / sampled,
                   "rollout_seconds": rollout_seconds, "update_seconds": update_seconds,
                   "tokens_per_second": sampled / max(rollout_seconds + update_seconds, 1e-9),
-                  "skipped": not all(bool(u["finite"]) for u in updates), "skipped_in_a_row": int(last["skipped"])}
+                  "skipped": not all(bool(u["finite"]) for u in updates), "skipped_in_a_row": int(last["skipped"]),
+                  **speculation}
         if "kl_sum" in first:
             record["kl"] = float(first["kl_sum"]) / sampled
         return record

@@ -21,6 +21,14 @@ after each reply the environment answers with tool results, which are rendered i
 with the next generation prompt and appended to the same session (no new prefill). A reply whose
 tool call does not parse, or that the environment refuses (`ToolCallError`), is undone -- the
 session rolls back to its snapshot from before the reply -- and sampled again with another stream.
+
+With `Speculation` the sessions decode in speculative rounds instead (`k3jax.sessions.speculate`):
+each round drafts up to k tokens per session (prompt lookup or a draft model), verifies them in one
+batched call and emits one or more tokens per session, each with the same log-prob as above. A
+session after a round is exactly as that many plain steps would leave it (tool turns and rollbacks
+work unchanged); greedy completions are token for token the plain ones, sampled ones follow the
+same distribution but draw other samples (acceptance tests and residual draws: `k3jax.speculative`),
+still functions of the seed, the stream and the sequence itself, not of the batch.
 """
 from __future__ import annotations
 
@@ -33,6 +41,7 @@ import numpy as np
 from k3jax.data.chat_format import generation_prompt, render_conversation
 from k3jax.sampling import log_softmax
 from k3jax.sessions import Sampling, SessionStore
+from k3jax.sessions.speculate import DraftModel, PromptLookup, Speculator
 from k3jax.training.environments import ToolCallError
 from k3jax.training.rewards import RewardError, checked_reward, score
 
@@ -84,34 +93,75 @@ class Decoded:
     stopped: bool = False
 
 
-def decode(store: SessionStore, rules: dict, limits: dict, stop_id: int) -> dict[int, Decoded]:
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding of rollouts: drafts copied from each sequence's history by prompt lookup
+    (``prompt_lookup``: its longest n-gram) or generated greedily by ``draft_model`` (same tokenizer
+    and vocabulary as the policy), up to ``k`` per round."""
+
+    k: int = 4
+    prompt_lookup: int | None = None
+    draft_model: object = None
+
+    def speculator(self, store: SessionStore) -> Speculator:
+        """A `Speculator` over ``store``'s sessions, with a drafter of its own."""
+        drafter = DraftModel(self.draft_model) if self.draft_model is not None else PromptLookup(self.prompt_lookup)
+        return Speculator(store, drafter, k=self.k)
+
+
+def _steps(store: SessionStore, rules: dict) -> dict[int, tuple[list, list]]:
+    """One batched decode step of every session of ``rules`` -> {sid: ([token], [its log-prob])}."""
+    sids = list(rules)
+    logprobs = dict(zip(sids, log_softmax(np.stack([store.logits(sid) for sid in sids]))))   # one call per step
+    return {sid: ([token], [float(logprobs[sid][token])]) for sid, token in store.step(rules).items()}
+
+
+def _rounds(speculator: Speculator, rules: dict, remaining: dict, stop_id: int) -> dict[int, tuple[list, list]]:
+    """One speculative round of every session of ``rules`` -> {sid: (tokens, their log-probs)}: at
+    least one token and at most ``remaining[sid]``, none after ``stop_id``."""
+    results = speculator.round(rules, limits=remaining, stop_ids=[stop_id])
+    return {sid: (result.tokens, result.logprobs) for sid, result in results.items()}
+
+
+def decode(store: SessionStore, rules: dict, limits: dict, stop_id: int,
+           speculator: Speculator | None = None) -> dict[int, Decoded]:
     """Sample each session of ``rules`` ({sid: `Sampling`}) until its ``stop_id`` or ``limits[sid]``
-    tokens, all in one batched step per token -> {sid: `Decoded`} (tokens, their policy log-probs)."""
+    tokens -> {sid: `Decoded`} (tokens, their policy log-probs). All running sessions advance together:
+    one batched step per token, or with ``speculator`` (over ``store``) one speculative round per
+    iteration; a session that finishes then leaves the speculator (no draft state carries over to a
+    later turn or past a rollback)."""
     out = {sid: Decoded() for sid in rules}
     active = {sid: rule for sid, rule in rules.items() if limits[sid] > 0}
     while active:
-        sids = list(active)
-        logprobs = dict(zip(sids, log_softmax(np.stack([store.logits(sid) for sid in sids]))))   # one call per step
-        for sid, token in store.step(active).items():
+        if speculator is None:
+            advanced = _steps(store, active)
+        else:
+            advanced = _rounds(speculator, active, {sid: limits[sid] - len(out[sid].tokens) for sid in active}, stop_id)
+        for sid, (tokens, logprobs) in advanced.items():
             decoded = out[sid]
-            decoded.tokens.append(token)
-            decoded.logprobs.append(float(logprobs[sid][token]))
-            decoded.stopped = token == stop_id
+            decoded.tokens += tokens
+            decoded.logprobs += logprobs
+            decoded.stopped = tokens[-1] == stop_id
             if decoded.stopped or len(decoded.tokens) >= limits[sid]:
                 del active[sid]
+                if speculator is not None:
+                    speculator.leave(sid)
     return out
 
 
 class Rollout:
     """Sampling for one policy: ``model`` (its adapters' dropout off), its prompts' ``dataset``
-    (`k3jax.data.PromptDataset`), ``settings`` and the reward (or environment class)."""
+    (`k3jax.data.PromptDataset`), ``settings`` and the reward (or environment class); ``speculation``
+    (a `Speculation`) decodes in speculative rounds on the rollout's own store."""
 
     def __init__(self, model, dataset, settings: SamplingSettings, *, reward: Callable | None = None,
-                 environment=None, tool_retries: int = 0, max_turns: int = 1, fingerprint: str | None = None):
+                 environment=None, tool_retries: int = 0, max_turns: int = 1, fingerprint: str | None = None,
+                 speculation: Speculation | None = None):
         self.model, self.dataset, self.settings = model, dataset, settings
         self.reward, self.environment = reward, environment
         self.tool_retries, self.max_turns = tool_retries, max_turns
         self.store = SessionStore(model, fingerprint=fingerprint, prefix_cache=False)
+        self.speculator = None if speculation is None else speculation.speculator(self.store)
         self.attempts = max_turns * (tool_retries + 1)   # streams per completion
         self.seconds = 0.0
 
@@ -164,14 +214,28 @@ class Rollout:
                 self._episodes(sessions, seed, greedy)
         finally:
             for sid in sessions:
+                if self.speculator is not None:
+                    self.speculator.leave(sid)          # after an error mid-decode, its draft session too
                 self.store.close(sid)
         self.seconds += time.perf_counter() - started
         return groups
 
+    def speculation_metrics(self) -> dict:
+        """This rollout's speculation counters as ``speculation_*`` metrics (none without speculation):
+        the acceptance rate of drafts, accepted drafts and emitted tokens per sequence-round, and the
+        seconds spent drafting and verifying."""
+        if self.speculator is None:
+            return {}
+        stats = self.speculator.stats
+        return {"speculation_acceptance_rate": stats.acceptance_rate,
+                "speculation_mean_accepted_length": stats.mean_accepted_length,
+                "speculation_tokens_per_round": stats.emitted / stats.rounds if stats.rounds else 0.0,
+                "speculation_draft_seconds": stats.draft_seconds, "speculation_verify_seconds": stats.verify_seconds}
+
     def _single_turn(self, sessions: dict, seed: int, greedy: bool) -> None:
         rules = {sid: self._rule(seed, slot, 0, greedy) for sid, (slot, _) in sessions.items()}
         limits = {sid: self._room(completion) for sid, (_, completion) in sessions.items()}
-        for sid, decoded in decode(self.store, rules, limits, self.dataset.stop_id).items():
+        for sid, decoded in decode(self.store, rules, limits, self.dataset.stop_id, self.speculator).items():
             completion = sessions[sid][1]
             completion.add(decoded.tokens, decoded.logprobs)
             completion.finish_reason = "stop" if decoded.stopped else "length"
@@ -191,7 +255,7 @@ class Rollout:
             snapshots = {sid: self.store.snapshot(sid) for sid in running}
             rules = {sid: self._rule(seed, sessions[sid][0], attempts[sid], greedy) for sid in running}
             limits = {sid: self._room(sessions[sid][1]) for sid in running}
-            decoded = decode(self.store, rules, limits, self.dataset.stop_id)
+            decoded = decode(self.store, rules, limits, self.dataset.stop_id, self.speculator)
             for sid in sorted(running):
                 completion = sessions[sid][1]
                 attempts[sid] += 1

@@ -10,6 +10,7 @@ import pytest
 from eval.chat_turns import ChatTurns
 from k3jax.config import ConfigError, load_config
 from k3jax.data import DataError, PromptDataset, load_tokenizer
+from k3jax.training import rl
 from k3jax.training.rewards import RewardError, check_records, load_reward, parse_number, score
 from tests.data.chat_tokenizer import write_chat_tokenizer
 from tests.helpers import MICRO
@@ -126,11 +127,47 @@ GRPO = ["train.objective=grpo", "data.kind=prompts", "data.path=p.jsonl", "init_
     (GRPO + ["rl.top_p=0"], "rl.top_p", "(0, 1]"),
     (GRPO + ["rl.advantage=ppo"], "rl.advantage", "not one of"),
     (GRPO + ["rl.kl_coef=-1"], "rl.kl_coef", "non-negative"),
+    (GRPO + ["rl.prompt_lookup=2", "rl.draft=runs/small"], "rl.draft", "not both"),
+    (GRPO + ["rl.prompt_lookup=0"], "rl.prompt_lookup", "must be positive"),
+    (GRPO + ["rl.prompt_lookup=2", "rl.speculate_k=0"], "rl.speculate_k", "must be positive"),
 ])
 def test_bad_rl_settings_are_one_line_errors(overrides, key, words):
     with pytest.raises(ConfigError) as error:
         load_config(MICRO, overrides)
     assert error.value.key == key and words in str(error.value) and "\n" not in str(error.value)
+
+
+def draft_saved_with(monkeypatch, vocab_size, tokenizer=None):
+    """rl.draft's newest checkpoint, as `check_draft` reads it: a saved config with these settings."""
+    saved = {"model": {"vocab_size": vocab_size}, "data": {"tokenizer": tokenizer}}
+    monkeypatch.setattr(rl, "latest_meta", lambda source: (3, {"config": saved}))
+
+
+@pytest.mark.parametrize("vocab_offset, tokenizer, words", [
+    (None, None, "no checkpoint in"),                  # nothing saved there
+    (2, None, "share the policy's vocabulary"),
+    (0, "tok.model", "trained with tokenizer tok.model, this run's data uses bytes"),
+])
+def test_a_bad_draft_is_a_one_line_error(tmp_path, monkeypatch, vocab_offset, tokenizer, words):
+    config = load_config(MICRO, GRPO + [f"rl.draft={tmp_path / 'nowhere'}"])
+    if vocab_offset is not None:
+        draft_saved_with(monkeypatch, config.model.vocab_size + vocab_offset, tokenizer)
+    with pytest.raises(ConfigError) as error:
+        rl.check_draft(config)
+    assert error.value.key == "rl.draft" and words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_draft_sharing_the_policys_vocabulary_restores_its_newest_step(monkeypatch):
+    config = load_config(MICRO, GRPO + ["rl.draft=runs/small"])
+    draft_saved_with(monkeypatch, config.model.vocab_size)
+    assert rl.check_draft(config) == 3
+
+
+def test_tokenizers_are_the_same_by_path_or_content(tmp_path):
+    for name, content in (("a", b"x"), ("b", b"x"), ("c", b"y")):
+        (tmp_path / name).write_bytes(content)
+    assert rl.same_tokenizer(None, None) and rl.same_tokenizer(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert not rl.same_tokenizer(str(tmp_path / "a"), str(tmp_path / "c")) and not rl.same_tokenizer(None, "a")
 
 
 def test_rows_of_an_update():

@@ -2,7 +2,8 @@
 
 The recorded log-probs equal those of the checkpointed policy's full forward; the update recomputes
 them to <= 1e-5 (full fine-tuning and LoRA); a resumed run repeats the unbroken one exactly; LoRA
-keeps its base bit for bit; on an 8-device mesh it samples with the sharded parameters."""
+keeps its base bit for bit; on an 8-device mesh it samples with the sharded parameters; speculative
+rollouts (prompt lookup) log their speculation metrics and keep the update's log-probs exact."""
 import json
 
 import jax
@@ -116,6 +117,18 @@ def test_lora_rl_keeps_its_base_and_its_log_probs(setting):
             assert np.array_equal(np.asarray(value[...]), np.asarray(base_state[path][...])), path
     record = rollouts[-1]
     assert np.abs(policy_logprobs(setting / "lora", record) - record["logprobs"]).max() <= 1e-5
+
+
+SPECULATION_METRICS = {"speculation_acceptance_rate", "speculation_mean_accepted_length", "speculation_tokens_per_round",
+                       "speculation_draft_seconds", "speculation_verify_seconds"}
+
+
+def test_speculative_rl_logs_its_speculation_metrics(setting):
+    _, rollouts, metrics = grpo(setting, "speculative", 1, "rl.prompt_lookup=2", "rl.eval_prompts=0")
+    (step,) = [m for m in metrics if "loss" in m]
+    assert SPECULATION_METRICS <= set(step) and step["speculation_tokens_per_round"] >= 1
+    assert 0 <= step["speculation_acceptance_rate"] <= 1 and step["speculation_verify_seconds"] > 0
+    assert step["logprob_mismatch"] <= 1e-5 and len(rollouts) == 2 * 3     # the update recomputes them
 
 
 def test_rl_on_a_mesh_samples_with_the_sharded_parameters():

@@ -1,7 +1,8 @@
 """Rollouts on forked sessions against the full forward over each whole sequence: the recorded
 log-probs are the model's (<= 1e-5), greedy groups are `k3jax.generate`, one prefill per prompt,
 samples depend on (seed, slot, sample) only; tool episodes continue their session exactly through
-tool results and rollbacks."""
+tool results and rollbacks. Speculative rollouts (prompt lookup, or the model drafting for itself)
+record the same log-probs, and greedy ones are the plain ones token for token."""
 import json
 
 import numpy as np
@@ -15,7 +16,7 @@ from k3jax.generate import generate
 from k3jax.sampling import log_softmax
 from k3jax.model import K3Model
 from k3jax.training.environments import ToolCallError, Turn
-from k3jax.training.rollout import Rollout, SamplingSettings
+from k3jax.training.rollout import Rollout, SamplingSettings, Speculation
 from tests.data.chat_tokenizer import write_chat_tokenizer
 from tests.helpers import MICRO
 
@@ -159,3 +160,44 @@ def test_tool_episodes_continue_their_session_through_tool_results_and_rollbacks
         assert sum(1 for t, s in zip(c.tokens, c.sampled) if s and t == 445) == 2      # two replies kept
     assert finished >= 2 and rollout.store.sessions() == []
     assert len(Scripted.calls) >= 3 * finished
+
+
+# 12 tokens: a random model's greedy completions start to repeat, so prompt lookup drafts and has some accepted
+LONGER = SamplingSettings(temperature=1.0, top_k=2, top_p=1.0, max_new_tokens=12)
+
+
+def speculative(model, data, drafter: str) -> Rollout:
+    """A rollout drafting by prompt lookup over bigrams, or with the model itself; two drafts a round
+    at most (each replayed length, batch and round width is a program of its own to compile)."""
+    speculation = Speculation(2, prompt_lookup=2) if drafter == "lookup" else Speculation(2, draft_model=model)
+    return Rollout(model, data, LONGER, reward=lambda *a: 0.0, speculation=speculation)
+
+
+def worst_logprob_error(forward, groups) -> float:
+    return max(float(np.abs(recorded(c) - full_forward_logprobs(forward, c)).max()) for g in groups for c in g)
+
+
+@pytest.mark.slow   # ~45 s for both: the plain, verify and replay programs and the draft store's compile
+@pytest.mark.parametrize("drafter", ["lookup", "self"])
+def test_greedy_speculative_rollouts_are_the_plain_ones(model, forward, text_data, drafter):
+    prompts = text_data.prompts(1, 2)
+    plain = Rollout(model, text_data, LONGER, reward=lambda *a: 0.0).sample(prompts, 2, seed=0, greedy=True)
+    rollout = speculative(model, text_data, drafter)
+    groups = rollout.sample(prompts, 2, seed=0, greedy=True)
+    assert [[c.tokens for c in g] for g in groups] == [[c.tokens for c in g] for g in plain]
+    assert worst_logprob_error(forward, groups) <= 1e-5
+    stats = rollout.speculator.stats
+    assert stats.accepted > 0 and stats.emitted == sum(c.length for g in groups for c in g)
+    if drafter == "self":
+        assert stats.acceptance_rate == 1.0 and rollout.speculator.drafter.store.sessions() == []
+
+
+@pytest.mark.slow
+def test_sampled_speculative_rollouts_record_the_policys_log_probs(model, forward, text_data):
+    prompts = text_data.prompts(1, 2)                         # the greedy test's shapes: its programs serve
+    rollout = speculative(model, text_data, "self")           # greedy drafts of top-2 samples
+    groups = rollout.sample(prompts, 2, seed=7)
+    assert worst_logprob_error(forward, groups) <= 1e-5
+    assert 0 < rollout.speculator.stats.acceptance_rate < 1   # rounds that accept, and rejections replayed
+    again = speculative(model, text_data, "self").sample(prompts, 2, seed=7)
+    assert [[c.tokens for c in g] for g in again] == [[c.tokens for c in g] for g in groups]
