@@ -68,11 +68,13 @@ class PromptLookup:
 class DraftModel:
     """Greedy drafts from a smaller model with the same tokenizer, in a session store of its own:
     each target session has a draft session holding the same tokens, all drafting in one
-    batched `SessionStore.generate` per round."""
+    batched `SessionStore.generate` per round. A draft session is snapshotted before it drafts
+    and rolled back to that point when the target rejected some of its drafts."""
 
     def __init__(self, model, device_bytes: int | None = None):
         self.store = SessionStore(model, device_bytes=device_bytes, fingerprint="draft", prefix_cache=False)
         self._sessions: dict[int, int] = {}        # target session -> draft session
+        self._before: dict[int, object] = {}       # target session -> its draft session's snapshot before drafting
 
     def _synced(self, sid: int, history: list[int]) -> int:
         """The draft session of ``sid`` holding exactly ``history``."""
@@ -93,18 +95,20 @@ class DraftModel:
         if not sids:
             return {}
         drafts = [self._synced(sid, histories[sid]) for sid in sids]
+        self._before.update((sid, self.store.snapshot(draft)) for sid, draft in zip(sids, drafts))
         tokens = self.store.generate(drafts, max(lengths[sid] for sid in sids))
         return {sid: [int(t) for t in out[: lengths[sid]]] for sid, out in zip(sids, tokens)}
 
     def keep(self, sid: int, history: list[int]) -> None:
-        """Roll the draft session back to ``history`` (the target's, after the round) when it
-        drafted past it: rebuilt from the common prefix on the next proposal."""
-        draft = self._sessions.get(sid)
-        if draft is not None and list(self.store.tokens(draft)) != history[: self.store.tokens(draft).size]:
-            self.store.close(draft)
-            del self._sessions[sid]
+        """The target now holds ``history``: when the draft session drafted past it, roll it back to
+        before its drafts (a prefix of ``history``; the next proposal feeds the rest)."""
+        draft, before = self._sessions.get(sid), self._before.pop(sid, None)
+        if draft is not None and before is not None and \
+                list(self.store.tokens(draft)) != history[: self.store.tokens(draft).size]:
+            self.store.rollback(draft, before)
 
     def leave(self, sid: int) -> None:
+        self._before.pop(sid, None)
         draft = self._sessions.pop(sid, None)
         if draft is not None:
             self.store.close(draft)
@@ -165,7 +169,7 @@ class Speculator:
             token = int(np.argmax(probs)) if rule.temperature == 0 else \
                 draw(probs, position_rng(rule.seed, stream, value.length, DRAW))
             first[sid], first_logprob[sid] = token, float(log_softmax(value.logits)[token])
-        self._rejected.clear()
+            self._rejected.pop(sid, None)
 
         started = time.perf_counter()
         lengths = {sid: 0 if first[sid] in stops[sid] else min(self._adaptive(sid).next(), limits[sid] - 1)

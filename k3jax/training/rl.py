@@ -55,7 +55,8 @@ from k3jax.training.grpo import group_advantages, make_logprob_step, policy_obje
 from k3jax.training.metrics import MetricsLog, Progress
 from k3jax.training.rewards import check_records, load_reward
 from k3jax.training.restore import restore_model
-from k3jax.training.rollout import Rollout, SamplingSettings, Speculation
+from k3jax.speculative import Speculation
+from k3jax.training.rollout import Rollout, SamplingSettings
 from k3jax.training.run_dir import RunError
 from k3jax.training.signals import StopSignals
 from k3jax.training.steps import make_train_step
@@ -171,10 +172,10 @@ class RLTrainer(Trainer):
         """The rollouts' speculative decoding: prompt lookup, or ``rl.draft``'s model (restored here, once)."""
         rl = self.config.rl
         if rl.draft is None:
-            return Speculation(rl.speculate_k, prompt_lookup=rl.prompt_lookup)
+            return Speculation(prompt_lookup=rl.prompt_lookup, k=rl.speculate_k)
         draft = restore_model(rl.draft, step=self.draft_step).model
         set_adapter_dropout(draft, 0.0)
-        return Speculation(rl.speculate_k, draft_model=draft)
+        return Speculation(draft=draft, k=rl.speculate_k)
 
     def _check_fields(self, records, fields, setting: str) -> None:
         for prompt in records:

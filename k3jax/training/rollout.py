@@ -22,8 +22,8 @@ with the next generation prompt and appended to the same session (no new prefill
 tool call does not parse, or that the environment refuses (`ToolCallError`), is undone -- the
 session rolls back to its snapshot from before the reply -- and sampled again with another stream.
 
-With `Speculation` the sessions decode in speculative rounds instead (`k3jax.sessions.speculate`):
-each round drafts up to k tokens per session (prompt lookup or a draft model), verifies them in one
+With a `k3jax.speculative.Speculation` the sessions decode in speculative rounds instead
+(`k3jax.sessions.speculate`): each round drafts up to k tokens per session (prompt lookup or a draft model), verifies them in one
 batched call and emits one or more tokens per session, each with the same log-prob as above. A
 session after a round is exactly as that many plain steps would leave it (tool turns and rollbacks
 work unchanged); greedy completions are token for token the plain ones, sampled ones follow the
@@ -41,7 +41,8 @@ import numpy as np
 from k3jax.data.chat_format import generation_prompt, render_conversation
 from k3jax.sampling import log_softmax
 from k3jax.sessions import Sampling, SessionStore
-from k3jax.sessions.speculate import DraftModel, PromptLookup, Speculator
+from k3jax.sessions.speculate import Speculator
+from k3jax.speculative import Speculation
 from k3jax.training.environments import ToolCallError
 from k3jax.training.rewards import RewardError, checked_reward, score
 
@@ -93,22 +94,6 @@ class Decoded:
     stopped: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
-class Speculation:
-    """Speculative decoding of rollouts: drafts copied from each sequence's history by prompt lookup
-    (``prompt_lookup``: its longest n-gram) or generated greedily by ``draft_model`` (same tokenizer
-    and vocabulary as the policy), up to ``k`` per round."""
-
-    k: int = 4
-    prompt_lookup: int | None = None
-    draft_model: object = None
-
-    def speculator(self, store: SessionStore) -> Speculator:
-        """A `Speculator` over ``store``'s sessions, with a drafter of its own."""
-        drafter = DraftModel(self.draft_model) if self.draft_model is not None else PromptLookup(self.prompt_lookup)
-        return Speculator(store, drafter, k=self.k)
-
-
 def _steps(store: SessionStore, rules: dict) -> dict[int, tuple[list, list]]:
     """One batched decode step of every session of ``rules`` -> {sid: ([token], [its log-prob])}."""
     sids = list(rules)
@@ -152,7 +137,7 @@ def decode(store: SessionStore, rules: dict, limits: dict, stop_id: int,
 class Rollout:
     """Sampling for one policy: ``model`` (its adapters' dropout off), its prompts' ``dataset``
     (`k3jax.data.PromptDataset`), ``settings`` and the reward (or environment class); ``speculation``
-    (a `Speculation`) decodes in speculative rounds on the rollout's own store."""
+    (a `k3jax.speculative.Speculation`) decodes in speculative rounds on the rollout's own store."""
 
     def __init__(self, model, dataset, settings: SamplingSettings, *, reward: Callable | None = None,
                  environment=None, tool_retries: int = 0, max_turns: int = 1, fingerprint: str | None = None,
@@ -161,7 +146,7 @@ class Rollout:
         self.reward, self.environment = reward, environment
         self.tool_retries, self.max_turns = tool_retries, max_turns
         self.store = SessionStore(model, fingerprint=fingerprint, prefix_cache=False)
-        self.speculator = None if speculation is None else speculation.speculator(self.store)
+        self.speculator = None if speculation is None else Speculator.of(self.store, speculation)
         self.attempts = max_turns * (tool_retries + 1)   # streams per completion
         self.seconds = 0.0
 

@@ -5,7 +5,6 @@ delete, continuous batching, and every bad input a 4xx that leaves the server se
 import json
 import threading
 
-import jax
 import numpy as np
 import pytest
 

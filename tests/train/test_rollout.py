@@ -16,7 +16,8 @@ from k3jax.generate import generate
 from k3jax.sampling import log_softmax
 from k3jax.model import K3Model
 from k3jax.training.environments import ToolCallError, Turn
-from k3jax.training.rollout import Rollout, SamplingSettings, Speculation
+from k3jax.speculative import Speculation
+from k3jax.training.rollout import Rollout, SamplingSettings
 from tests.data.chat_tokenizer import write_chat_tokenizer
 from tests.helpers import MICRO
 
@@ -169,7 +170,7 @@ LONGER = SamplingSettings(temperature=1.0, top_k=2, top_p=1.0, max_new_tokens=12
 def speculative(model, data, drafter: str) -> Rollout:
     """A rollout drafting by prompt lookup over bigrams, or with the model itself; two drafts a round
     at most (each replayed length, batch and round width is a program of its own to compile)."""
-    speculation = Speculation(2, prompt_lookup=2) if drafter == "lookup" else Speculation(2, draft_model=model)
+    speculation = Speculation(prompt_lookup=2, k=2) if drafter == "lookup" else Speculation(draft=model, k=2)
     return Rollout(model, data, LONGER, reward=lambda *a: 0.0, speculation=speculation)
 
 
