@@ -72,7 +72,8 @@ def compare(store: SessionStore, prompts: list, speculator: Speculator, new_toke
                 times[name].append(elapsed)
                 if name == "speculative":
                     speculator_rounds = {key: speculator.stats.as_dict()[key] - stats_before[key]
-                                         for key in ("rounds", "drafted", "accepted", "draft_seconds", "verify_seconds")}
+                                         for key in ("rounds", "batched_rounds", "drafted", "accepted",
+                                                     "draft_seconds", "verify_seconds")}
     tokens = len(prompts) * new_tokens
     median = {name: statistics.median(values) for name, values in times.items()}
     return {
@@ -82,6 +83,10 @@ def compare(store: SessionStore, prompts: list, speculator: Speculator, new_toke
         "acceptance_rate": speculator_rounds["accepted"] / max(speculator_rounds["drafted"], 1),
         "mean_accepted_length": speculator_rounds["accepted"] / max(speculator_rounds["rounds"], 1),
         "draft_seconds": speculator_rounds["draft_seconds"], "verify_seconds": speculator_rounds["verify_seconds"],
+        "batched_rounds": speculator_rounds["batched_rounds"],
+        # one batched round's verify (and replays) vs one plain decode step of the same sessions
+        "verify_ms_per_round": 1e3 * speculator_rounds["verify_seconds"] / speculator_rounds["batched_rounds"],
+        "plain_ms_per_step": 1e3 * median["plain"] / new_tokens,
         "outputs_equal": all(np.array_equal(a, b) for a, b in zip(outputs["plain"], outputs["speculative"])),
     }
 
@@ -120,10 +125,11 @@ def main(argv=None) -> int:
                "chat (draft model)": chat_case(args.chat_run, args.draft_run, args)}
     rows = [[name, f"{r['plain_tokens_per_s']:.1f}", f"{r['speculative_tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
              f"{r['acceptance_rate']:.2f}", f"{r['mean_accepted_length']:.2f}",
-             f"{r['draft_seconds']:.2f} / {r['verify_seconds']:.2f}", "yes" if r["outputs_equal"] else "NO"]
+             f"{r['draft_seconds']:.2f} / {r['verify_seconds']:.2f}",
+             f"{r['verify_ms_per_round']:.1f} / {r['plain_ms_per_step']:.1f}", "yes" if r["outputs_equal"] else "NO"]
             for name, r in results.items()]
     print(table(["case", "plain tok/s", "speculative tok/s", "speed-up", "acceptance", "accepted / round",
-                 "draft / verify s", "equal"], rows))
+                 "draft / verify s", "verify ms / plain step ms", "equal"], rows))
     print(f"wrote {write_json(args.json, {'args': vars(args), 'results': results})}")
     return 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+from k3jax.data.tokenizers import same_tokenizer
 from k3jax.speculative import Speculation
 
 from .loading import EvalInputError, load_run
@@ -36,7 +37,8 @@ def speculation_from(args: argparse.Namespace, config) -> Speculation | None:
     draft = None
     if args.draft is not None:
         run = load_run(args.draft)
-        if run.config.model.vocab_size != config.model.vocab_size or run.config.data.tokenizer != config.data.tokenizer:
+        if run.config.model.vocab_size != config.model.vocab_size or \
+                not same_tokenizer(run.config.data.tokenizer, config.data.tokenizer):
             raise EvalInputError(f"--draft {args.draft}: its vocabulary ({run.config.model.vocab_size} tokens, "
                                  f"tokenizer {run.config.data.tokenizer!r}) is not the run's "
                                  f"({config.model.vocab_size}, {config.data.tokenizer!r})")

@@ -155,11 +155,13 @@ class AdaptiveK:
 
 @dataclasses.dataclass
 class SpeculationStats:
-    """Counters over rounds: ``drafted`` / ``accepted`` draft tokens, ``emitted`` tokens
-    (accepted drafts plus each round's first token), seconds spent drafting and verifying
+    """Counters over rounds: ``rounds`` session-rounds (a round of B sessions counts B),
+    ``batched_rounds`` calls of the round, ``drafted`` / ``accepted`` draft tokens, ``emitted``
+    tokens (accepted drafts plus each round's first token), seconds spent drafting and verifying
     (verify includes the rollbacks and replays)."""
 
     rounds: int = 0
+    batched_rounds: int = 0
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0
@@ -172,7 +174,7 @@ class SpeculationStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Accepted drafts per sequence-round."""
+        """Accepted drafts per session-round."""
         return self.accepted / self.rounds if self.rounds else 0.0
 
     def as_dict(self) -> dict:

@@ -76,25 +76,29 @@ class DraftModel:
         self._sessions: dict[int, int] = {}        # target session -> draft session
         self._before: dict[int, object] = {}       # target session -> its draft session's snapshot before drafting
 
-    def _synced(self, sid: int, history: list[int]) -> int:
-        """The draft session of ``sid`` holding exactly ``history``."""
-        draft = self._sessions.get(sid)
-        held = [] if draft is None else list(self.store.tokens(draft))
-        if held[: len(history)] != history[: len(held)] or len(held) > len(history):
-            if draft is not None:
+    def _synced(self, histories: Mapping[int, list[int]]) -> list[int]:
+        """The draft sessions of the target sessions of ``histories``, each holding exactly its
+        history: new ones prefilled, the others fed what they lack (`append_together`)."""
+        missing = {}
+        for sid, history in histories.items():
+            draft = self._sessions.get(sid)
+            held = [] if draft is None else list(self.store.tokens(draft))
+            if draft is not None and (len(held) > len(history) or held != history[: len(held)]):
                 self.store.close(draft)
-            draft, held = None, []
-        if draft is None:
-            draft = self._sessions[sid] = self.store.open(np.asarray(history, np.int32))
-        elif len(held) < len(history):
-            self.store.append(draft, np.asarray(history[len(held):], np.int32))
-        return draft
+                draft = None
+            if draft is None:
+                self._sessions[sid] = self.store.open(np.asarray(history, np.int32))
+            elif len(held) < len(history):
+                missing[draft] = history[len(held):]
+        if missing:
+            append_together(self.store, missing)
+        return [self._sessions[sid] for sid in histories]
 
     def propose(self, histories: Mapping[int, list[int]], lengths: Mapping[int, int]) -> dict[int, list[int]]:
         sids = [sid for sid in histories if lengths[sid] > 0]
         if not sids:
             return {}
-        drafts = [self._synced(sid, histories[sid]) for sid in sids]
+        drafts = self._synced({sid: histories[sid] for sid in sids})
         self._before.update((sid, self.store.snapshot(draft)) for sid, draft in zip(sids, drafts))
         tokens = self.store.generate(drafts, max(lengths[sid] for sid in sids))
         return {sid: [int(t) for t in out[: lengths[sid]]] for sid, out in zip(sids, tokens)}
@@ -158,7 +162,7 @@ class Speculator:
             raise ValueError(f"every session must be allowed at least one token, got limits {limits}")
         stops = {sid: frozenset(int(t) for t in (stop_ids.get(sid, ()) if isinstance(stop_ids, Mapping) else stop_ids))
                  for sid in sids}
-        self._make_room(values, 1 + min(self.k, max(limits.values()) - 1))     # before anything changes
+        make_room(store, values, [1 + min(self.k, max(limits.values()) - 1)] * len(values))   # before any change
         first, first_logprob = {}, {}
         for sid, value in zip(sids, values):
             rule = sampling[sid]
@@ -181,7 +185,7 @@ class Speculator:
         started = time.perf_counter()
         width = 1 + max(len(d) for d in drafts.values())
         fed = {sid: [first[sid], *drafts[sid]] for sid in sids}
-        logits, before = self._feed(values, [fed[sid] for sid in sids], width)
+        logits, before = feed(store, values, [fed[sid] for sid in sids], width)
         kept, results = {}, {}
         for row, (sid, value) in enumerate(zip(sids, values)):
             rule, stream = sampling[sid], sid if sampling[sid].stream is None else sampling[sid].stream
@@ -204,18 +208,18 @@ class Speculator:
             self.stats.emitted += 1 + accepted
         last = {sid: logits[row, len(kept[sid]) - 1] for row, sid in enumerate(sids)}
         replayed = [row for row, sid in enumerate(sids) if len(kept[sid]) < width]
-        for length in sorted({len(kept[sids[row]]) for row in replayed}):
-            rows = [row for row in replayed if len(kept[sids[row]]) == length]
-            restore = tuple(array[jnp.asarray(rows)] for array in before)
-            replay_logits, _ = self._feed([values[row] for row in rows], [kept[sids[row]] for row in rows], length,
-                                          restore)
-            last.update({sids[row]: replay_logits[index, -1] for index, row in enumerate(rows)})
+        if replayed:
+            restore = tuple(array[jnp.asarray(replayed)] for array in before)
+            replays = feed_by_length(store, [values[row] for row in replayed], [kept[sids[row]] for row in replayed],
+                                     restore)
+            last.update({sids[row]: logits for row, logits in zip(replayed, replays)})
         for sid, value in zip(sids, values):
             value.tokens.extend(kept[sid])
             value.logits = last[sid]
-            self._give_back_pages(value)
+            give_back_pages(store, value)
             self.drafter.keep(sid, value.tokens)
         self.stats.verify_seconds += time.perf_counter() - started
+        self.stats.batched_rounds += 1
         store._counters["decode_steps"] += 1
         store._counters["decode_tokens"] += sum(len(r.tokens) for r in results.values())
         return results
@@ -226,43 +230,73 @@ class Speculator:
             self._k[sid] = AdaptiveK(self.k, floor=0.1 if self.adaptive else 0.0)
         return self._k[sid]
 
-    def _make_room(self, values: list[Value], width: int) -> None:
-        """Every session on device with pages for ``width`` more tokens (shared pages copied);
-        where there is no room, the pages taken are given back before the ValueError."""
-        tiers = self.store._tiers
-        for index, value in enumerate(values):
-            try:
-                tiers.writable(value, width, pinned=values[:index])
-            except NoRoom:
-                for taken in values[:index]:
-                    self._give_back_pages(taken)
-                raise ValueError(f"the device budget cannot hold a speculative round of {len(values)} "
-                                 f"session(s) of up to {width} tokens each") from None
 
-    def _feed(self, values: list[Value], tokens: list[list[int]], width: int, restore=None):
-        """`paged.feed_rows` over ``values`` (each fed its ``tokens``, padded to ``width``) ->
-        (logits [B, width, vocab] on host, the states from before on device)."""
-        device = self.store._device
-        batch = paged.next_power_of_two(len(values))
-        pad = batch - len(values)
-        pages = paged.next_power_of_two(max(len(v.pages) for v in values))     # room for width tokens: made
-        slots = np.asarray([v.slot for v in values] + device.scratch_slots(pad), np.int32)
-        tables = np.stack([device.table(v.pages, pages) for v in values] + [device.table([], pages)] * pad)
-        lengths = np.asarray([v.length for v in values] + [0] * pad, np.int32)
-        rows = np.zeros((batch, width), np.int32)
-        for index, row in enumerate(tokens):
-            rows[index, : len(row)] = row
-        if restore is not None:
-            restore = tuple(jnp.concatenate([a, jnp.zeros((pad, *a.shape[1:]), a.dtype)]) for a in restore)
-        logits, device.arrays, before = paged.feed_rows(
-            self.store._graphdef, self.store._params, device.arrays, jnp.asarray(slots), jnp.asarray(tables),
-            jnp.asarray(lengths), jnp.asarray(rows), restore)
-        return np.asarray(logits)[: len(values)], before
+# ---------------------------------------------------------------------- sessions fed together
+def make_room(store, values: list[Value], widths: list[int]) -> None:
+    """Every value on device with pages for ``widths[i]`` more tokens (shared pages copied);
+    where there is no room, the pages taken are given back before the ValueError."""
+    for index, (value, width) in enumerate(zip(values, widths)):
+        try:
+            store._tiers.writable(value, width, pinned=values[:index])
+        except NoRoom:
+            for taken in values[:index]:
+                give_back_pages(store, taken)
+            raise ValueError(f"the device budget cannot hold a speculative round of {len(values)} "
+                             f"session(s) of up to {max(widths)} tokens each") from None
 
-    def _give_back_pages(self, value: Value) -> None:
-        """Release the pages past the ones ``value``'s tokens fill."""
-        device = self.store._device
-        spare = value.pages[device.pages_for(value.length):]
-        if spare:
-            del value.pages[device.pages_for(value.length):]
-            device.pages.release(spare)
+
+def feed(store, values: list[Value], tokens: list[list[int]], width: int, restore=None):
+    """`paged.feed_rows` over ``values`` (on device with room; each fed its ``tokens`` after its
+    history, padded to ``width``) -> (logits [B, width, vocab] on host, the KDA states and conv
+    tails from before, on device). Histories and logits are the caller's to update."""
+    device = store._device
+    batch = paged.next_power_of_two(len(values))
+    pad = batch - len(values)
+    pages = paged.next_power_of_two(max(len(v.pages) for v in values))
+    slots = np.asarray([v.slot for v in values] + device.scratch_slots(pad), np.int32)
+    tables = np.stack([device.table(v.pages, pages) for v in values] + [device.table([], pages)] * pad)
+    lengths = np.asarray([v.length for v in values] + [0] * pad, np.int32)
+    rows = np.zeros((batch, width), np.int32)
+    for index, row in enumerate(tokens):
+        rows[index, : len(row)] = row
+    if restore is not None:
+        restore = tuple(jnp.concatenate([a, jnp.zeros((pad, *a.shape[1:]), a.dtype)]) for a in restore)
+    logits, device.arrays, before = paged.feed_rows(
+        store._graphdef, store._params, device.arrays, jnp.asarray(slots), jnp.asarray(tables),
+        jnp.asarray(lengths), jnp.asarray(rows), restore)
+    return np.asarray(logits)[: len(values)], before
+
+
+def feed_by_length(store, values: list[Value], tokens: list[list[int]], restore=None) -> list[np.ndarray]:
+    """Feed each value its ``tokens`` (lengths >= 1), one `feed` per distinct length; with
+    ``restore`` (state and conv tails, row i for value i) each slot is first set back to its row
+    -> the logits after each value's last token."""
+    last = [None] * len(values)
+    for length in sorted({len(row) for row in tokens}):
+        group = [index for index, row in enumerate(tokens) if len(row) == length]
+        rows = None if restore is None else tuple(array[jnp.asarray(group)] for array in restore)
+        logits, _ = feed(store, [values[i] for i in group], [tokens[i] for i in group], length, rows)
+        for position, index in enumerate(group):
+            last[index] = logits[position, -1]
+    return last
+
+
+def append_together(store, tokens: Mapping[int, list[int]]) -> None:
+    """`SessionStore.append` of many sessions at once ({session id: tokens}), batched by length."""
+    sids = list(tokens)
+    values = [store._session(sid) for sid in sids]
+    make_room(store, values, [len(tokens[sid]) for sid in sids])
+    for sid, value, logits in zip(sids, values, feed_by_length(store, values, [tokens[sid] for sid in sids])):
+        value.tokens.extend(tokens[sid])
+        value.logits = logits
+        give_back_pages(store, value)
+    store._counters["prefill_tokens"] += sum(len(row) for row in tokens.values())
+
+
+def give_back_pages(store, value: Value) -> None:
+    """Release the pages past the ones ``value``'s tokens fill."""
+    device = store._device
+    spare = value.pages[device.pages_for(value.length):]
+    if spare:
+        del value.pages[device.pages_for(value.length):]
+        device.pages.release(spare)

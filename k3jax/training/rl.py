@@ -48,14 +48,15 @@ import numpy as np
 from k3jax.checkpoint import CheckpointError, latest_meta, restore_subtree
 from k3jax.config import ConfigError
 from k3jax.data import DataError
+from k3jax.data.tokenizers import same_tokenizer
 from k3jax.layers.lora import set_adapter_dropout
 from k3jax.sharding import compiled_together
 from k3jax.training.environments import load_environment
 from k3jax.training.grpo import group_advantages, make_logprob_step, policy_objective, update_rows
 from k3jax.training.metrics import MetricsLog, Progress
 from k3jax.training.rewards import check_records, load_reward
-from k3jax.training.restore import restore_model
 from k3jax.speculative import Speculation
+from k3jax.training.restore import restore_model
 from k3jax.training.rollout import Rollout, SamplingSettings
 from k3jax.training.run_dir import RunError
 from k3jax.training.signals import StopSignals
@@ -66,15 +67,6 @@ from k3jax.training.trainer import Trainer
 def sampling_seed(seed: int, step: int) -> int:
     """The 32-bit sampling seed of policy step ``step`` of a run seeded ``seed``."""
     return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
-
-
-def same_tokenizer(a: str | None, b: str | None) -> bool:
-    """Whether two ``data.tokenizer`` settings name the same tokenizer: both bytes (None), or one file,
-    or files with the same content."""
-    if a is None or b is None:
-        return a == b
-    first, second = (pathlib.Path(path).expanduser().resolve() for path in (a, b))
-    return first == second or (first.is_file() and second.is_file() and first.read_bytes() == second.read_bytes())
 
 
 def check_draft(config) -> int:
@@ -91,7 +83,11 @@ def check_draft(config) -> int:
         raise ConfigError("rl.draft", f"{source} has a vocabulary of {vocab} tokens, the policy "
                                       f"{config.model.vocab_size}: a draft must share the policy's vocabulary")
     tokenizer = saved.get("data", {}).get("tokenizer")
-    if not same_tokenizer(tokenizer, config.data.tokenizer):
+    try:
+        same = same_tokenizer(tokenizer, config.data.tokenizer)
+    except DataError as error:
+        raise ConfigError("rl.draft", f"{source}'s tokenizer: {error}") from None
+    if not same:
         raise ConfigError("rl.draft", f"{source} was trained with tokenizer {tokenizer or 'bytes'}, this run's data "
                                       f"uses {config.data.tokenizer or 'bytes'}: a draft must share the policy's tokenizer")
     return step

@@ -108,3 +108,19 @@ def test_bad_tokenizer_config_names_the_file(bpe_file, config, words):
     with pytest.raises(DataError, match=words) as caught:
         TiktokenTokenizer(bpe_file)
     assert "tokenizer_config.json" in str(caught.value)
+
+
+def test_same_tokenizer_compares_contents_not_paths(tmp_path):
+    from k3jax.data.tokenizers import same_tokenizer
+    from tests.data.chat_tokenizer import write_chat_tokenizer
+
+    first, second = write_chat_tokenizer(tmp_path / "a"), write_chat_tokenizer(tmp_path / "b")
+    other = write_chat_tokenizer(tmp_path / "c")
+    model = other / "tiktoken.model"
+    lines = model.read_text().splitlines()
+    lines[0], lines[1] = f"{lines[0].split()[0]} 1", f"{lines[1].split()[0]} 0"     # bytes 0 and 1 swap ids
+    model.write_text("\n".join(lines) + "\n")
+    assert same_tokenizer(None, None) and same_tokenizer(first, second) and same_tokenizer(first, first / "tiktoken.model")
+    assert not same_tokenizer(first, other) and not same_tokenizer(None, first) and not same_tokenizer(first, None)
+    with pytest.raises(DataError):
+        same_tokenizer(first, tmp_path / "missing")

@@ -163,13 +163,6 @@ def test_a_draft_sharing_the_policys_vocabulary_restores_its_newest_step(monkeyp
     assert rl.check_draft(config) == 3
 
 
-def test_tokenizers_are_the_same_by_path_or_content(tmp_path):
-    for name, content in (("a", b"x"), ("b", b"x"), ("c", b"y")):
-        (tmp_path / name).write_bytes(content)
-    assert rl.same_tokenizer(None, None) and rl.same_tokenizer(str(tmp_path / "a"), str(tmp_path / "b"))
-    assert not rl.same_tokenizer(str(tmp_path / "a"), str(tmp_path / "c")) and not rl.same_tokenizer(None, "a")
-
-
 def test_rows_of_an_update():
     config = load_config(MICRO, GRPO + ["rl.prompts_per_step=3", "rl.group_size=5"])
     assert config.rl.rows == 15 and np.isclose(config.rl.clip, 0.2)
