@@ -5,13 +5,17 @@
     chat     a draft model on the chat demo: the README's chat run as the target, a smaller model
              trained on the same conversations as the draft, prompted with user turns
 
+    bounds   drafts of known continuations (those plain greedy decoding gives) on a random model
+             of ``--bounds-config``: every draft accepted, and none (shifted by one): the best and
+             worst case of the mechanism itself, no draft model's cost
+
 For each: greedy decode tokens/s of B sessions decoding together (`SessionStore.generate`), plain
 vs speculative, the ratio, acceptance rate, mean accepted drafts per session-round, draft and verify
 seconds, and whether the outputs are equal token for token. Each trial starts from the same
 snapshots; the first two (one in each order) compile and are not counted; the variants alternate.
 
-    python -m bench.speculative --copy-run RUN --chat-run RUN --draft-run RUN [--sessions 4]
-                                [--new-tokens 32] [--k 4] [--trials 3] [--json bench/speculative.json]
+    python -m bench.speculative [--copy-run RUN] [--chat-run RUN --draft-run RUN] [--bounds-config CONFIG]
+                                [--sessions 4] [--new-tokens 32] [--k 4] [--trials 3] [--json bench/speculative.json]
 
 The runs (2-core CPU, a few minutes each; commands in `RUNS`) are trained with `python -m train`.
 """
@@ -91,6 +95,52 @@ def compare(store: SessionStore, prompts: list, speculator: Speculator, new_toke
     }
 
 
+class KnownContinuations:
+    """Drafts from the continuations plain greedy decoding gives each prompt (``correct``: every
+    draft accepted) or those tokens shifted by one (none accepted): the mechanism's best and worst
+    case, whatever the model, with no draft model's cost."""
+
+    def __init__(self, continuations: dict[tuple, list[int]], correct: bool, vocab_size: int):
+        self.continuations, self.shift, self.vocab_size = continuations, 0 if correct else 1, vocab_size
+
+    def propose(self, histories, lengths):
+        drafts = {}
+        for sid, history in histories.items():
+            prompt = next(p for p in self.continuations if tuple(history[: len(p)]) == p)
+            known = self.continuations[prompt][len(history) - len(prompt) : len(history) - len(prompt) + lengths[sid]]
+            drafts[sid] = [(int(token) + self.shift) % self.vocab_size for token in known]
+        return drafts
+
+    def keep(self, sid, history):
+        pass
+
+    def leave(self, sid):
+        pass
+
+
+def bounds_case(config_path: str, overrides: list[str], args) -> dict:
+    """Known-continuation drafts on a random model of ``config_path``: every draft accepted, and none."""
+    from flax import nnx
+
+    from k3jax.config import load_config
+    from k3jax.model import K3Model
+
+    model = K3Model(load_config(config_path, overrides).model, rngs=nnx.Rngs(0))
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, vocab, int(n)).tolist() for n in rng.integers(20, 40, args.sessions)]
+    store = SessionStore(model, prefix_cache=False)
+    sids = [store.open(np.asarray(prompt, np.int32)) for prompt in prompts]
+    plain = store.generate(sids, args.new_tokens + args.k)
+    continuations = {tuple(prompt): [int(t) for t in out] for prompt, out in zip(prompts, plain)}
+    results = {}
+    for name, correct in (("all accepted", True), ("none accepted", False)):
+        drafter = KnownContinuations(continuations, correct, vocab)
+        results[name] = compare(store, prompts, Speculator(store, drafter, args.k, adaptive=False), args.new_tokens,
+                                args.trials)
+    return results
+
+
 def copy_case(run_dir: str, args) -> dict:
     run = load_run(run_dir)
     tokenizer = load_tokenizer(run.config.data.tokenizer)
@@ -112,26 +162,37 @@ def chat_case(run_dir: str, draft_dir: str, args) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__.splitlines()[0])
-    parser.add_argument("--copy-run", required=True, help=RUNS["copy"])
-    parser.add_argument("--chat-run", required=True, help=RUNS["chat"])
-    parser.add_argument("--draft-run", required=True, help=RUNS["draft"])
+    parser.add_argument("--copy-run", help=RUNS["copy"])
+    parser.add_argument("--chat-run", help=RUNS["chat"])
+    parser.add_argument("--draft-run", help=RUNS["draft"])
+    parser.add_argument("--bounds-config", default="configs/tiny.yaml",
+                        help="the random model of the known-continuation bounds (default configs/tiny.yaml)")
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--json", default="bench/speculative.json")
     args = parser.parse_args(argv)
-    results = {"copy (prompt lookup)": copy_case(args.copy_run, args),
-               "chat (draft model)": chat_case(args.chat_run, args.draft_run, args)}
+    if (args.chat_run is None) != (args.draft_run is None):
+        parser.error("--chat-run and --draft-run go together")
+    results = {f"bounds, {name}": result for name, result in bounds_case(args.bounds_config, [], args).items()}
+    if args.copy_run:
+        results["copy (prompt lookup)"] = copy_case(args.copy_run, args)
+    if args.chat_run:
+        results["chat (draft model)"] = chat_case(args.chat_run, args.draft_run, args)
+    print(report(results))
+    print(f"wrote {write_json(args.json, {'args': vars(args), 'results': results})}")
+    return 0
+
+
+def report(results: dict) -> str:
     rows = [[name, f"{r['plain_tokens_per_s']:.1f}", f"{r['speculative_tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
              f"{r['acceptance_rate']:.2f}", f"{r['mean_accepted_length']:.2f}",
              f"{r['draft_seconds']:.2f} / {r['verify_seconds']:.2f}",
              f"{r['verify_ms_per_round']:.1f} / {r['plain_ms_per_step']:.1f}", "yes" if r["outputs_equal"] else "NO"]
             for name, r in results.items()]
-    print(table(["case", "plain tok/s", "speculative tok/s", "speed-up", "acceptance", "accepted / round",
-                 "draft / verify s", "verify ms / plain step ms", "equal"], rows))
-    print(f"wrote {write_json(args.json, {'args': vars(args), 'results': results})}")
-    return 0
+    return table(["case", "plain tok/s", "speculative tok/s", "speed-up", "acceptance", "accepted / round",
+                  "draft / verify s", "verify ms / plain step ms", "equal"], rows)
 
 
 if __name__ == "__main__":
