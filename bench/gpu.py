@@ -24,6 +24,13 @@ topic benchmarks' functions:
                  one 2048^3 matmul, which may understate a large GPU's peak)
     sessions     the session store: batched vs one-at-a-time decode, pooled vs gathered, prefix-cache
                  hit vs cold prefill (`bench.sessions.measure` on configs/tiny.yaml)
+    speculative  speculative vs plain greedy decode of 16 sessions of a random `K3_SHAPED` model with
+                 drafts of known continuations, every draft accepted and none
+                 (`bench.speculative.bounds_case`): equal outputs, tokens/s, verify vs decode step ms
+
+``--kda-implementation chunk|pallas`` builds the train-step, sessions and speculative parts' models
+with those KDA kernels (default auto: Pallas on a GPU, whose Triton compiles ran the first runs' parts
+out of time).
 
 A row is a check (pass or FAIL against its tolerance or target) or a figure. Speed targets are
 judged on an accelerator only; with ``--smoke`` they are figures. A part that fails, crashes or
@@ -34,6 +41,10 @@ mxfp4 passed (Pallas decode at 0.75 of a device copy's bandwidth; MXFP4 experts'
 1.00-1.10x dense bf16); kda-check, kda-speed, train-step and sessions ran out of their limits, all
 in Pallas KDA compiles (see `PARTS`). Runtime was not the problem: Pallas forward 1.31 ms vs
 chunk 1.79 ms at (1, 1024, 4, 128, 128), equal gradients' time at (1, 128, 2, 64, 64).
+Second H200 run (2026-12-04, JAX 0.11.2; sessions, train-step, kda-check under a 540 s budget, KDA
+auto = Pallas): all three stopped at their 150 / 240 / 149 s limits, again in compiles (XLA's slow
+compile alarm for the train step's loss); ``--kda-implementation chunk`` was added after it, to
+tell the compile cost from the runtime, and has not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -212,8 +223,31 @@ KDA_IMPLEMENTATION_VARIABLE = "K3JAX_BENCH_KDA_IMPLEMENTATION"   # --kda-impleme
 
 
 def kda_implementation() -> str:
-    """The KDA implementation the train-step and sessions parts build their models with."""
+    """The KDA implementation the train-step, sessions and speculative parts build their models with."""
     return os.environ.get(KDA_IMPLEMENTATION_VARIABLE, "auto")
+
+
+SPECULATIVE = {"sessions": 16, "new_tokens": 32, "k": 4, "trials": 2}
+SMOKE_SPECULATIVE = {"sessions": 2, "new_tokens": 8, "k": 2, "trials": 1}
+
+
+def speculative(smoke: bool) -> Iterator[Row]:
+    from types import SimpleNamespace
+
+    from bench.speculative import bounds_case
+
+    config_path, overrides = SMOKE_TRAIN if smoke else K3_SHAPED
+    sizes = SMOKE_SPECULATIVE if smoke else SPECULATIVE
+    results = bounds_case(config_path, [*overrides, f"model.kda.implementation={kda_implementation()}"],
+                          SimpleNamespace(**sizes))
+    for name, result in results.items():
+        shape = f"{name}, {sizes['sessions']} sessions, k={sizes['k']}"
+        yield judged(f"{shape}: speculative greedy = plain greedy", result["outputs_equal"], result["outputs_equal"])
+        yield figure(f"{shape}: plain / speculative tokens/s",
+                     f"{result['plain_tokens_per_s']:.1f} / {result['speculative_tokens_per_s']:.1f}")
+        yield figure(f"{shape}: speed-up", result["speedup"])
+        yield figure(f"{shape}: verify ms per round / plain ms per step",
+                     f"{result['verify_ms_per_round']:.2f} / {result['plain_ms_per_step']:.2f}")
 
 
 class Part(NamedTuple):
@@ -226,7 +260,8 @@ class Part(NamedTuple):
 # forward and 94 s its backward even at (1, 128, 2, 64, 64), so the parts that compile it come last
 # and get the rest of the budget.
 PARTS = [Part("decode-pool", decode_pool, 60), Part("mxfp4", mxfp4, 50), Part("sessions", sessions, 150),
-         Part("train-step", train_step, 240), Part("kda-check", kda_check, 240), Part("kda-speed", kda_speed, 200)]
+         Part("train-step", train_step, 240), Part("kda-check", kda_check, 240), Part("kda-speed", kda_speed, 200),
+         Part("speculative", speculative, 240)]
 DEVICE_BUDGET_S = 570      # all parts of a device run together: under 10 minutes with the start-up
 MIN_PART_S = 20            # a part is skipped when less of the budget is left
 # --smoke: each part's limit (CPU compiles and interpreted kernels take minutes on a busy machine),
@@ -328,7 +363,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, help=f"wall-clock budget of all parts together (default: "
                                                        f"{DEVICE_BUDGET_S} s; none with --smoke)")
     parser.add_argument("--kda-implementation", choices=("auto", "chunk", "pallas"), default="auto",
-                        help="the KDA kernels of the train-step and sessions parts' models (default: auto)")
+                        help="the KDA kernels of the train-step, sessions and speculative parts' models (default: auto)")
     parser.add_argument("--out", default="bench/gpu.json")
     parser.add_argument("--part", choices=names, help=argparse.SUPPRESS)   # a child process: run this part
     parser.add_argument("--rows", help=argparse.SUPPRESS)                  # ... writing its rows here
