@@ -79,6 +79,7 @@ def same_chat(plain, speculative, body):
         [e["token"] for e in want["logprobs"]["content"]]
 
 
+@pytest.mark.slow   # the draft-model server's programs: ~60 s of compiles on 2 cores
 def test_a_draft_model_of_the_served_model_accepts_every_draft_and_changes_nothing(serving, drafted):
     plain, (client, server) = serving[0], drafted
     same_completion(plain, client, {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True})
@@ -96,6 +97,7 @@ def test_prompt_lookup_on_a_repeating_prompt_changes_nothing(serving, looked_up)
     assert counted["accepted"] > 0 and counted["emitted"] > counted["rounds"]
 
 
+@pytest.mark.slow   # the draft-model server's programs: ~60 s of compiles on 2 cores
 def test_metrics_show_the_speculation_counters(serving, drafted):
     client, server = drafted
     post(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
@@ -128,6 +130,7 @@ def completion_on_engine(server, body) -> tuple[dict, list[list[int]]]:
     return event[1], held
 
 
+@pytest.mark.slow   # the draft-model server's programs: ~60 s of compiles on 2 cores
 def test_a_stop_string_inside_a_round_leaves_the_session_as_plain_decoding_does(serving, drafted):
     """With every draft accepted, rounds emit tokens 0-2, 3-5, ...: a stop string ending on a
     token that is not a round's last cuts the round, and the session must not keep the rest."""
@@ -147,6 +150,7 @@ def test_a_stop_string_inside_a_round_leaves_the_session_as_plain_decoding_does(
     assert got_held == expected_held == [prompt + generated[: cut + 1]]
 
 
+@pytest.mark.slow   # the draft-model server's programs: ~60 s of compiles on 2 cores
 def test_concurrent_requests_of_different_lengths_one_with_top_logprobs(serving, drafted):
     plain, (client, server) = serving[0], drafted
     requests = [("/v1/completions", {"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True}),

@@ -16,7 +16,8 @@ STATS_KEYS = [
 
 
 def test_the_package_exports_the_store_its_handles_sampling_and_the_fingerprint():
-    assert k3jax.sessions.__all__ == ["Sampling", "SessionStore", "Snapshot", "model_fingerprint"]
+    assert k3jax.sessions.__all__ == ["DraftModel", "PromptLookup", "RoundResult", "Sampling", "SessionStore", "Snapshot",
+                                      "Speculator", "model_fingerprint"]
 
 
 def test_stats_has_the_published_keys_in_order(model):
