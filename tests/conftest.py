@@ -40,14 +40,6 @@ def environment_compiling_as_users_do() -> dict:
 
 
 compile_without_llvm_optimisation()
-# No persistent compilation cache in this process (subprocesses keep theirs): twice, in `.ci/run`'s
-# slow set, a worker that had run ~100 tests died with a segmentation fault inside JAX's cache write
-# (`compilation_cache.put_executable_and_time` -> `executable.serialize()`, in libgcc_s) while
-# compiling a session-store program -- both times in tests/eval/test_chat_turns.py after the server
-# tests, once also in tests/test_model_mxfp4.py; the same tests pass alone. The in-process tests
-# gain nothing from the cache (each program compiles once per process); trainers built in-process
-# would otherwise turn it on for the rest of the worker's life (`train.compilation_cache`).
-jax.config.update("jax_enable_compilation_cache", False)
 
 
 def shared_fixture_group(item) -> str | None:
