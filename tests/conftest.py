@@ -41,6 +41,28 @@ def environment_compiling_as_users_do() -> dict:
 
 compile_without_llvm_optimisation()
 
+# Every compiled XLA:CPU program keeps a few memory mappings (its code and constants), and Linux
+# allows a process vm.max_map_count of them (65530 by default). A pytest-xdist worker lives through
+# hundreds of tests and thousands of programs; past the limit, mmap fails inside XLA or LLVM and the
+# worker dies (a segmentation fault in the compilation cache's write, an abort in a compile: seen in
+# `.ci/run`'s slow set once the speculative decoding tests' programs were added, with 1.5-3 GB of 24
+# in use; one process running tests/sessions' slow tests held 4K, 10K, 18K, then 34K mappings after
+# test_speculate). So after a module, a process holding more than MAP_BUDGET mappings drops its
+# compiled programs (`jax.clear_caches`); later tests compile again (the persistent cache makes that
+# a load).
+MAP_BUDGET = 30_000
+
+
+def memory_mappings() -> int:
+    with open(f"/proc/{os.getpid()}/maps") as maps:
+        return sum(1 for _ in maps)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    last_of_its_module = nextitem is None or nextitem.module is not item.module
+    if last_of_its_module and os.path.exists("/proc/self/maps") and memory_mappings() > MAP_BUDGET:
+        jax.clear_caches()
+
 
 def shared_fixture_group(item) -> str | None:
     """The package (session-scoped fixtures) or module (module-scoped ones) whose shared fixtures
