@@ -198,8 +198,8 @@ class Speculator:
             if accepted < len(drafts[sid]) and not stopped:
                 self._rejected[sid] = drafts[sid][accepted]
             kept[sid] = fed[sid][: 1 + accepted]
-            logprobs = [first_logprob[sid]] + [float(log_softmax(logits[row, i])[drafts[sid][i]])
-                                               for i in range(accepted)]
+            accepted_logprobs = log_softmax(logits[row, :accepted])[np.arange(accepted), drafts[sid][:accepted]]
+            logprobs = [first_logprob[sid], *map(float, accepted_logprobs)]
             results[sid] = RoundResult(kept[sid], logprobs)
             self._adaptive(sid).update(len(drafts[sid]), accepted)
             self.stats.rounds += 1
