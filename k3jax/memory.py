@@ -14,7 +14,8 @@ Packed documents: a call's first segment continues the bank; at a boundary insid
 KDA state and conv window restart and MLA hides the slots before it, and the bank then carries
 the last document on. The conv tails and latent caches are stored in the config's compute dtype. A layer sees the same
 types without the leading layer axis. Training calls pass ``memory=None``; prefill and decode
-pass a bank from `init_memory` (or a saved one) and get the updated bank back.
+pass a bank from `init_memory` (or a saved one) and get the updated bank back. A bank whose kda is
+a `KDAPositions` returns every position's KDA state and conv tail (short calls: a verify).
 
 Pooled decode (one token per sequence, memory kept in pools shared by many sequences and updated
 in place, as `k3jax.sessions` keeps it): the bank is a `Memory` of
@@ -46,6 +47,16 @@ from k3jax.config import ConfigError, ModelConfig, load_config
 
 
 class KDAMemory(NamedTuple):
+    state: jax.Array
+    conv: jax.Array
+
+
+class KDAPositions(NamedTuple):
+    """A contiguous KDA bank (state ``[.., B, HV, K, V]``, conv ``[.., B, W-1, C]``) whose call
+    returns the state and conv tail after every token instead of only the last: state
+    ``[.., B, T, HV, K, V]``, conv ``[.., B, T, W-1, C]`` (a speculative verify; token by token,
+    `k3jax.ops.kda.kda_steps`)."""
+
     state: jax.Array
     conv: jax.Array
 

@@ -343,10 +343,12 @@ def _split_layers(tree, split: _Split, repeats: int):
 
 
 def _join_layers(prefix, body, suffix):
-    """Inverse of `_split_layers`; groups given as None (no layer of the kind) are skipped."""
+    """Inverse of `_split_layers`; groups given as None or holding no layer of the kind are
+    skipped (an empty group returns its input, whose shapes a `KDAPositions` call changes)."""
     if body is not None:
         body = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), body)
     parts = [part for part in (prefix, body, suffix) if part is not None]
+    parts = [part for part in parts if jax.tree.leaves(part)[0].shape[0]] or parts[:1]
     return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts) if parts else None
 
 

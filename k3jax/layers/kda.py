@@ -30,9 +30,9 @@ from k3jax.config import KDAConfig
 from k3jax.layers.lora import adapted_project
 from k3jax.layers.params import param, truncated_normal
 from k3jax.layers.scope import scoped
-from k3jax.memory import KDAMemory, KDAPool
-from k3jax.ops.conv import causal_depthwise_conv
-from k3jax.ops.kda import kda, kda_gate, kda_step, l2_normalize
+from k3jax.memory import KDAMemory, KDAPool, KDAPositions
+from k3jax.ops.conv import causal_depthwise_conv, conv_tails
+from k3jax.ops.kda import kda, kda_gate, kda_step, kda_steps, l2_normalize
 from k3jax.ops.kda.decode_pool import conv_pool_step, kda_pool_step
 from k3jax.ops.norms import rms_norm
 
@@ -101,7 +101,9 @@ class KDALayer(nnx.Module):
 
         ``memory`` (state ``[B, HV, K, V]``, conv ``[B, W-1, C]``) continues a sequence; None
         starts from zeros. ``segment_ids [B, T]`` restarts state and conv window at boundaries.
-        A `KDAPool` (T = 1, no segments) decodes from and into its pools (`decode_pooled`).
+        A `KDAPool` (T = 1, no segments) decodes from and into its pools (`decode_pooled`); a
+        `KDAPositions` (no segments) feeds the tokens one at a time and returns every token's
+        state and conv tail (`kda_steps`, `conv_tails`).
         """
         if isinstance(memory, KDAPool):
             return self.decode_pooled(x, memory)
@@ -120,6 +122,11 @@ class KDALayer(nnx.Module):
         g, beta = self._gates(x)
 
         state = None if memory is None else memory.state
+        if isinstance(memory, KDAPositions):
+            if segment_ids is not None:
+                raise ValueError("a KDAPositions bank feeds one sequence per row: no segment_ids")
+            o, states = kda_steps(q, k, v, g, beta, state, implementation=cfg.implementation)
+            return self._output(o, x), KDAPositions(states, conv_tails(projected, memory.conv))
         if length == 1 and state is not None:
             o, state = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state,
                                 implementation=cfg.implementation)

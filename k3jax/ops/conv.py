@@ -45,3 +45,13 @@ def causal_depthwise_conv(
         same = window_segments[:, length:] == segment_ids[:, -1:]
         new_state = jnp.where(same[..., None], new_state, 0)
     return y.astype(x.dtype), new_state
+
+
+def conv_tails(x: jax.Array, state: jax.Array) -> jax.Array:
+    """The carried window after every token: x ``[B, T, C]`` continuing ``state [B, W-1, C]`` ->
+    ``[B, T, W-1, C]`` in state's dtype, entry t the last W-1 inputs once token t is in (the
+    ``new_state`` a call ending at token t returns; no segments)."""
+    length, kept = x.shape[1], state.shape[1]
+    window = jnp.concatenate([state, x.astype(state.dtype)], axis=1)          # [B, W-1+T, C]
+    index = jnp.arange(length)[:, None] + 1 + jnp.arange(kept)[None, :]       # [T, W-1]
+    return window[:, index]

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.sampling import sample_logits
-from k3jax.memory import KDAMemory, KDAPool, Memory, MLAMemory, MLAPages
+from k3jax.memory import KDAMemory, KDAPool, KDAPositions, Memory, MLAMemory, MLAPages
 
 
 class Pools(NamedTuple):
@@ -113,22 +113,46 @@ def prefill_piece(graphdef, params, pools: Pools, slot, table, length, tokens):
     return out.logits[0], scatter_bank(pools, slots, tables, lengths, out.memory, tokens.shape[0])
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
-def feed_rows(graphdef, params, pools: Pools, slots, tables, lengths, tokens, restore=None):
+@functools.partial(jax.jit, static_argnames=("graphdef", "every_position"), donate_argnames=("pools",))
+def feed_rows(graphdef, params, pools: Pools, slots, tables, lengths, tokens, restore=None, every_position=False):
     """B sequences continue by ``tokens [B, T]`` each, in one call (a speculative round's verify
-    and replay, `k3jax.sessions.speculate`) -> (logits [B, T, vocab] fp32, pools, the KDA states
-    and conv tails of the slots before the call ``(state, conv)`` [B, ...]).
+    and replay, `k3jax.sessions.speculate`) -> (logits [B, T, vocab] fp32, pools, saved KDA states
+    and conv tails ``(state, conv)``): the slots' from before the call ``[B, ...]``, or with
+    ``every_position`` the states and tails after every token ``[B, T, ...]`` (fed token by token,
+    `k3jax.memory.KDAPositions`; `keep_positions` then sets each slot to the position it keeps).
 
     ``restore`` ``(state, conv)`` [B, ...] (such a pair from an earlier call) is written into the
-    slots first: the rollback of a verify before the replay of its accepted tokens. Padding rows:
-    page tables of page N_pages (nothing read or written) and free slots of their own."""
+    slots first: the rollback of a verify before the replay of its accepted tokens. The slots end
+    holding the state after all T tokens. Padding rows: page tables of page N_pages (nothing read
+    or written) and free slots of their own."""
     if restore is not None:
-        pools = pools._replace(state=pools.state.at[slots].set(restore[0], mode="drop"),
-                               conv=pools.conv.at[slots].set(restore[1], mode="drop"))
+        pools = set_slots(pools, slots, *restore)
     bank = gather_bank(pools, slots, tables, lengths)
-    before = (jnp.swapaxes(bank.kda.state, 0, 1), jnp.swapaxes(bank.kda.conv, 0, 1))
+    if every_position:
+        bank = bank._replace(kda=KDAPositions(*bank.kda))
+    saved = (jnp.swapaxes(bank.kda.state, 0, 1), jnp.swapaxes(bank.kda.conv, 0, 1))
     out = nnx.merge(graphdef, params)(tokens, memory=bank)
-    return out.logits, scatter_bank(pools, slots, tables, lengths, out.memory, tokens.shape[1]), before
+    memory = out.memory
+    if every_position:
+        saved = (jnp.moveaxis(memory.kda.state, 0, 2), jnp.moveaxis(memory.kda.conv, 0, 2))   # [B, T, N_kda, ...]
+        memory = memory._replace(kda=KDAMemory(*(jnp.swapaxes(array[:, -1], 0, 1) for array in saved)))
+    return out.logits, scatter_bank(pools, slots, tables, lengths, memory, tokens.shape[1]), saved
+
+
+def set_slots(pools: Pools, slots, state, conv) -> Pools:
+    """Slots ``[B]`` := KDA states ``state [B, N_kda, ...]`` and conv tails ``conv`` (padding slots
+    past the pool are dropped)."""
+    return pools._replace(state=pools.state.at[slots].set(state, mode="drop"),
+                          conv=pools.conv.at[slots].set(conv, mode="drop"))
+
+
+@functools.partial(jax.jit, donate_argnames=("pools",))
+def keep_positions(pools: Pools, slots, saved, positions) -> Pools:
+    """Each slot ``slots[b]`` := its KDA state and conv tail after token ``positions[b]`` of the
+    ``every_position`` call of `feed_rows` that saved ``saved`` ``[B, T, ...]``: the rollback of
+    the tokens after it (its MLA rows past its length are masked, nothing to undo there)."""
+    batch = jnp.arange(slots.shape[0])
+    return set_slots(pools, slots, saved[0][batch, positions], saved[1][batch, positions])
 
 
 def pooled_bank(pools: Pools, slots: jax.Array, tables: jax.Array, lengths: jax.Array) -> Memory:

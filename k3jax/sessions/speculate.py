@@ -1,5 +1,5 @@
 """Speculative rounds over the sessions of a `SessionStore`: draft, verify in one batched call,
-roll back and replay, exactly (the rules: `k3jax.speculative`).
+roll back the rejected drafts, exactly (the rules: `k3jax.speculative`).
 
     speculator = Speculator(store, PromptLookup(max_ngram=3), k=4)      # or DraftModel(draft_model)
     speculator = Speculator.of(store, Speculation(prompt_lookup=3))     # the same
@@ -11,12 +11,20 @@ One round of B sessions:
   1. each session's first token t_0 is drawn from its logits (`k3jax.speculative`) and the drafts
      d_1..d_k proposed after it;
   2. verify: one `paged.feed_rows` call feeds [t_0, d_1..d_k] to every session (rows padded to the
-     round's longest, batch to a power of two); it returns the logits of every position and each
-     session's KDA state and conv tails from before the call;
-  3. each session accepts a prefix of its drafts; one that accepted all is done (its memory is the
-     verify's). The others are rolled back and replayed: a `feed_rows` call per kept length
-     writes the saved states back into their slots and feeds [t_0, d_1..d_j] again. MLA rows past
-     a session's length are masked, so only the KDA states and conv tails need restoring.
+     round's longest drafts rounded up to a power of two, at most 1 + k, so a few widths compile;
+     batch to a power of two); it returns the logits of every position;
+  3. each session accepts a prefix of its drafts and keeps [t_0, d_1..d_j]; its next logits are
+     the verify's at d_j. A session that kept fewer tokens than were fed is rolled back, by
+     ``rollback``:
+       "states" (default): the verify fed the tokens one at a time and saved the KDA state and
+          conv tail after every position (`k3jax.memory.KDAPositions`); one small call
+          (`paged.keep_positions`) sets every such slot to its position j. Memory: 1 + k states
+          per session during the round.
+       "replay": the verify saved the states from before it; a `feed_rows` call per kept length
+          writes them back into the slots and feeds [t_0, d_1..d_j] again (the logits are the
+          replay's). No per-position memory; a model call per distinct kept length.
+     MLA rows past a session's length are masked, so only the KDA states and conv tails need
+     restoring.
 After the round every session's KDA state, conv tails, MLA rows and logits are those of feeding
 exactly its emitted tokens, and its history holds them. Pages a verify took beyond that are given
 back (a fork must never share a page it may write).
@@ -34,8 +42,8 @@ from k3jax.sessions import paged
 from k3jax.sessions.batching import Sampling
 from k3jax.sessions.store import SessionStore
 from k3jax.sessions.tiers import NoRoom, Value
-from k3jax.speculative import (DRAW, UNIFORM, AdaptiveK, Speculation, SpeculationStats, accepted_drafts, draw, position_rng,
-                               prompt_lookup, residual, sampling_probs)
+from k3jax.speculative import (DRAW, UNIFORM, AdaptiveK, Speculation, SpeculationStats, accepted_drafts, check_rollback,
+                               draw, position_rng, prompt_lookup, residual, sampling_probs)
 
 
 class RoundResult(NamedTuple):
@@ -123,10 +131,11 @@ class Speculator:
     `DraftModel`) proposing up to ``k`` tokens a round (`AdaptiveK` per session when ``adaptive``).
     See the module docstring."""
 
-    def __init__(self, store, drafter, k: int = 4, adaptive: bool = True):
+    def __init__(self, store, drafter, k: int = 4, adaptive: bool = True, rollback: str = "states"):
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"speculate k must be an integer >= 1, got {k!r}")
-        self.store, self.drafter, self.k, self.adaptive = store, drafter, k, adaptive
+        check_rollback(rollback)
+        self.store, self.drafter, self.k, self.adaptive, self.rollback = store, drafter, k, adaptive, rollback
         self.stats = SpeculationStats()
         self._k: dict[int, AdaptiveK] = {}
         self._rejected: dict[int, int] = {}       # session -> the draft its last round rejected (sampled)
@@ -135,11 +144,12 @@ class Speculator:
     def of(cls, store, speculation: Speculation) -> "Speculator":
         """The speculator ``speculation`` describes, over ``store``."""
         if speculation.draft is None:
-            return cls(store, PromptLookup(speculation.prompt_lookup), speculation.k, speculation.adaptive)
+            return cls(store, PromptLookup(speculation.prompt_lookup), speculation.k, speculation.adaptive,
+                       speculation.rollback)
         if speculation.draft.config.vocab_size != store.config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({speculation.draft.config.vocab_size} tokens) is not "
                              f"the target's ({store.config.vocab_size})")
-        return cls(store, DraftModel(speculation.draft), speculation.k, speculation.adaptive)
+        return cls(store, DraftModel(speculation.draft), speculation.k, speculation.adaptive, speculation.rollback)
 
     def leave(self, sid: int) -> None:
         """Forget ``sid``'s speculation state (its draft session, draft length)."""
@@ -162,7 +172,8 @@ class Speculator:
             raise ValueError(f"every session must be allowed at least one token, got limits {limits}")
         stops = {sid: frozenset(int(t) for t in (stop_ids.get(sid, ()) if isinstance(stop_ids, Mapping) else stop_ids))
                  for sid in sids}
-        make_room(store, values, [1 + min(self.k, max(limits.values()) - 1)] * len(values))   # before any change
+        room = 1 + min(self.k, max(limits.values()) - 1)
+        make_room(store, values, [room] * len(values))                          # before any change
         first, first_logprob = {}, {}
         for sid, value in zip(sids, values):
             rule = sampling[sid]
@@ -183,9 +194,10 @@ class Speculator:
         self.stats.draft_seconds += time.perf_counter() - started
 
         started = time.perf_counter()
-        width = 1 + max(len(d) for d in drafts.values())
+        width = min(paged.next_power_of_two(1 + max(len(d) for d in drafts.values())), room)
         fed = {sid: [first[sid], *drafts[sid]] for sid in sids}
-        logits, before = feed(store, values, [fed[sid] for sid in sids], width)
+        logits, saved = feed(store, values, [fed[sid] for sid in sids], width,
+                             every_position=self.rollback == "states")
         kept, results = {}, {}
         for row, (sid, value) in enumerate(zip(sids, values)):
             rule, stream = sampling[sid], sid if sampling[sid].stream is None else sampling[sid].stream
@@ -207,12 +219,14 @@ class Speculator:
             self.stats.accepted += accepted
             self.stats.emitted += 1 + accepted
         last = {sid: logits[row, len(kept[sid]) - 1] for row, sid in enumerate(sids)}
-        replayed = [row for row, sid in enumerate(sids) if len(kept[sid]) < width]
-        if replayed:
-            restore = tuple(array[jnp.asarray(replayed)] for array in before)
-            replays = feed_by_length(store, [values[row] for row in replayed], [kept[sids[row]] for row in replayed],
+        rolled = [row for row, sid in enumerate(sids) if len(kept[sid]) < width]
+        if rolled and self.rollback == "states":
+            keep_positions(store, values, saved, [len(kept[sid]) - 1 for sid in sids])
+        elif rolled:
+            restore = tuple(array[jnp.asarray(rolled)] for array in saved)
+            replays = feed_by_length(store, [values[row] for row in rolled], [kept[sids[row]] for row in rolled],
                                      restore)
-            last.update({sids[row]: logits for row, logits in zip(replayed, replays)})
+            last.update({sids[row]: logits for row, logits in zip(rolled, replays)})
         for sid, value in zip(sids, values):
             value.tokens.extend(kept[sid])
             value.logits = last[sid]
@@ -245,10 +259,11 @@ def make_room(store, values: list[Value], widths: list[int]) -> None:
                              f"session(s) of up to {max(widths)} tokens each") from None
 
 
-def feed(store, values: list[Value], tokens: list[list[int]], width: int, restore=None):
+def feed(store, values: list[Value], tokens: list[list[int]], width: int, restore=None, every_position=False):
     """`paged.feed_rows` over ``values`` (on device with room; each fed its ``tokens`` after its
-    history, padded to ``width``) -> (logits [B, width, vocab] on host, the KDA states and conv
-    tails from before, on device). Histories and logits are the caller's to update."""
+    history, padded to ``width``) -> (logits [B, width, vocab] on host, the saved KDA states and
+    conv tails on device: from before the call, or after every token with ``every_position``).
+    Histories and logits are the caller's to update."""
     device = store._device
     batch = paged.next_power_of_two(len(values))
     pad = batch - len(values)
@@ -261,10 +276,21 @@ def feed(store, values: list[Value], tokens: list[list[int]], width: int, restor
         rows[index, : len(row)] = row
     if restore is not None:
         restore = tuple(jnp.concatenate([a, jnp.zeros((pad, *a.shape[1:]), a.dtype)]) for a in restore)
-    logits, device.arrays, before = paged.feed_rows(
+    logits, device.arrays, saved = paged.feed_rows(
         store._graphdef, store._params, device.arrays, jnp.asarray(slots), jnp.asarray(tables),
-        jnp.asarray(lengths), jnp.asarray(rows), restore)
-    return np.asarray(logits)[: len(values)], before
+        jnp.asarray(lengths), jnp.asarray(rows), restore, every_position=every_position)
+    return np.asarray(logits)[: len(values)], saved
+
+
+def keep_positions(store, values: list[Value], saved, positions: list[int]) -> None:
+    """Each value's slot := its KDA state and conv tail after token ``positions[i]`` of the
+    `feed` (``every_position``) that returned ``saved`` for ``values`` in this order."""
+    device = store._device
+    batch = saved[0].shape[0]
+    outside = device.arrays.state.shape[0]                    # padding rows write nowhere
+    slots = np.asarray([v.slot for v in values] + [outside] * (batch - len(values)), np.int32)
+    positions = np.asarray(list(positions) + [0] * (batch - len(values)), np.int32)
+    device.arrays = paged.keep_positions(device.arrays, jnp.asarray(slots), saved, jnp.asarray(positions))
 
 
 def feed_by_length(store, values: list[Value], tokens: list[list[int]], restore=None) -> list[np.ndarray]:

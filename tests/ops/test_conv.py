@@ -2,7 +2,7 @@
 import jax
 import numpy as np
 
-from k3jax.ops.conv import causal_depthwise_conv
+from k3jax.ops.conv import causal_depthwise_conv, conv_tails
 from tests import numpy_reference as ref
 
 conv = jax.jit(causal_depthwise_conv)
@@ -30,3 +30,13 @@ def test_pieces_with_carried_state_equal_one_call():
     np.testing.assert_allclose(np.concatenate(pieces, axis=1), y_full, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(state, state_full)
     np.testing.assert_allclose(state, x[:, -3:])
+
+
+def test_tails_after_every_token_are_the_carried_windows_of_each_prefix():
+    rng = np.random.default_rng(2)
+    x, w, state = rng.standard_normal((2, 5, 3)), rng.standard_normal((3, 4)), rng.standard_normal((2, 3, 3))
+    tails = conv_tails(x.astype(np.float32), state.astype(np.float32))
+    assert tails.shape == (2, 5, 3, 3)
+    for t in range(5):                                 # 5 tokens, more and fewer than the window of 3
+        _, state_ref = ref.causal_conv(x[:, : t + 1], w, state)
+        np.testing.assert_allclose(tails[:, t], state_ref, rtol=1e-6, atol=1e-6)

@@ -9,7 +9,7 @@ import pytest
 from jax.test_util import check_grads
 
 from k3jax.ops import kda as kda_ops
-from k3jax.ops.kda import kda_gate, kda_step, l2_normalize
+from k3jax.ops.kda import kda_gate, kda_step, kda_steps, l2_normalize
 from tests.helpers import rel_err
 from tests.ops.numpy_kda import kda_numpy
 
@@ -137,6 +137,19 @@ def test_step_loop_equals_chunk():
         outs.append(o_t)
     assert rel_err(jnp.stack(outs, axis=1), o_full) <= 1e-5
     assert rel_err(state, s_full) <= 1e-5
+
+
+@pytest.mark.parametrize("implementation", ["chunk", "pallas"])
+def test_steps_keep_every_state_of_the_numpy_recurrence(implementation):
+    x = make_inputs(7, length=5, heads=2, value_heads=4, regime="bounded")
+    o, states = kda_steps(*(as_f32(x)[name] for name in ("q", "k", "v", "g", "beta", "initial_state")),
+                          implementation=implementation)
+    assert states.shape == (2, 5, 4, 16, 8) and states.dtype == jnp.float32
+    o_ref, _ = kda_numpy(**x)
+    assert rel_err(o, o_ref) <= 1e-5
+    for t in range(5):                                 # the state after token t: a run of t + 1 tokens
+        _, state_ref = kda_numpy(**{name: a if name == "initial_state" else a[:, : t + 1] for name, a in x.items()})
+        assert rel_err(states[:, t], state_ref) <= 1e-5
 
 
 @pytest.mark.parametrize("regime", ["mild", "unbounded"])

@@ -74,13 +74,14 @@ def assert_logprobs_of_one_prefill(model, store, sid, emitted, logprobs):
 
 
 @pytest.mark.slow    # compiles of verify / replay widths and of the reference prefills
-def test_greedy_rounds_with_rejections_equal_plain_greedy_and_leave_every_session_as_one_prefill(model):
+@pytest.mark.parametrize("rollback", ["states", "replay"])
+def test_greedy_rounds_with_rejections_equal_plain_greedy_and_leave_every_session_as_one_prefill(model, rollback):
     store = SessionStore(model)
     sids = [store.open(prompt) for prompt in PROMPTS]
     plain = dict(zip(sids, store.generate([store.fork(sid) for sid in sids], NEW)))
     wrong = {sids[0]: {2, 3, 7}, sids[1]: {1, 9}, sids[2]: set()}      # different acceptances
     drafter = ScriptedDrafts(dict(zip(sids, PROMPTS)), plain, wrong)
-    speculator = Speculator(store, drafter, k=3, adaptive=False)
+    speculator = Speculator(store, drafter, k=3, adaptive=False, rollback=rollback)
     tokens, logprobs = run_rounds(speculator, sids, Sampling())
     for sid in sids:
         assert_session_is_one_prefill(model, store, sid)
@@ -91,13 +92,14 @@ def test_greedy_rounds_with_rejections_equal_plain_greedy_and_leave_every_sessio
 
 
 @pytest.mark.slow    # compiles of verify / replay widths and of the reference prefills
-def test_sampled_rounds_are_reproducible_and_exact_in_memory(model):
+@pytest.mark.parametrize("rollback", ["states", "replay"])
+def test_sampled_rounds_are_reproducible_and_exact_in_memory(model, rollback):
     sampling = Sampling(temperature=1.0, top_p=0.9, seed=7)
 
     def sample():
         store = SessionStore(model)
         sids = [store.open(prompt) for prompt in PROMPTS[:2]]
-        speculator = Speculator(store, DraftModel(tiny_model(seed=3)), k=3)
+        speculator = Speculator(store, DraftModel(tiny_model(seed=3)), k=3, rollback=rollback)
         tokens, logprobs = run_rounds(speculator, sids, sampling, new=8)
         for sid in sids:
             assert_session_is_one_prefill(model, store, sid)

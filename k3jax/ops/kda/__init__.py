@@ -2,6 +2,8 @@
 
     kda(q, k, v, g, beta, ...)        -> (o [B,T,HV,V] in v.dtype, final_state [B,HV,K,V] fp32)
     kda_step(q, k, v, g, beta, state) -> (o [B,HV,V], state)            one token
+    kda_steps(q, k, v, g, beta, state) -> (o [B,T,HV,V], states [B,T,HV,K,V])   token by token,
+                                                                        every state kept
     kda_gate(raw, A_log, dt_bias, lower_bound=None) -> g               log-space decay, fp32
     l2_normalize(x)                                                     x / sqrt(sum x^2 + 1e-6)
 
@@ -39,7 +41,7 @@ from k3jax.ops.kda.pallas_decode import pallas_kda_pool_step
 from k3jax.ops.kda.reference import recurrent_kda, recurrent_step
 from k3jax.ops.norms import l2_normalize
 
-__all__ = ["kda", "kda_step", "kda_gate", "l2_normalize", "IMPLEMENTATIONS", "segment_starts"]
+__all__ = ["kda", "kda_step", "kda_steps", "kda_gate", "l2_normalize", "IMPLEMENTATIONS", "segment_starts"]
 
 IMPLEMENTATIONS = ("auto", "reference", "chunk", "pallas")
 
@@ -214,3 +216,25 @@ def kda_step(
 
     return by_implementation(implementation, q, k, v, g, beta, state, path="one-token decode",
                              xla=xla, pallas=pallas)
+
+
+def kda_steps(q, k, v, g, beta, state, *, scale: float | None = None, implementation: str | None = None):
+    """T tokens fed one at a time from ``state``, keeping the state after every token (a
+    speculative verify, whose rejected drafts are undone by picking an earlier state):
+
+        S_t = step(S_{t-1}, q_t, k_t, v_t, g_t, beta_t)     (`kda_step`, the decode recurrence)
+        o_t = S_t^T (scale q_t)
+
+    q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g ``[B, T, HV, K]``, beta ``[B, T, HV]``, state
+    ``[B, HV, K, V]`` -> ``(o [B, T, HV, V] in v.dtype, states [B, T, HV, K, V] fp32)``, states[:, t]
+    the state after token t: the numbers of T `kda_step` calls with ``implementation``. Memory is T
+    states per sequence, so this is for short T (a verify of 1 + k tokens); a sequence is `kda`."""
+    _check_inputs(q, k, v, g, beta, state, token_axis=True)
+
+    def step(carry, token):
+        o, carry = kda_step(*token, carry, scale=scale, implementation=implementation)
+        return carry, (o, carry)
+
+    tokens = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v, g, beta))
+    _, (o, states) = jax.lax.scan(step, state.astype(_compute_dtype(q, k, v, g, beta, state)), tokens)
+    return jnp.swapaxes(o, 0, 1), jnp.swapaxes(states, 0, 1)
