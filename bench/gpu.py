@@ -240,8 +240,9 @@ def speculative(smoke: bool) -> Iterator[Row]:
     sizes = SMOKE_SPECULATIVE if smoke else SPECULATIVE
     results = bounds_case(config_path, [*overrides, f"model.kda.implementation={kda_implementation()}"],
                           SimpleNamespace(**sizes))
-    for name, result in results.items():
-        shape = f"{name}, {sizes['sessions']} sessions, k={sizes['k']}"
+    rows = [(name, rollback, result) for name, by_rollback in results.items() for rollback, result in by_rollback.items()]
+    for name, rollback, result in rows:
+        shape = f"{name}, {rollback} rollback, {sizes['sessions']} sessions, k={sizes['k']}"
         yield judged(f"{shape}: speculative greedy = plain greedy", result["outputs_equal"], result["outputs_equal"])
         yield figure(f"{shape}: plain / speculative tokens/s",
                      f"{result['plain_tokens_per_s']:.1f} / {result['speculative_tokens_per_s']:.1f}")

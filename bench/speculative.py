@@ -9,8 +9,9 @@
              of ``--bounds-config``: every draft accepted, and none (shifted by one): the best and
              worst case of the mechanism itself, no draft model's cost
 
-For each: greedy decode tokens/s of B sessions decoding together (`SessionStore.generate`), plain
-vs speculative, the ratio, acceptance rate, mean accepted drafts per session-round, draft and verify
+For each, and for each way of rolling back rejected drafts (`k3jax.speculative.ROLLBACKS`: the
+verify's per-position states, or snapshot and replay): greedy decode tokens/s of B sessions
+decoding together (`SessionStore.generate`), plain vs speculative, the ratio, acceptance rate, mean accepted drafts per session-round, draft and verify
 seconds, and whether the outputs are equal token for token. Each trial starts from the same
 snapshots; the first two (one in each order) compile and are not counted; the variants alternate.
 
@@ -32,6 +33,7 @@ from eval.chat_turns import chat_turns_for
 from eval.loading import load_run
 from k3jax.data import load_tokenizer
 from k3jax.sessions import DraftModel, PromptLookup, SessionStore, Speculator
+from k3jax.speculative import ROLLBACKS
 
 WARMUP_TRIALS = 2
 CHAT = ("data.kind=chat data.path=configs/chat/conversations.jsonl data.tokenizer=configs/chat/tokenizer "
@@ -59,40 +61,49 @@ def copy_corpus(path: str, lines: int = 6000, seed: int = 0) -> None:
             out.write(f"old: {line}\nnew: {line}\n")
 
 
-def compare(store: SessionStore, prompts: list, speculator: Speculator, new_tokens: int, trials: int) -> dict:
-    """Plain vs speculative greedy decoding of ``prompts`` (token lists) together, medians."""
+def compare(store: SessionStore, prompts: list, speculators: dict[str, Speculator], new_tokens: int,
+            trials: int) -> dict:
+    """Plain vs speculative greedy decoding of ``prompts`` (token lists) together, with each of
+    ``speculators`` ({rollback: speculator}), medians: {rollback: figures}."""
     sids = [store.open(np.asarray(prompt, np.int32)) for prompt in prompts]
     handles = [store.snapshot(sid) for sid in sids]
-    outputs, times = {}, {"plain": [], "speculative": []}
+    outputs, times = {}, {name: [] for name in ("plain", *speculators)}
     modes = {"plain": lambda: store.generate(sids, new_tokens),
-             "speculative": lambda: store.generate(sids, new_tokens, speculator=speculator)}
+             **{name: (lambda s=speculator: store.generate(sids, new_tokens, speculator=s))
+                for name, speculator in speculators.items()}}
+    counted = {name: {} for name in speculators}
     for trial in range(trials + WARMUP_TRIALS):
         for name in (list(modes) if trial % 2 == 0 else list(modes)[::-1]):
             for sid, handle in zip(sids, handles):
                 store.rollback(sid, handle)
-            stats_before = speculator.stats.as_dict()
+            before = speculators[name].stats.as_dict() if name in speculators else {}
             elapsed = seconds(lambda: outputs.__setitem__(name, modes[name]()))
             if trial >= WARMUP_TRIALS:
                 times[name].append(elapsed)
-                if name == "speculative":
-                    speculator_rounds = {key: speculator.stats.as_dict()[key] - stats_before[key]
-                                         for key in ("rounds", "batched_rounds", "drafted", "accepted",
-                                                     "draft_seconds", "verify_seconds")}
+                if name in speculators:
+                    after = speculators[name].stats.as_dict()
+                    for key in ("rounds", "batched_rounds", "drafted", "accepted", "draft_seconds", "verify_seconds"):
+                        counted[name][key] = counted[name].get(key, 0) + after[key] - before[key]
     tokens = len(prompts) * new_tokens
     median = {name: statistics.median(values) for name, values in times.items()}
-    return {
-        "sessions": len(prompts), "new_tokens": new_tokens, "seconds": times,
-        "plain_tokens_per_s": tokens / median["plain"], "speculative_tokens_per_s": tokens / median["speculative"],
-        "speedup": median["plain"] / median["speculative"],
-        "acceptance_rate": speculator_rounds["accepted"] / max(speculator_rounds["drafted"], 1),
-        "mean_accepted_length": speculator_rounds["accepted"] / max(speculator_rounds["rounds"], 1),
-        "draft_seconds": speculator_rounds["draft_seconds"], "verify_seconds": speculator_rounds["verify_seconds"],
-        "batched_rounds": speculator_rounds["batched_rounds"],
-        # one batched round's verify (and replays) vs one plain decode step of the same sessions
-        "verify_ms_per_round": 1e3 * speculator_rounds["verify_seconds"] / speculator_rounds["batched_rounds"],
+    return {name: {
+        "sessions": len(prompts), "new_tokens": new_tokens, "seconds": {"plain": times["plain"], name: times[name]},
+        "plain_tokens_per_s": tokens / median["plain"], "speculative_tokens_per_s": tokens / median[name],
+        "speedup": median["plain"] / median[name],
+        "acceptance_rate": c["accepted"] / max(c["drafted"], 1),
+        "mean_accepted_length": c["accepted"] / max(c["rounds"], 1),
+        "draft_seconds": c["draft_seconds"] / trials, "verify_seconds": c["verify_seconds"] / trials,
+        "batched_rounds": c["batched_rounds"] / trials,
+        # one batched round's verify (and rollback) vs one plain decode step of the same sessions
+        "verify_ms_per_round": 1e3 * c["verify_seconds"] / c["batched_rounds"],
         "plain_ms_per_step": 1e3 * median["plain"] / new_tokens,
-        "outputs_equal": all(np.array_equal(a, b) for a, b in zip(outputs["plain"], outputs["speculative"])),
-    }
+        "outputs_equal": all(np.array_equal(a, b) for a, b in zip(outputs["plain"], outputs[name])),
+    } for name, c in counted.items()}
+
+
+def speculators(store: SessionStore, drafter, args, **options) -> dict[str, Speculator]:
+    """One speculator per rollback (`k3jax.speculative.ROLLBACKS`), each with its own ``drafter()``."""
+    return {rollback: Speculator(store, drafter(), args.k, rollback=rollback, **options) for rollback in ROLLBACKS}
 
 
 class KnownContinuations:
@@ -135,8 +146,8 @@ def bounds_case(config_path: str, overrides: list[str], args) -> dict:
     continuations = {tuple(prompt): [int(t) for t in out] for prompt, out in zip(prompts, plain)}
     results = {}
     for name, correct in (("all accepted", True), ("none accepted", False)):
-        drafter = KnownContinuations(continuations, correct, vocab)
-        results[name] = compare(store, prompts, Speculator(store, drafter, args.k, adaptive=False), args.new_tokens,
+        drafter = lambda correct=correct: KnownContinuations(continuations, correct, vocab)  # noqa: E731
+        results[name] = compare(store, prompts, speculators(store, drafter, args, adaptive=False), args.new_tokens,
                                 args.trials)
     return results
 
@@ -147,7 +158,7 @@ def copy_case(run_dir: str, args) -> dict:
     rng = np.random.default_rng(1)                                 # other strings than training's seed 0
     prompts = [list(tokenizer.encode(f"old: {copy_line(rng)}\nnew: ")) for _ in range(args.sessions)]
     store = SessionStore(run.model, prefix_cache=False)
-    return compare(store, prompts, Speculator(store, PromptLookup(3), args.k), args.new_tokens, args.trials)
+    return compare(store, prompts, speculators(store, lambda: PromptLookup(3), args), args.new_tokens, args.trials)
 
 
 def chat_case(run_dir: str, draft_dir: str, args) -> dict:
@@ -157,7 +168,8 @@ def chat_case(run_dir: str, draft_dir: str, args) -> dict:
     prompts = [turns.user_turn(f"{rng.integers(1, 4)} {copy_line(rng)[:8].upper()}", first=True).tolist()
                for _ in range(args.sessions)]
     store = SessionStore(run.model, prefix_cache=False)
-    return compare(store, prompts, Speculator(store, DraftModel(draft.model), args.k), args.new_tokens, args.trials)
+    return compare(store, prompts, speculators(store, lambda: DraftModel(draft.model), args), args.new_tokens,
+                   args.trials)
 
 
 def main(argv=None) -> int:
@@ -186,12 +198,12 @@ def main(argv=None) -> int:
 
 
 def report(results: dict) -> str:
-    rows = [[name, f"{r['plain_tokens_per_s']:.1f}", f"{r['speculative_tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
+    rows = [[name, rollback, f"{r['plain_tokens_per_s']:.1f}", f"{r['speculative_tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
              f"{r['acceptance_rate']:.2f}", f"{r['mean_accepted_length']:.2f}",
              f"{r['draft_seconds']:.2f} / {r['verify_seconds']:.2f}",
              f"{r['verify_ms_per_round']:.1f} / {r['plain_ms_per_step']:.1f}", "yes" if r["outputs_equal"] else "NO"]
-            for name, r in results.items()]
-    return table(["case", "plain tok/s", "speculative tok/s", "speed-up", "acceptance", "accepted / round",
+            for name, by_rollback in results.items() for rollback, r in by_rollback.items()]
+    return table(["case", "rollback", "plain tok/s", "speculative tok/s", "speed-up", "acceptance", "accepted / round",
                   "draft / verify s", "verify ms / plain step ms", "equal"], rows)
 
 

@@ -467,7 +467,8 @@ class RLConfig:
     Speculative rollouts (`k3jax.sessions.speculate`; the recorded log-probs stay the policy's):
     ``prompt_lookup`` drafts by copying what followed the last n-gram (n <= ``prompt_lookup``) earlier
     in the sequence; ``draft`` by a smaller model, the newest checkpoint of that run directory (same
-    tokenizer and vocabulary); up to ``speculate_k`` drafts a round. At most one of the two."""
+    tokenizer and vocabulary); up to ``speculate_k`` drafts a round, rejected ones undone as
+    ``speculate_rollback`` says (`k3jax.speculative.Speculation`). At most one of the two."""
 
     reward: str = "exact_match"
     environment: str | None = None
@@ -489,6 +490,7 @@ class RLConfig:
     prompt_lookup: int | None = None      # speculative rollouts drafting by prompt lookup: the longest n-gram
     draft: str | None = None              # speculative rollouts drafting with this run's model
     speculate_k: int = 4                  # drafts per speculative round, at most
+    speculate_rollback: Literal["states", "replay"] = "states"   # per-position KDA states, or replay kept tokens
 
     def __post_init__(self):
         _positive(self, "prompts_per_step", "max_new_tokens", "updates_per_rollout", "max_turns", "top_k",

@@ -15,7 +15,9 @@ next start; the process then ends by the signal (status 143 after SIGTERM, as uv
 Speculative decoding (`k3jax.sessions.speculate`): ``--prompt-lookup N`` drafts by copying what
 followed the latest earlier occurrence of the last (up to N) tokens; ``--draft RUN_DIR`` drafts with
 that run's (smaller) model, which must read the same token ids (vocabulary size, tokenizer); up to
-``--speculate-k`` drafts a round. Greedy output is unchanged, sampled output keeps its distribution.
+``--speculate-k`` drafts a round, rejected ones undone as ``--speculate-rollback`` says (``states``,
+the default: from the verify's per-position KDA states; ``replay``: feeding the kept tokens again,
+no per-position memory). Greedy output is unchanged, sampled output keeps its distribution.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ import argparse
 import logging
 import pathlib
 import sys
+
+from k3jax.speculative import ROLLBACKS
 
 from ..cli import OneLineParser, quiet_checkpoint_logging
 from ..loading import EvalInputError, load_run
@@ -86,13 +90,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="speculative decoding, drafts from this run's model (same tokenizer)")
     parser.add_argument("--speculate-k", type=_positive(int), default=None, metavar="K",
                         help=f"draft tokens per round (default {DEFAULT_SPECULATE_K})")
+    parser.add_argument("--speculate-rollback", choices=ROLLBACKS, default=None,
+                        help="undo rejected drafts from the verify's per-position KDA states (default, faster) or "
+                             "by replaying the kept tokens (no per-position memory)")
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
-    if args.speculate_k is not None and args.prompt_lookup is None and args.draft is None:
-        parser.error("--speculate-k needs --prompt-lookup or --draft")
+    for flag in ("speculate_k", "speculate_rollback"):
+        if getattr(args, flag) is not None and args.prompt_lookup is None and args.draft is None:
+            parser.error(f"--{flag.replace('_', '-')} needs --prompt-lookup or --draft")
     if args.speculate_k is None:
         args.speculate_k = DEFAULT_SPECULATE_K
+    if args.speculate_rollback is None:
+        args.speculate_rollback = ROLLBACKS[0]
     return args
 
 
@@ -145,7 +155,8 @@ def build(args: argparse.Namespace):
             responses, store = ResponseStore(), SessionStore(run.model, **budgets)
     except (OSError, ValueError) as error:
         raise EvalInputError(f"--state-dir {state_dir}: {error}") from None
-    speculator = None if drafter is None else Speculator(store, drafter, k=args.speculate_k)
+    speculator = None if drafter is None else Speculator(store, drafter, k=args.speculate_k,
+                                                         rollback=args.speculate_rollback)
     engine = Engine(store, max_batch=args.max_batch, max_queue=args.max_queue, speculator=speculator)
     server = Server(served, engine, responses, api_key=args.api_key, request_timeout=args.request_timeout)
 

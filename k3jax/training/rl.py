@@ -168,10 +168,10 @@ class RLTrainer(Trainer):
         """The rollouts' speculative decoding: prompt lookup, or ``rl.draft``'s model (restored here, once)."""
         rl = self.config.rl
         if rl.draft is None:
-            return Speculation(prompt_lookup=rl.prompt_lookup, k=rl.speculate_k)
+            return Speculation(prompt_lookup=rl.prompt_lookup, k=rl.speculate_k, rollback=rl.speculate_rollback)
         draft = restore_model(rl.draft, step=self.draft_step).model
         set_adapter_dropout(draft, 0.0)
-        return Speculation(draft=draft, k=rl.speculate_k)
+        return Speculation(draft=draft, k=rl.speculate_k, rollback=rl.speculate_rollback)
 
     def _check_fields(self, records, fields, setting: str) -> None:
         for prompt in records:

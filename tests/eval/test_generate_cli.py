@@ -1,10 +1,13 @@
 """``python -m eval.generate``: prompts of different lengths in one batch, one continuation per line;
 bad input one line, status 2."""
+import argparse
 import io
 
 import pytest
 
 from eval.generate import main
+from eval.speculation import add_speculation_flags, speculation_from
+from k3jax.speculative import Speculation
 
 
 def test_prompts_of_different_lengths_get_one_line_each(untrained_run, capsys):
@@ -54,11 +57,22 @@ def test_speculative_chat_answers_what_plain_chat_answers(untrained_run, capsys)
     assert replies[1] == replies[0] and len(replies[0].splitlines()) == 4
 
 
+def test_speculation_flags_make_the_speculation_they_name():
+    parser = argparse.ArgumentParser()
+    add_speculation_flags(parser)
+    args = parser.parse_args(["--prompt-lookup", "3", "--speculate-k", "2", "--speculate-rollback", "replay"])
+    assert speculation_from(args, None) == Speculation(prompt_lookup=3, k=2, rollback="replay")
+    assert speculation_from(parser.parse_args(["--prompt-lookup", "3"]), None).rollback == "states"
+    assert speculation_from(parser.parse_args([]), None) is None
+
+
 @pytest.mark.parametrize("args, message", [
     (["--prompt-lookup", "2", "--draft", "x"], "not allowed with argument"),
     (["--prompt-lookup", "0"], "prompt_lookup must be"),
     (["--prompt-lookup", "2", "--speculate-k", "0"], "k must be"),
-    (["--speculate-k", "2"], "--speculate-k needs --prompt-lookup or --draft"),
+    (["--speculate-k", "2"], "--speculate-k and --speculate-rollback need --prompt-lookup or --draft"),
+    (["--speculate-rollback", "replay"], "--speculate-k and --speculate-rollback need --prompt-lookup or --draft"),
+    (["--prompt-lookup", "2", "--speculate-rollback", "undo"], "invalid choice: 'undo'"),
     (["--draft", "/no/such/run"], "/no/such/run"),
 ])
 def test_bad_speculation_flags_are_one_line_and_status_2(args, message, untrained_run, capsys):

@@ -186,11 +186,15 @@ def test_bad_speculation_flags_are_one_line_errors():
     for flags, words in ((["--prompt-lookup", "3", "--draft", "draft-run"], "not allowed with argument"),
                          (["--prompt-lookup", "0"], "--prompt-lookup: expected a positive number"),
                          (["--draft", "draft-run", "--speculate-k", "0"], "--speculate-k: expected a positive number"),
-                         (["--speculate-k", "3"], "--speculate-k needs --prompt-lookup or --draft")):
+                         (["--speculate-k", "3"], "--speculate-k needs --prompt-lookup or --draft"),
+                         (["--speculate-rollback", "replay"], "--speculate-rollback needs --prompt-lookup or --draft"),
+                         (["--prompt-lookup", "2", "--speculate-rollback", "undo"], "invalid choice: 'undo'")):
         with pytest.raises(EvalInputError, match=words) as error:
             parse_args(["run", *flags])
         assert "\n" not in str(error.value)
-    assert parse_args(["run", "--prompt-lookup", "2"]).speculate_k == 4
+    default = parse_args(["run", "--prompt-lookup", "2"])
+    assert (default.speculate_k, default.speculate_rollback) == (4, "states")
+    assert parse_args(["run", "--draft", "d", "--speculate-rollback", "replay"]).speculate_rollback == "replay"
 
 
 def test_a_draft_must_load_and_read_the_same_token_ids(serving, chat_run, tmp_path, monkeypatch, capsys):
