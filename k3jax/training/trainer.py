@@ -79,8 +79,15 @@ def _first_of(differences: list[str]) -> str:
     return differences[0] + (f" (and {len(differences) - 1} more)" if len(differences) > 1 else "")
 
 
+# Model settings that choose kernels, not parameters or mathematics (the same numbers up to fp32
+# rounding): a checkpoint written with one loads with another.
+KERNEL_SETTINGS = ("model.kda.implementation", "model.mla.attention_implementation",
+                   "model.mla.attention_block_size", "model.moe.expert_matmul", "model.moe.mxfp4_implementation")
+
+
 def check_same_model(meta: dict, config: Config, source: str) -> None:
     differences = setting_differences("model", meta.get("config", {}).get("model", {}), to_dict(config.model))
+    differences = [line for line in differences if line.split(":")[0] not in KERNEL_SETTINGS]
     if differences:
         raise RunError(f"{source} was written by a different model: {_first_of(differences)}")
 

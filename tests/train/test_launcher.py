@@ -36,3 +36,15 @@ def test_bad_rl_input_is_one_line_before_any_compute(tmp_path, capsys, overrides
     error = capsys.readouterr().err.strip()
     assert code == 2 and message in error and "\n" not in error
     assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_loads_under_other_kernels_but_not_another_model():
+    from k3jax.config import load_config, to_dict
+    from k3jax.training.trainer import RunError, check_same_model
+
+    saved = {"config": {"model": to_dict(load_config("configs/tiny.yaml").model)}}
+    kernels = ["model.kda.implementation=reference", "model.mla.attention_implementation=dense",
+               "model.moe.expert_matmul=dense"]
+    check_same_model(saved, load_config("configs/tiny.yaml", kernels), "init_from run")      # no error
+    with pytest.raises(RunError, match=r"^init_from run was written by a different model: model.kda.chunk_size"):
+        check_same_model(saved, load_config("configs/tiny.yaml", ["model.kda.chunk_size=32", *kernels]), "init_from run")
