@@ -23,6 +23,7 @@ The runs (2-core CPU, a few minutes each; commands in `RUNS`) are trained with `
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 
@@ -146,8 +147,8 @@ def bounds_case(config_path: str, overrides: list[str], args) -> dict:
     continuations = {tuple(prompt): [int(t) for t in out] for prompt, out in zip(prompts, plain)}
     results = {}
     for name, correct in (("all accepted", True), ("none accepted", False)):
-        drafter = lambda correct=correct: KnownContinuations(continuations, correct, vocab)  # noqa: E731
-        results[name] = compare(store, prompts, speculators(store, drafter, args, adaptive=False), args.new_tokens,
+        drafters = functools.partial(KnownContinuations, continuations, correct, vocab)
+        results[name] = compare(store, prompts, speculators(store, drafters, args, adaptive=False), args.new_tokens,
                                 args.trials)
     return results
 
