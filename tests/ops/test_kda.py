@@ -59,6 +59,35 @@ def test_values_match_numpy_for_lengths(implementation, length):
     assert rel_err(state, state_ref) <= 1e-5
 
 
+def near_repeated_keys(seed, spread=0.01, length=65):
+    """Keys within ``spread`` of one direction per head, beta 0.99, slow decay: A_kk has entries near
+    1 and (I + A_kk)^-1 is ill-conditioned -- its Neumann series alternates terms up to C(15, 7)
+    times the size of its sum (what the chunk form computed before it solved by substitution)."""
+    x = make_inputs(seed, length=length)                 # the shapes of the other cases: shared compiles
+    rng = np.random.default_rng(seed + 100)
+    keys = x["k"][:, :1] + spread * rng.standard_normal(x["k"].shape)
+    x["k"] = keys / np.linalg.norm(keys, axis=-1, keepdims=True)
+    x["beta"] = np.full_like(x["beta"], 0.99)
+    x["g"] = np.full_like(x["g"], -0.01)
+    return x
+
+
+@pytest.mark.parametrize("implementation", [*IMPLEMENTATIONS, "pallas"])
+@pytest.mark.parametrize("spread", [0.01, 0.3])
+def test_near_repeated_keys_with_strong_writes_are_as_accurate_as_the_recurrence(implementation, spread):
+    x = near_repeated_keys(20, spread)
+    o, state = kda(**as_f32(x), implementation=implementation)
+    o_ref, state_ref = kda_numpy(**x)
+    assert rel_err(o, o_ref) <= 2e-6 and rel_err(state, state_ref) <= 2e-6       # the doubling inverse: 7e-5
+
+
+def test_near_repeated_keys_gradients_equal_the_float64_recurrence():
+    x = near_repeated_keys(21)
+    cotangent = np.random.default_rng(22).standard_normal(x["v"].shape)
+    for got, want in zip(_chunk_grads(x, cotangent), _float64_reference_grads(x, cotangent)):
+        assert rel_err(got, want) <= 1e-5
+
+
 @pytest.mark.parametrize("chunk_size", [16, 32, 64])
 @pytest.mark.parametrize("regime", ["mild", "bounded", "unbounded"])
 def test_chunk_matches_numpy_for_chunk_sizes_and_gate_regimes(chunk_size, regime):
