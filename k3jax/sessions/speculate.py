@@ -277,7 +277,7 @@ def feed(store, values: list[Value], tokens: list[list[int]], width: int, restor
     if restore is not None:
         restore = tuple(jnp.concatenate([a, jnp.zeros((pad, *a.shape[1:]), a.dtype)]) for a in restore)
     logits, device.arrays, saved = paged.feed_rows(
-        store._graphdef, store._params, device.arrays, jnp.asarray(slots), jnp.asarray(tables),
+        store._graph, store._params, device.arrays, jnp.asarray(slots), jnp.asarray(tables),
         jnp.asarray(lengths), jnp.asarray(rows), restore, every_position=every_position)
     return np.asarray(logits)[: len(values)], saved
 

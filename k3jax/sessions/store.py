@@ -81,7 +81,8 @@ class SessionStore:
         config = model.config
         self._gathered_decode = False   # bench.sessions's baseline: paged.decode_step(gathered=True)
         self.model, self.config = model, config
-        self._graphdef, self._params = nnx.split(model)
+        graphdef, self._params = nnx.split(model)
+        self._graph = paged.StaticGraph(graphdef)
         self.page_size = config.kda.chunk_size
         self.fingerprint = fingerprint or model_fingerprint(model)
         self.prefix_cache = prefix_cache
@@ -328,7 +329,7 @@ class SessionStore:
             self._tiers.writable(value, size)
             bucket = paged.next_power_of_two(self._device.pages_for(value.length + size))
             logits, self._device.arrays = paged.prefill_piece(
-                self._graphdef, self._params, self._device.arrays, jnp.int32(value.slot),
+                self._graph, self._params, self._device.arrays, jnp.int32(value.slot),
                 jnp.asarray(self._device.table(value.pages, bucket)), jnp.int32(value.length),
                 jnp.asarray(tokens[done : done + size], jnp.int32))
             value.tokens.extend(tokens[done : done + size])
@@ -359,7 +360,7 @@ class SessionStore:
         values = [self._sessions[sid] for sid in sids]
         batch = batching.decode_batch(sids, values, [sampling[sid] for sid in sids], self._device)
         tokens, logits, self._device.arrays = paged.decode_step(
-            self._graphdef, self._params, self._device.arrays, jnp.asarray(batch.slots), jnp.asarray(batch.tables),
+            self._graph, self._params, self._device.arrays, jnp.asarray(batch.slots), jnp.asarray(batch.tables),
             jnp.asarray(batch.lengths), jnp.asarray(batch.logits), paged.RowSampling(*map(jnp.asarray, batch.sampling)),
             gathered=self._gathered_decode)
         tokens, logits = np.asarray(tokens), np.asarray(logits)

@@ -52,7 +52,7 @@ def random_step(config, seed=0):
 def run_step(model, params, pools, inputs, gathered):
     """``model``'s decode step (its kda.implementation) with the parameters ``params``."""
     copy = paged.Pools(*(jnp.array(a) for a in pools))     # the step donates its pools
-    return paged.decode_step(nnx.split(model)[0], params, copy, *inputs, gathered=gathered)
+    return paged.decode_step(paged.StaticGraph(nnx.split(model)[0]), params, copy, *inputs, gathered=gathered)
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
