@@ -149,15 +149,14 @@ def feed_rows(graph: StaticGraph, params, pools: Pools, slots, tables, lengths, 
     if restore is not None:
         pools = set_slots(pools, slots, *restore)
     bank = gather_bank(pools, slots, tables, lengths)
-    if every_position:
-        bank = bank._replace(kda=KDAPositions(*bank.kda))
-    saved = (jnp.swapaxes(bank.kda.state, 0, 1), jnp.swapaxes(bank.kda.conv, 0, 1))
-    out = graph.merge(params)(tokens, memory=bank)
-    memory = out.memory
-    if every_position:
-        saved = (jnp.moveaxis(memory.kda.state, 0, 2), jnp.moveaxis(memory.kda.conv, 0, 2))   # [B, T, N_kda, ...]
-        memory = memory._replace(kda=KDAMemory(*(jnp.swapaxes(array[:, -1], 0, 1) for array in saved)))
-    return out.logits, scatter_bank(pools, slots, tables, lengths, memory, tokens.shape[1]), saved
+    if not every_position:
+        out = graph.merge(params)(tokens, memory=bank)
+        before = (jnp.swapaxes(bank.kda.state, 0, 1), jnp.swapaxes(bank.kda.conv, 0, 1))
+        return out.logits, scatter_bank(pools, slots, tables, lengths, out.memory, tokens.shape[1]), before
+    out = graph.merge(params)(tokens, memory=bank._replace(kda=KDAPositions(*bank.kda)))
+    after = (jnp.moveaxis(out.memory.kda.state, 0, 2), jnp.moveaxis(out.memory.kda.conv, 0, 2))   # [B, T, N_kda, ...]
+    last = KDAMemory(*(jnp.swapaxes(array[:, -1], 0, 1) for array in after))
+    return out.logits, scatter_bank(pools, slots, tables, lengths, out.memory._replace(kda=last), tokens.shape[1]), after
 
 
 def set_slots(pools: Pools, slots, state, conv) -> Pools:

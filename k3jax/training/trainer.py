@@ -68,11 +68,12 @@ def _flat_items(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def setting_differences(section: str, saved: dict, current: dict) -> list[str]:
-    """``section.key: checkpoint X, config Y`` for every setting of ``section`` that differs."""
+def setting_differences(section: str, saved: dict, current: dict, ignore: tuple[str, ...] = ()) -> list[str]:
+    """``section.key: checkpoint X, config Y`` for every setting of ``section`` that differs, but
+    the dotted keys in ``ignore``."""
     old, new = _flat_items(saved, section), _flat_items(current, section)
     return [f"{key}: checkpoint {old.get(key)!r}, config {new.get(key)!r}"
-            for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
+            for key in sorted(old.keys() | new.keys()) if key not in ignore and old.get(key) != new.get(key)]
 
 
 def _first_of(differences: list[str]) -> str:
@@ -86,14 +87,14 @@ KERNEL_SETTINGS = ("model.kda.implementation", "model.mla.attention_implementati
 
 
 def check_same_model(meta: dict, config: Config, source: str) -> None:
-    differences = setting_differences("model", meta.get("config", {}).get("model", {}), to_dict(config.model))
-    differences = [line for line in differences if line.split(":")[0] not in KERNEL_SETTINGS]
+    differences = setting_differences("model", meta.get("config", {}).get("model", {}), to_dict(config.model),
+                                      ignore=KERNEL_SETTINGS)
     if differences:
         raise RunError(f"{source} was written by a different model: {_first_of(differences)}")
 
 
 # Data settings that change how batches are read, not which: they may differ on resume.
-READING_SETTINGS = ("prefetch",)
+READING_SETTINGS = ("data.prefetch",)
 
 
 def check_same_data(meta: dict, config: Config, content_hash: str, source: str) -> None:
@@ -101,9 +102,8 @@ def check_same_data(meta: dict, config: Config, content_hash: str, source: str) 
     changed since (``train.allow_data_change`` allows both)."""
     if config.train.allow_data_change:
         return
-    saved, current = meta.get("config", {}).get("data", {}), to_dict(config.data)
-    differences = setting_differences("data", {k: v for k, v in saved.items() if k not in READING_SETTINGS},
-                                      {k: v for k, v in current.items() if k not in READING_SETTINGS})
+    differences = setting_differences("data", meta.get("config", {}).get("data", {}), to_dict(config.data),
+                                      ignore=READING_SETTINGS)
     if meta.get("data_hash", content_hash) != content_hash:
         differences.append(f"the data's content: checkpoint {meta['data_hash'][:12]}, now {content_hash[:12]}")
     if differences:

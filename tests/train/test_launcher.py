@@ -48,3 +48,14 @@ def test_a_checkpoint_loads_under_other_kernels_but_not_another_model():
     check_same_model(saved, load_config("configs/tiny.yaml", kernels), "init_from run")      # no error
     with pytest.raises(RunError, match=r"^init_from run was written by a different model: model.kda.chunk_size"):
         check_same_model(saved, load_config("configs/tiny.yaml", ["model.kda.chunk_size=32", *kernels]), "init_from run")
+
+
+def test_a_resume_reads_ahead_as_it_likes_but_not_other_data():
+    from k3jax.config import load_config, to_dict
+    from k3jax.training.trainer import RunError, check_same_data
+
+    saved = {"config": {"data": to_dict(load_config("configs/tiny.yaml").data)}, "data_hash": "h"}
+    check_same_data(saved, load_config("configs/tiny.yaml", ["data.prefetch=0"]), "h", "checkpoint 4")   # no error
+    with pytest.raises(RunError, match=r"^checkpoint 4 was trained on other data: data.seq_len"):
+        check_same_data(saved, load_config("configs/tiny.yaml", ["data.seq_len=32", "data.prefetch=0"]), "h",
+                        "checkpoint 4")
