@@ -464,6 +464,13 @@ class RLConfig:
     it gives the reward then. A completion counts as a success (pass@1, pass@G) when its reward is at
     least ``pass_threshold``.
 
+    ``update_logprobs``: where the values of the update's log-probs come from (their gradient is the
+    training forward's either way; `k3jax.training.grpo`): ``decode`` replays the rollout's decode
+    on the sampled tokens at the update's parameters (one teacher-forced decode pass per update; on
+    a rollout's first update they equal the recorded log-probs bit for bit and the ratio is 1),
+    ``forward`` takes the training forward's (no replay; they differ from the recorded ones by fp32
+    rounding, up to about 1e-5 at logits of 30).
+
     Speculative rollouts (`k3jax.sessions.speculate`; the recorded log-probs stay the policy's):
     ``prompt_lookup`` drafts by copying what followed the last n-gram (n <= ``prompt_lookup``) earlier
     in the sequence; ``draft`` by a smaller model, the newest checkpoint of that run directory (same
@@ -483,6 +490,8 @@ class RLConfig:
     loss_average: Literal["token", "sequence"] = "token"   # over all completion tokens, or per sequence first
     kl_coef: float = 0.0                  # weight of the k3 estimate of KL(policy || reference) per token
     updates_per_rollout: int = 1          # optimizer updates on each rollout (later ones: ratio to the recorded log-probs)
+    update_logprobs: Literal["decode", "forward"] = "decode"   # the update's log-prob values: the rollout's decode
+                                          # replayed (equal to the recorded ones) or the training forward (no replay)
     tool_retries: int = 2                 # resamples of a turn whose tool call fails to parse or validate
     max_turns: int = 4                    # assistant turns per completion with an environment
     eval_prompts: int = 32                # held-out prompts of each greedy evaluation (train.eval_every, the end)

@@ -200,16 +200,21 @@ class SessionStore:
         that stepped. Where the device budget cannot hold them all, those earlier in the dict step
         and the others are left out (ValueError when not even one fits): the loop of a server
         whose requests join and leave between steps."""
-        self._collect()
-        if not sampling:
-            return {}
         for sid, rule in sampling.items():
-            value = self._session(sid)
             if not isinstance(rule, Sampling):
                 raise ValueError(f"session {sid}: sampling must be a k3jax.sessions.Sampling, got {rule!r}")
-            self._tiers.check_fits(value.length + 1)
-        admitted = batching.admit([], list(sampling), self._make_room_to_decode)
-        return self._decode({sid: sampling[sid] for sid in admitted})
+        return self._step(sampling)
+
+    def feed(self, tokens: dict) -> dict[int, int]:
+        """Teacher forcing: one batched decode step in which each session of ``tokens`` ({session
+        id: token id}) feeds its given token instead of sampling one -> {session id: token} for the
+        sessions that stepped (left out as in `step`). It runs `step`'s own program, the token
+        chosen greedily from a one-hot row, so feeding the tokens a `step` sampled, to sessions in
+        the same state and batch, gives its logits bit for bit (a rollout's replay,
+        `k3jax.training.rollout.Rollout.replay`)."""
+        if tokens:
+            self._check_tokens(list(tokens.values()))
+        return self._step(dict.fromkeys(tokens, Sampling()), forced=tokens)
 
     def cache_prefix(self, sid) -> None:
         """Keep the session's current state in the prefix cache: a later `open` of a prompt that
@@ -353,12 +358,27 @@ class SessionStore:
             return False
         return True
 
-    def _decode(self, sampling: dict) -> dict[int, int]:
+    def _step(self, sampling: dict, forced: dict | None = None) -> dict[int, int]:
+        """`step` (``forced``: `feed`) of the sessions that fit on device, those earlier in ``sampling`` first."""
+        self._collect()
+        if not sampling:
+            return {}
+        for sid in sampling:
+            self._tiers.check_fits(self._session(sid).length + 1)
+        admitted = batching.admit([], list(sampling), self._make_room_to_decode)
+        return self._decode({sid: sampling[sid] for sid in admitted}, forced)
+
+    def _decode(self, sampling: dict, forced: dict | None = None) -> dict[int, int]:
         """One batched decode step of the sessions of ``sampling`` (each on device with room for
-        a token): each samples from its logits and feeds the token -> {session id: token}."""
+        a token): each samples from its logits (or, in ``forced`` {sid: token}, from a one-hot row
+        of its token, greedily) and feeds the token -> {session id: token}."""
         sids = list(sampling)
         values = [self._sessions[sid] for sid in sids]
         batch = batching.decode_batch(sids, values, [sampling[sid] for sid in sids], self._device)
+        if forced is not None:
+            one_hot = np.zeros_like(batch.logits)
+            one_hot[np.arange(len(sids)), [forced[sid] for sid in sids]] = 1.0
+            batch = batch._replace(logits=one_hot)
         tokens, logits, self._device.arrays = paged.decode_step(
             self._graph, self._params, self._device.arrays, jnp.asarray(batch.slots), jnp.asarray(batch.tables),
             jnp.asarray(batch.lengths), jnp.asarray(batch.logits), paged.RowSampling(*map(jnp.asarray, batch.sampling)),

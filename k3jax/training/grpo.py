@@ -7,8 +7,8 @@ For a group of G completions of one prompt with rewards r_1..r_G:
     grpo      A_i = (r_i - mean(r)) / (std(r) + 1e-6)      (population std)
     dr_grpo   A_i = r_i - mean(r)
 
-Each sampled token t of completion i, with policy log-prob l_t (recomputed by the update's forward),
-the log-prob recorded while sampling o_t and the reference's l^ref_t:
+Each sampled token t of completion i, with policy log-prob l_t under the update's parameters, the
+log-prob recorded while sampling o_t and the reference's l^ref_t:
 
     ratio_t = exp(l_t - o_t)
     pg_t    = -min(ratio_t A_i, clip(ratio_t, 1 - eps, 1 + eps) A_i)
@@ -16,9 +16,20 @@ the log-prob recorded while sampling o_t and the reference's l^ref_t:
     loss    = sum_t w_t (pg_t + beta kl_t) / sum_t w_t
 
 with w_t = 1 on every sampled token (``loss_average=token``) or 1 / |completion i| (``sequence``:
-each completion weighs the same). The rollout's parameters are the update's, so on the first update
-of a rollout l_t = o_t up to the decode / training-forward difference, which the step reports as
-``logprob_mismatch_max`` = max_t |l_t - o_t| (its ratio is 1 to that precision).
+each completion weighs the same).
+
+Where l_t's value comes from (``rl.update_logprobs``):
+
+    replay    p_t: the rollout's decode replayed on the sampled tokens at the update's parameters
+              (`k3jax.training.rollout.replay`; the batch's ``policy_logprobs``), and its gradient
+              the training forward's f_t:  l_t = p_t + (f_t - stop_gradient(f_t)). The sampler's
+              own arithmetic defines the policy's probabilities, so on the first update of a rollout
+              l_t = o_t bit for bit and the ratio is exactly 1; the gradient is f_t's, the same
+              function computed in the chunked order (they differ by fp32 rounding,
+              ``forward_gap_max`` = max_t |f_t - p_t|).
+    forward   l_t = f_t: no replay; on the first update l_t - o_t is that rounding difference.
+
+The step reports ``logprob_mismatch_max`` = max_t |l_t - o_t|.
 """
 from __future__ import annotations
 
@@ -44,6 +55,20 @@ def group_advantages(rewards: np.ndarray, kind: str) -> np.ndarray:
     raise ValueError(f"unknown advantage {kind!r}; expected grpo or dr_grpo")
 
 
+def sampled_positions(completion) -> np.ndarray:
+    """The positions of a completion's update row whose targets are its sampled tokens."""
+    return completion.prompt.tokens.size - 1 + np.flatnonzero(np.asarray(completion.sampled, bool))
+
+
+def logprob_rows(completions: Sequence, seq_len: int, logprobs: Sequence) -> np.ndarray:
+    """``[N, seq_len]`` float32: row i holds ``logprobs[i]`` (one per sampled token of completion i)
+    at `sampled_positions`, zero elsewhere."""
+    rows = np.zeros((len(completions), seq_len), np.float32)
+    for row, (completion, values) in enumerate(zip(completions, logprobs)):
+        rows[row, sampled_positions(completion)] = values
+    return rows
+
+
 def update_rows(completions: Sequence, seq_len: int, loss_average: str) -> dict[str, np.ndarray]:
     """The update's batch ``[N, seq_len]`` of N completions (`k3jax.training.rollout.Completion`):
     row i is prompt + completion i (``seq_len + 1`` tokens at most) as inputs / targets, padded with
@@ -51,8 +76,7 @@ def update_rows(completions: Sequence, seq_len: int, loss_average: str) -> dict[
     log-probs, ``advantages`` the completion's advantage and ``weights`` w_t (module docstring)."""
     rows = len(completions)
     batch = {name: np.zeros((rows, seq_len), np.int32) for name in ("tokens", "targets", "segment_ids")}
-    batch.update({name: np.zeros((rows, seq_len), np.float32)
-                  for name in ("loss_mask", "weights", "old_logprobs", "advantages")})
+    batch.update({name: np.zeros((rows, seq_len), np.float32) for name in ("loss_mask", "weights", "advantages")})
     for row, completion in enumerate(completions):
         sequence = np.concatenate([completion.prompt.tokens, np.asarray(completion.tokens, np.int32)])
         if sequence.size > seq_len + 1:
@@ -61,13 +85,12 @@ def update_rows(completions: Sequence, seq_len: int, loss_average: str) -> dict[
         batch["tokens"][row, :positions] = sequence[:-1]
         batch["targets"][row, :positions] = sequence[1:]
         batch["segment_ids"][row, :positions] = 1
-        start = completion.prompt.tokens.size - 1           # the position whose target is the first new token
-        sampled = np.asarray(completion.sampled, bool)
-        where = start + np.flatnonzero(sampled)
+        where = sampled_positions(completion)
         batch["loss_mask"][row, where] = 1.0
-        batch["old_logprobs"][row, where] = [lp for lp, s in zip(completion.logprobs, sampled) if s]
         batch["advantages"][row, :positions] = completion.advantage
         batch["weights"][row, where] = 1.0 if loss_average == "token" else 1.0 / max(len(where), 1)
+    batch["old_logprobs"] = logprob_rows(completions, seq_len, [[lp for lp, sampled in zip(c.logprobs, c.sampled)
+                                                                  if sampled] for c in completions])
     return batch
 
 
@@ -79,21 +102,26 @@ def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 def policy_objective(clip: float, kl_coef: float):
     """The GRPO objective (`k3jax.training.steps.make_train_step`'s ``objective``) -> ``(sum_t w_t
-    loss_t, sum_t w_t, metrics)``; the batch is `update_rows`'s (plus ``reference_logprobs`` when
-    ``kl_coef`` > 0). Metrics: sampled tokens, the sums of kl_t, of clipped tokens and of the ratio,
-    and ``logprob_mismatch_max``."""
+    loss_t, sum_t w_t, metrics)``; the batch is `update_rows`'s, plus ``reference_logprobs`` when
+    ``kl_coef`` > 0 and the replayed ``policy_logprobs`` p_t with ``rl.update_logprobs=replay``
+    (`logprob_rows`). Metrics: sampled tokens, the sums of kl_t, of clipped tokens and of the ratio,
+    ``logprob_mismatch_max`` and, with p_t, ``forward_gap_max``."""
 
     def objective(logits, batch):
         mask, advantages = batch["loss_mask"], batch["advantages"]
         logprobs = token_logprobs(logits, batch["targets"])
+        metrics = {}
+        if "policy_logprobs" in batch:           # p_t's value, f_t's gradient (module docstring)
+            metrics["forward_gap_max"] = jnp.max(jnp.where(mask > 0, jnp.abs(logprobs - batch["policy_logprobs"]), 0.0))
+            logprobs = batch["policy_logprobs"] + (logprobs - jax.lax.stop_gradient(logprobs))
         delta = jnp.where(mask > 0, logprobs - batch["old_logprobs"], 0.0)
         ratio = jnp.exp(delta)
         clipped_ratio = jnp.clip(ratio, 1.0 - clip, 1.0 + clip)
         loss = -jnp.minimum(ratio * advantages, clipped_ratio * advantages)
-        metrics = {"sampled_tokens": jnp.sum(mask),
-                   "clipped_tokens": jnp.sum(mask * (ratio * advantages > clipped_ratio * advantages)),
-                   "ratio_sum": jnp.sum(mask * jax.lax.stop_gradient(ratio)),
-                   "logprob_mismatch_max": jnp.max(jnp.abs(jax.lax.stop_gradient(delta)))}
+        metrics |= {"sampled_tokens": jnp.sum(mask),
+                    "clipped_tokens": jnp.sum(mask * (ratio * advantages > clipped_ratio * advantages)),
+                    "ratio_sum": jnp.sum(mask * jax.lax.stop_gradient(ratio)),
+                    "logprob_mismatch_max": jnp.max(jnp.abs(jax.lax.stop_gradient(delta)))}
         if kl_coef:
             log_ratio = jnp.where(mask > 0, batch["reference_logprobs"] - logprobs, 0.0)
             kl = jnp.exp(log_ratio) - log_ratio - 1.0

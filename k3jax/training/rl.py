@@ -9,7 +9,11 @@ holds exactly these parameters):
               sampled token's log-prob; rewards (``rl.reward`` or the environment)
     update    group-relative advantages and ``rl.updates_per_rollout`` optimizer steps on the clipped
               policy-gradient objective (`k3jax.training.grpo`), the first with the very parameters
-              that sampled (``logprob_mismatch`` = max |recomputed - recorded| log-prob)
+              that sampled (``logprob_mismatch`` = max |recomputed - recorded| log-prob); with
+              ``rl.update_logprobs=decode`` each first replays the rollout's decode on the sampled
+              tokens at its parameters for the log-probs' values (`k3jax.training.rollout.replay`:
+              on the first update the recorded ones bit for bit), the training forward giving their
+              gradient (``forward_gap`` = max |forward - replayed|; ``replay_seconds``)
 
 ``<run_dir>/rollouts.jsonl`` gets one record per completion (``policy_step``: its parameters are
 checkpoint ``policy_step``'s, `restore_model(run_dir, step=policy_step)`, where that checkpoint is kept:
@@ -50,14 +54,15 @@ from k3jax.config import ConfigError
 from k3jax.data import DataError
 from k3jax.data.tokenizers import same_tokenizer
 from k3jax.layers.lora import set_adapter_dropout
+from k3jax.sessions import SessionStore
 from k3jax.sharding import compiled_together
 from k3jax.training.environments import load_environment
-from k3jax.training.grpo import group_advantages, make_logprob_step, policy_objective, update_rows
+from k3jax.training.grpo import group_advantages, logprob_rows, make_logprob_step, policy_objective, update_rows
 from k3jax.training.metrics import MetricsLog, Progress
 from k3jax.training.rewards import check_records, load_reward
 from k3jax.speculative import Speculation
 from k3jax.training.restore import restore_model
-from k3jax.training.rollout import Rollout, SamplingSettings
+from k3jax.training.rollout import Rollout, SamplingSettings, replay
 from k3jax.training.run_dir import RunError
 from k3jax.training.signals import StopSignals
 from k3jax.training.steps import make_train_step
@@ -222,20 +227,33 @@ class RLTrainer(Trainer):
             for completion, advantage in zip(group, row):
                 completion.advantage = float(advantage)
         rolled_out = time.perf_counter()
-        batch = self._device_batch(update_rows([c for group in groups for c in group], self.config.data.seq_len,
-                                               rl.loss_average))
-        if self.logprob_step is not None:
-            batch = {**batch, "reference_logprobs": self._reference_logprobs(batch)}
-        updates = []
+        rows = update_rows([c for group in groups for c in group], self.config.data.seq_len, rl.loss_average)
+        updates, reference, replay_seconds = [], None, 0.0
         for _ in range(rl.updates_per_rollout):
+            if rl.update_logprobs == "decode":
+                replay_started = time.perf_counter()
+                rows["policy_logprobs"] = self._replayed_logprobs(groups)
+                replay_seconds += time.perf_counter() - replay_started
+            batch = self._device_batch(rows)
+            if self.logprob_step is not None:
+                reference = self._reference_logprobs(batch) if reference is None else reference
+                batch = {**batch, "reference_logprobs": reference}
             self.state, metrics = self.train_step(self.state, batch, *self.frozen_args)
             updates.append(jax.device_get(metrics))
         updated = time.perf_counter()
         return groups, self._record(policy_step + 1, groups, updates, rolled_out - started, updated - rolled_out,
-                                    speculation)
+                                    replay_seconds, speculation)
+
+    def _replayed_logprobs(self, groups) -> np.ndarray:
+        """The policy's log-probs of the sampled tokens at the current parameters, by the rollout's
+        decode replayed (`k3jax.training.rollout.replay`), as update rows (`logprob_rows`)."""
+        store = SessionStore(self.policy_model(), fingerprint=f"{self.run_dir}@{self.position}", prefix_cache=False)
+        values = replay(store, groups)
+        return logprob_rows([c for group in groups for c in group], self.config.data.seq_len,
+                            [v for group in values for v in group])
 
     def _record(self, step: int, groups, updates: list[dict], rollout_seconds: float, update_seconds: float,
-                speculation: dict) -> dict:
+                replay_seconds: float, speculation: dict) -> dict:
         first, last = updates[0], updates[-1]
         sampled = max(float(first["sampled_tokens"]), 1.0)
         record = {"step": step, "loss": float(first["loss"]), "grad_norm": float(first["grad_norm"]),
@@ -248,6 +266,8 @@ class RLTrainer(Trainer):
                   "tokens_per_second": sampled / max(rollout_seconds + update_seconds, 1e-9),
                   "skipped": not all(bool(u["finite"]) for u in updates), "skipped_in_a_row": int(last["skipped"]),
                   **speculation}
+        if "forward_gap_max" in first:
+            record.update(forward_gap=float(first["forward_gap_max"]), replay_seconds=replay_seconds)
         if "kl_sum" in first:
             record["kl"] = float(first["kl_sum"]) / sampled
         return record

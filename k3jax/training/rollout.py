@@ -8,7 +8,8 @@ each sampled token the rollout records its log-probability under the policy,
     logprob_t = log_softmax(logits_t)[token_t]      (float64 from the step's fp32 logits; no temperature
                                                      or top-p: the policy's own distribution)
 
-which the update recomputes with the training forward (`k3jax.training.grpo`). Token t of a
+which the update recomputes (`k3jax.training.grpo`), by `replay`ing this decode on the sampled
+tokens or with the training forward (``rl.update_logprobs``). Token t of a
 completion draws from the key fold_in(fold_in(key(seed), stream), position) (`Sampling`): ``seed``
 a function of the run's seed and the policy step, ``stream`` of the prompt's slot in the step, the
 sample and the attempt -- never of the batch -- so a resumed run samples the same tokens.
@@ -132,6 +133,48 @@ def decode(store: SessionStore, rules: dict, limits: dict, stop_id: int,
                 if speculator is not None:
                     speculator.leave(sid)
     return out
+
+
+def replay(store: SessionStore, groups) -> list[list[np.ndarray]]:
+    """The log-prob of every sampled token of ``groups``' completions (`Rollout.sample`'s) under
+    ``store``'s model, computed as the rollout computed it -> for each group, one float64 array per
+    completion: each prompt prefilled once and forked G - 1 times, then every completion fed back
+    token by token, all sessions together in one batched decode step per position
+    (`SessionStore.feed`: the program that sampled them) and tokens the environment inserted
+    appended as they were. For a single-turn rollout without speculation these are the rollout's
+    programs on the same inputs in the same batches, so with its parameters the result is its
+    recorded log-probs bit for bit; an episode's turns batch differently from its rollout's (a
+    discarded reply is not replayed), and speculative rounds scored their tokens with the verify
+    program, so those agree to fp32 rounding."""
+    sessions = {}
+    for group in groups:
+        sid = store.open(group[0].prompt.tokens)
+        for sample, completion in enumerate(group):
+            sessions[sid if sample == 0 else store.fork(sid)] = completion
+    position = dict.fromkeys(sessions, 0)
+    logprobs = {sid: [] for sid in sessions}
+    try:
+        while True:
+            for sid, completion in sessions.items():        # tokens the environment inserted
+                end = position[sid]
+                while end < len(completion.tokens) and not completion.sampled[end]:
+                    end += 1
+                if end > position[sid]:
+                    store.append(sid, completion.tokens[position[sid] : end])
+                    position[sid] = end
+            forced = {sid: completion.tokens[position[sid]] for sid, completion in sessions.items()
+                      if position[sid] < len(completion.tokens)}
+            if not forced:
+                break
+            rows = dict(zip(forced, log_softmax(np.stack([store.logits(sid) for sid in forced]))))
+            for sid, token in store.feed(forced).items():
+                logprobs[sid].append(rows[sid][token])
+                position[sid] += 1
+    finally:
+        for sid in sessions:
+            store.close(sid)
+    order = iter(sessions)
+    return [[np.asarray(logprobs[next(order)], np.float64) for _ in group] for group in groups]
 
 
 class Rollout:

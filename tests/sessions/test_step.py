@@ -1,5 +1,6 @@
-"""`SessionStore.step` (one token for each session, each with its own sampling) and
-`SessionStore.cache_prefix`: what a server's continuous batching is built on."""
+"""`SessionStore.step` (one token for each session, each with its own sampling), `SessionStore.feed`
+(teacher forcing with the same program) and `SessionStore.cache_prefix`: what a server's continuous
+batching and an RL rollout's replay are built on."""
 import jax
 import numpy as np
 import pytest
@@ -68,6 +69,27 @@ def test_step_checks_its_input(model):
     with pytest.raises(ValueError, match="stream"):
         Sampling(stream=-1)
     assert len(store.tokens(sid)) == 4
+
+
+def test_feeding_the_sampled_tokens_gives_the_sampled_sessions_logits_bit_for_bit(model):
+    rules = [Sampling(1.0, seed=4), Sampling(0.7, 5, seed=9), Sampling()]
+    sampled, fed = SessionStore(model), SessionStore(model)
+    prompts = [random_tokens(seed, length) for seed, length in enumerate((6, 11, 3))]
+    sampled_ids, fed_ids = [sampled.open(p) for p in prompts], [fed.open(p) for p in prompts]
+    for _ in range(4):
+        tokens = sampled.step(dict(zip(sampled_ids, rules)))
+        assert fed.feed({f: tokens[s] for s, f in zip(sampled_ids, fed_ids)}) == {f: tokens[s] for s, f in zip(sampled_ids, fed_ids)}
+        for s, f in zip(sampled_ids, fed_ids):
+            np.testing.assert_array_equal(fed.tokens(f), sampled.tokens(s))
+            np.testing.assert_array_equal(fed.logits(f), sampled.logits(s))
+    greedy = sampled.step({sampled_ids[2]: Sampling()})[sampled_ids[2]]
+    other = (greedy + 1) % model.config.vocab_size                        # not the argmax: fed all the same
+    fed.feed({fed_ids[2]: other})
+    assert fed.tokens(fed_ids[2])[-1] == other
+    np.testing.assert_allclose(fed.logits(fed_ids[2]), contiguous_logits(model, fed.tokens(fed_ids[2]))[-1], **TOL)
+    assert fed.feed({}) == {}
+    with pytest.raises(ValueError, match="token ids must lie"):
+        fed.feed({fed_ids[0]: model.config.vocab_size})
 
 
 def test_cache_prefix_lets_a_prompt_that_extends_the_session_resume_there(model):

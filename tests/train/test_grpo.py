@@ -44,8 +44,9 @@ def test_update_rows_place_each_completion_after_its_prompt():
         update_rows([completion([5, 6, 7], [8, 9, 1, 2], [True] * 4, [-1.0] * 4, 0.0)], 5, "token")
 
 
-def reference_loss(logits, batch, clip, kl_coef):
-    """The objective's (loss sum / weight sum, metrics) in float64, token by token."""
+def reference_loss(logits, batch, clip, kl_coef, values=None):
+    """The objective's (loss sum / weight sum, metrics) in float64, token by token; ``values``
+    ``[B, T]``: the policy's log-probs (the replayed p_t) instead of the logits' log-softmax."""
     logits = np.asarray(logits, np.float64)
     total = weight_sum = clipped = mismatch = kl_total = 0.0
     for b in range(logits.shape[0]):
@@ -53,7 +54,7 @@ def reference_loss(logits, batch, clip, kl_coef):
             if batch["loss_mask"][b, t] == 0:
                 continue
             row = logits[b, t] - logits[b, t].max()
-            logprob = row[batch["targets"][b, t]] - np.log(np.exp(row).sum())
+            logprob = row[batch["targets"][b, t]] - np.log(np.exp(row).sum()) if values is None else values[b, t]
             ratio = np.exp(logprob - batch["old_logprobs"][b, t])
             advantage = batch["advantages"][b, t]
             term = -min(ratio * advantage, min(max(ratio, 1 - clip), 1 + clip) * advantage)
@@ -127,3 +128,30 @@ def test_on_policy_ratio_is_one_and_the_gradient_is_the_advantage_weighted_score
     onehot = np.eye(logits.shape[-1])[batch["targets"]]
     expected = -(batch["weights"] * batch["advantages"])[..., None] * (onehot - softmax)
     np.testing.assert_allclose(gradient, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_replayed_log_probs_give_the_value_and_the_forward_its_gradient(problem, kl_coef):
+    """With ``policy_logprobs`` p_t the objective is the float64 one at l_t = p_t, and its gradient
+    dloss/dl_t (at p_t) times the forward's d log_softmax / dlogits = onehot - softmax."""
+    logits, batch = problem
+    mask = batch["loss_mask"]
+    forward = np.take_along_axis(logits - np.log(np.exp(logits).sum(-1, keepdims=True)), batch["targets"][..., None], -1)[..., 0]
+    policy = ((forward + np.random.default_rng(1).normal(scale=1e-2, size=mask.shape)) * mask).astype(np.float32)
+    replayed = {**batch, "policy_logprobs": policy}
+    objective = policy_objective(0.2, kl_coef)
+    loss_sum, weight_sum, metrics = jax.jit(objective)(jnp.asarray(logits, jnp.float32), replayed)
+    expected, expected_metrics = reference_loss(logits, batch, 0.2, kl_coef, values=policy)
+    assert float(loss_sum / weight_sum) == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert float(metrics["logprob_mismatch_max"]) == pytest.approx(expected_metrics["logprob_mismatch_max"], rel=1e-5)
+    assert float(metrics["forward_gap_max"]) == pytest.approx(np.abs((forward - policy) * mask).max(), rel=1e-3)
+    gradient = np.asarray(jax.grad(lambda x: (lambda s, w, _: s / w)(*objective(x, replayed)))(jnp.asarray(logits, jnp.float32)))
+    softmax = np.exp(logits - np.log(np.exp(logits).sum(-1, keepdims=True)))
+    onehot = np.eye(logits.shape[-1])[batch["targets"]]
+    step = 1e-6
+    for b, t in zip(*np.nonzero(mask)):
+        plus, minus = policy.astype(np.float64), policy.astype(np.float64)
+        plus[b, t] += step
+        minus[b, t] -= step
+        slope = (reference_loss(logits, batch, 0.2, kl_coef, plus)[0] - reference_loss(logits, batch, 0.2, kl_coef, minus)[0]) / (2 * step)
+        np.testing.assert_allclose(gradient[b, t], slope * (onehot[b, t] - softmax[b, t]), rtol=1e-3, atol=1e-6)

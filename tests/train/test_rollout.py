@@ -1,10 +1,12 @@
 """Rollouts on forked sessions against the full forward over each whole sequence: the recorded
 log-probs are the model's (<= 1e-5), greedy groups are `k3jax.generate`, one prefill per prompt,
 samples depend on (seed, slot, sample) only; tool episodes continue their session exactly through
-tool results and rollbacks. Speculative rollouts (prompt lookup, or the model drafting for itself)
-record the same log-probs, and greedy ones are the plain ones token for token."""
+tool results and rollbacks. A `replay` of a rollout's tokens gives its recorded log-probs bit for bit
+(and another policy's its own). Speculative rollouts (prompt lookup, or the model drafting for
+itself) record the same log-probs, and greedy ones are the plain ones token for token."""
 import json
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -15,9 +17,10 @@ from k3jax.data.chat_format import generation_prompt, render_conversation
 from k3jax.generate import generate
 from k3jax.sampling import log_softmax
 from k3jax.model import K3Model
+from k3jax.sessions import SessionStore
 from k3jax.training.environments import ToolCallError, Turn
 from k3jax.speculative import Speculation
-from k3jax.training.rollout import Rollout, SamplingSettings
+from k3jax.training.rollout import Rollout, SamplingSettings, replay
 from tests.data.chat_tokenizer import write_chat_tokenizer
 from tests.helpers import MICRO
 
@@ -26,12 +29,16 @@ def model():
     return K3Model(load_config(MICRO).model, rngs=nnx.Rngs(0))
 
 
-@pytest.fixture(scope="module")
-def forward(model):
+def forward_of(model):
     """The model's logits over ``tokens``, padded to a power of two (a few compiled programs serve all)."""
     call = nnx.jit(lambda m, tokens: m(tokens).logits)
     padded = lambda tokens: np.pad(np.asarray(tokens, np.int32), (0, (1 << (len(tokens) - 1).bit_length()) - len(tokens)))  # noqa: E731
     return lambda tokens: np.asarray(call(model, padded(tokens)[None])[0])
+
+
+@pytest.fixture(scope="module")
+def forward(model):
+    return forward_of(model)
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +80,25 @@ def test_group_log_probs_are_the_full_forwards_and_one_prefill_per_prompt(model,
             assert len(c.tokens) <= 8 and all(c.sampled) and c.reward == len(c.text)
             worst = max(worst, float(np.abs(recorded(c) - full_forward_logprobs(forward, c)).max()))
     assert worst <= 1e-5
+
+
+def test_a_replay_gives_the_recorded_log_probs_bit_for_bit_and_another_policy_its_own(model, text_data):
+    prompts = text_data.prompts(0, 3)
+    groups = Rollout(model, text_data, SAMPLING, reward=lambda *a: 0.0).sample(prompts, 4, seed=7)
+    store = SessionStore(model, prefix_cache=False)
+    replayed = replay(store, groups)
+    assert [[len(v) for v in values] for values in replayed] == [[c.length for c in group] for group in groups]
+    for group, values in zip(groups, replayed):
+        for c, v in zip(group, values):
+            np.testing.assert_array_equal(v, recorded(c))                  # the same programs on the same inputs
+    assert store.sessions() == [] and store.stats()["prefill_tokens"] == sum(p.tokens.size for _, p in prompts)
+    graph, params = nnx.split(model)                                       # the update's next parameters
+    other = nnx.merge(graph, jax.tree.map(lambda x: x * 1.05, params))
+    other_forward = forward_of(other)
+    for group, values in zip(groups, replay(SessionStore(other, prefix_cache=False), groups)):
+        for c, v in zip(group, values):
+            assert np.abs(v - full_forward_logprobs(other_forward, c)).max() <= 1e-5
+            assert np.abs(v - recorded(c)).max() > 1e-4                   # recomputed, not copied
 
 
 def test_forked_groups_equal_groups_prefilled_once_per_sample(model, text_data):
@@ -161,6 +187,9 @@ def test_tool_episodes_continue_their_session_through_tool_results_and_rollbacks
         assert sum(1 for t, s in zip(c.tokens, c.sampled) if s and t == 445) == 2      # two replies kept
     assert finished >= 2 and rollout.store.sessions() == []
     assert len(Scripted.calls) >= 3 * finished
+    for group, values in zip(groups, replay(SessionStore(model, prefix_cache=False), groups)):
+        for c, v in zip(group, values):            # tool results appended as they were; batches differ
+            assert np.abs(v - recorded(c)).max() <= 1e-6
 
 
 # 12 tokens: a random model's greedy completions start to repeat, so prompt lookup drafts and has some accepted
@@ -202,3 +231,6 @@ def test_sampled_speculative_rollouts_record_the_policys_log_probs(model, forwar
     assert 0 < rollout.speculator.stats.acceptance_rate < 1   # rounds that accept, and rejections replayed
     again = speculative(model, text_data, "self").sample(prompts, 2, seed=7)
     assert [[c.tokens for c in g] for g in again] == [[c.tokens for c in g] for g in groups]
+    for group, values in zip(groups, replay(SessionStore(model, prefix_cache=False), groups)):
+        for c, v in zip(group, values):            # the verify program scored them; the replay decodes
+            assert np.abs(v - recorded(c)).max() <= 1e-5

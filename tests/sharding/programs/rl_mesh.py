@@ -1,6 +1,6 @@
 """GRPO on a 2 x 2 x 2 mesh (data, fsdp, tensor) of 8 devices: the rollouts sample on the sharded
-parameters themselves; the update recomputes their log-probs to <= 1e-5, and so does a one-device
-full forward of each checkpointed policy."""
+parameters themselves; the update recomputes their log-probs by replaying the decode (bit for bit),
+and a one-device full forward of each checkpointed policy to <= 1e-5."""
 import json
 import pathlib
 import sys
