@@ -78,14 +78,17 @@ def rollout_trials(model, data, prompts, group: int, settings: SamplingSettings,
 
 
 def run_shares(run_dir: str) -> dict:
-    """Rollout and update seconds of an RL run's steps (the first, which compiles, left out)."""
+    """Rollout and update seconds of an RL run's steps (the first, which compiles, left out); of the
+    update's, the decode replay's (``rl.update_logprobs=decode``; 0 without)."""
     steps = [m for m in read_metrics(run_dir) if "rollout_seconds" in m][1:]
     if not steps:
         raise SystemExit(f"error: {run_dir} has no RL steps after its first in metrics.jsonl")
     rollout = sum(m["rollout_seconds"] for m in steps)
     update = sum(m["update_seconds"] for m in steps)
+    replay = sum(m.get("replay_seconds", 0.0) for m in steps)
     return {"run": run_dir, "steps": len(steps), "rollout_seconds": rollout, "update_seconds": update,
-            "rollout_share": rollout / (rollout + update)}
+            "replay_seconds": replay, "rollout_share": rollout / (rollout + update),
+            "replay_share": replay / (rollout + update)}
 
 
 def parse_args(argv):
@@ -135,8 +138,9 @@ def main(argv=None) -> int:
     if args.run:
         output["run"] = run_shares(args.run)
         share = output["run"]
-        print(f"{args.run}: rollout {share['rollout_seconds']:.1f} s, update {share['update_seconds']:.1f} s over "
-              f"{share['steps']} steps: rollout share {share['rollout_share']:.1%}")
+        print(f"{args.run}: rollout {share['rollout_seconds']:.1f} s, update {share['update_seconds']:.1f} s (of it "
+              f"replay {share['replay_seconds']:.1f} s) over {share['steps']} steps: rollout share "
+              f"{share['rollout_share']:.1%}, replay share {share['replay_share']:.1%}")
     write_json(args.json, output)
     return 0
 

@@ -11,7 +11,9 @@ Per seed s, as subprocesses of this tree (``PYTHONPATH`` = the repository):
 "before" is the GRPO run's held-out evaluation at step 0 (`RLTrainer.evaluate` of the SFT
 parameters: greedy completions of the first ``rl.eval_prompts`` held-out prompts, rewarded; the
 config sets ``train.eval_every``), "after" its summary (the final evaluation); each run's largest
-``logprob_mismatch`` (recorded vs recomputed log-probs) is reported too. Wall times are the whole
+``logprob_mismatch`` (recorded vs recomputed log-probs) is reported too, with its largest
+``forward_gap`` (the training forward vs the replayed decode, ``rl.update_logprobs=decode``) and the
+replay's seconds. Wall times are the whole
 commands' (process start, compilation and checkpoints included); ``train_seconds`` the runs' own.
 The summary line is the mean over seeds +- the half-width of a two-sided 95% t interval (Student t
 quantiles below; n seeds give n - 1 degrees of freedom). The held-out prompts are checked to be
@@ -117,6 +119,7 @@ def main(argv=None) -> None:
             steps = [r for r in records if r.get("kind") != "eval"]
             rows.append({"seed": seed, "before": curve[0][1], "after": grpo_summary["heldout_reward"],
                          "logprob_mismatch_max": max(r["logprob_mismatch"] for r in steps),
+                         "forward_gap_max": max((r["forward_gap"] for r in steps if "forward_gap" in r), default=None),
                          "heldout_prompts": grpo_summary["heldout_prompts"],
                          "sft_seconds": sft_seconds, "sft_train_seconds": sft_summary["train_seconds"],
                          "sft_heldout_loss": sft_summary.get("heldout_loss"),
@@ -125,7 +128,8 @@ def main(argv=None) -> None:
                          "train_reward_first": steps[0]["reward_mean"] if steps else None,
                          "train_reward_last": steps[-1]["reward_mean"] if steps else None,
                          "rollout_seconds": sum(r["rollout_seconds"] for r in steps),
-                         "update_seconds": sum(r["update_seconds"] for r in steps)})
+                         "update_seconds": sum(r["update_seconds"] for r in steps),
+                         "replay_seconds": sum(r.get("replay_seconds", 0.0) for r in steps)})
             loads.append(os.getloadavg()[0])
             row = rows[-1]
             print(f"seed {seed}: before {row['before']:.3f}  after {row['after']:.3f}  SFT {sft_seconds:.0f} s  "

@@ -145,7 +145,11 @@ def test_replayed_log_probs_give_the_value_and_the_forward_its_gradient(problem,
     assert float(loss_sum / weight_sum) == pytest.approx(expected, rel=1e-5, abs=1e-6)
     assert float(metrics["logprob_mismatch_max"]) == pytest.approx(expected_metrics["logprob_mismatch_max"], rel=1e-5)
     assert float(metrics["forward_gap_max"]) == pytest.approx(np.abs((forward - policy) * mask).max(), rel=1e-3)
-    gradient = np.asarray(jax.grad(lambda x: (lambda s, w, _: s / w)(*objective(x, replayed)))(jnp.asarray(logits, jnp.float32)))
+    def mean_loss(x):
+        total, weights, _ = objective(x, replayed)
+        return total / weights
+
+    gradient = np.asarray(jax.grad(mean_loss)(jnp.asarray(logits, jnp.float32)))
     softmax = np.exp(logits - np.log(np.exp(logits).sum(-1, keepdims=True)))
     onehot = np.eye(logits.shape[-1])[batch["targets"]]
     step = 1e-6
