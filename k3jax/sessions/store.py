@@ -216,6 +216,14 @@ class SessionStore:
             self._check_tokens(list(tokens.values()))
         return self._step(dict.fromkeys(tokens, Sampling()), forced=tokens)
 
+    def reserve(self, slots: int, pages: int) -> None:
+        """Grow the device pools now (doubling, as they grow on demand) to at least ``slots`` free
+        KDA slots and ``pages`` free MLA pages. Every program is compiled for the pools' shape, so a
+        store that repeats another's work (a rollout's `replay`) reserves the other's capacity
+        (`stats`' ``slot_capacity``, ``page_capacity``) and reuses its programs instead of
+        compiling its own for each size it would pass through."""
+        self._device.grow(slots, pages)
+
     def cache_prefix(self, sid) -> None:
         """Keep the session's current state in the prefix cache: a later `open` of a prompt that
         extends its tokens resumes here (`generate` does this when a session finishes)."""
@@ -305,6 +313,7 @@ class SessionStore:
             **{f"sessions_on_{tier}": count for tier, count in tiers.items()},
             "values_on_device": sum(v.slot is not None for v in values),
             "slots_in_use": self._device.slots.in_use, "pages_in_use": self._device.pages.in_use,
+            "slot_capacity": self._device.slots.capacity, "page_capacity": self._device.pages.capacity,
             "pages_shared": self._device.pages.shared,
             "device_bytes": self._device.used_bytes, "host_bytes": self._tiers.host_bytes,
             "disk_bytes": self._tiers.disk_bytes, "device_pool_bytes": self._device.pool_bytes,

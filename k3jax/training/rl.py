@@ -221,6 +221,8 @@ class RLTrainer(Trainer):
         groups = rollout.sample(self.data.prompts(policy_step, rl.prompts_per_step), rl.group_size,
                                 sampling_seed(self.config.train.seed, policy_step))
         speculation = rollout.speculation_metrics()
+        stats = rollout.store.stats()
+        capacity = stats["slot_capacity"], stats["page_capacity"]    # the replay's pool shape: the rollout's programs
         del rollout                                          # its store holds the parameters the update donates
         advantages = group_advantages([[c.reward for c in group] for group in groups], rl.advantage)
         for group, row in zip(groups, advantages):
@@ -232,7 +234,7 @@ class RLTrainer(Trainer):
         for _ in range(rl.updates_per_rollout):
             if rl.update_logprobs == "decode":
                 replay_started = time.perf_counter()
-                rows["policy_logprobs"] = self._replayed_logprobs(groups)
+                rows["policy_logprobs"] = self._replayed_logprobs(groups, capacity)
                 replay_seconds += time.perf_counter() - replay_started
             batch = self._device_batch(rows)
             if self.logprob_step is not None:
@@ -244,10 +246,12 @@ class RLTrainer(Trainer):
         return groups, self._record(policy_step + 1, groups, updates, rolled_out - started, updated - rolled_out,
                                     replay_seconds, speculation)
 
-    def _replayed_logprobs(self, groups) -> np.ndarray:
+    def _replayed_logprobs(self, groups, capacity: tuple[int, int]) -> np.ndarray:
         """The policy's log-probs of the sampled tokens at the current parameters, by the rollout's
-        decode replayed (`k3jax.training.rollout.replay`), as update rows (`logprob_rows`)."""
+        decode replayed (`k3jax.training.rollout.replay`) on a store of the rollout's ``capacity``
+        (slots, pages), as update rows (`logprob_rows`)."""
         store = SessionStore(self.policy_model(), fingerprint=f"{self.run_dir}@{self.position}", prefix_cache=False)
+        store.reserve(*capacity)
         values = replay(store, groups)
         return logprob_rows([c for group in groups for c in group], self.config.data.seq_len,
                             [v for group in values for v in group])

@@ -34,6 +34,7 @@ still functions of the seed, the stream and the sequence itself, not of the batc
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Callable
 
@@ -227,6 +228,7 @@ class Rollout:
         samples with stream (i * G + g) * attempts + attempt. ``fork`` False prefills the prompt once
         per completion instead of forking one prefill (the baseline `bench.rl` compares)."""
         started = time.perf_counter()
+        self.store.reserve(*self._capacity(len(prompts) * group_size))
         groups, sessions = [], {}
         for slot, (index, prompt) in enumerate(prompts):
             sid = self.store.open(prompt.tokens)
@@ -247,6 +249,17 @@ class Rollout:
                 self.store.close(sid)
         self.seconds += time.perf_counter() - started
         return groups
+
+    def _capacity(self, sessions: int) -> tuple[int, int]:
+        """The KDA slots and MLA pages ``sessions`` completions can hold at once, reserved before a
+        rollout starts, so that all of it runs (and compiles its programs) at one pool shape rather
+        than at each size the pools would pass through: a slot per session, per snapshot (with an
+        environment) and per padding row of a decode batch; the pages of a full update row (and a
+        verify's drafts past it) and one copied on write, per session."""
+        slots = sessions * (3 if self.environment is not None else 2) - 1
+        drafts = 0 if self.speculator is None else self.speculator.k
+        pages = sessions * (math.ceil((self.dataset.seq_len + 1 + drafts) / self.store.page_size) + 1)
+        return slots, pages
 
     def speculation_metrics(self) -> dict:
         """This rollout's speculation counters as ``speculation_*`` metrics (none without speculation):

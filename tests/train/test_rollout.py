@@ -84,8 +84,11 @@ def test_group_log_probs_are_the_full_forwards_and_one_prefill_per_prompt(model,
 
 def test_a_replay_gives_the_recorded_log_probs_bit_for_bit_and_another_policy_its_own(model, text_data):
     prompts = text_data.prompts(0, 3)
-    groups = Rollout(model, text_data, SAMPLING, reward=lambda *a: 0.0).sample(prompts, 4, seed=7)
+    rollout = Rollout(model, text_data, SAMPLING, reward=lambda *a: 0.0)
+    groups = rollout.sample(prompts, 4, seed=7)
     store = SessionStore(model, prefix_cache=False)
+    stats = rollout.store.stats()
+    store.reserve(stats["slot_capacity"], stats["page_capacity"])          # as the trainer does
     replayed = replay(store, groups)
     assert [[len(v) for v in values] for values in replayed] == [[c.length for c in group] for group in groups]
     for group, values in zip(groups, replayed):
