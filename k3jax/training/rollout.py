@@ -136,17 +136,26 @@ def decode(store: SessionStore, rules: dict, limits: dict, stop_id: int,
     return out
 
 
+def _run_end(flags: list, start: int) -> int:
+    """The end of the run of equal ``flags`` that starts at ``start``."""
+    end = start
+    while end < len(flags) and flags[end] == flags[start]:
+        end += 1
+    return end
+
+
 def replay(store: SessionStore, groups) -> list[list[np.ndarray]]:
     """The log-prob of every sampled token of ``groups``' completions (`Rollout.sample`'s) under
     ``store``'s model, computed as the rollout computed it -> for each group, one float64 array per
-    completion: each prompt prefilled once and forked G - 1 times, then every completion fed back
-    token by token, all sessions together in one batched decode step per position
-    (`SessionStore.feed`: the program that sampled them) and tokens the environment inserted
-    appended as they were. For a single-turn rollout without speculation these are the rollout's
-    programs on the same inputs in the same batches, so with its parameters the result is its
-    recorded log-probs bit for bit; an episode's turns batch differently from its rollout's (a
-    discarded reply is not replayed), and speculative rounds scored their tokens with the verify
-    program, so those agree to fp32 rounding."""
+    completion. Each prompt is prefilled once and forked G - 1 times; then, reply by reply as the
+    rollout decoded them, every session's next reply is fed back token by token, all sessions
+    together in one batched decode step per position (`SessionStore.feed`: the program that sampled
+    them), and the tokens the environment inserted after it are appended as they were. With the
+    rollout's parameters (and its store's capacity, `SessionStore.reserve`) these are its programs
+    on its inputs in its batches, so the result is its recorded log-probs bit for bit -- except
+    where the rollout's batches held what the completions do not: a reply it discarded (a tool
+    call retried) or speculative rounds (which scored tokens with the verify program); those agree
+    to fp32 rounding."""
     sessions = {}
     for group in groups:
         sid = store.open(group[0].prompt.tokens)
@@ -156,21 +165,22 @@ def replay(store: SessionStore, groups) -> list[list[np.ndarray]]:
     logprobs = {sid: [] for sid in sessions}
     try:
         while True:
-            for sid, completion in sessions.items():        # tokens the environment inserted
-                end = position[sid]
-                while end < len(completion.tokens) and not completion.sampled[end]:
-                    end += 1
-                if end > position[sid]:
+            reply_ends = {}
+            for sid, completion in sessions.items():
+                if position[sid] < len(completion.tokens) and not completion.sampled[position[sid]]:
+                    end = _run_end(completion.sampled, position[sid])       # tool results, then the next reply
                     store.append(sid, completion.tokens[position[sid] : end])
                     position[sid] = end
-            forced = {sid: completion.tokens[position[sid]] for sid, completion in sessions.items()
-                      if position[sid] < len(completion.tokens)}
-            if not forced:
+                if position[sid] < len(completion.tokens):
+                    reply_ends[sid] = _run_end(completion.sampled, position[sid])
+            if not reply_ends:
                 break
-            rows = dict(zip(forced, log_softmax(np.stack([store.logits(sid) for sid in forced]))))
-            for sid, token in store.feed(forced).items():
-                logprobs[sid].append(rows[sid][token])
-                position[sid] += 1
+            while forced := {sid: sessions[sid].tokens[position[sid]] for sid, end in reply_ends.items()
+                             if position[sid] < end}:
+                rows = dict(zip(forced, log_softmax(np.stack([store.logits(sid) for sid in forced]))))
+                for sid, token in store.feed(forced).items():
+                    logprobs[sid].append(rows[sid][token])
+                    position[sid] += 1
     finally:
         for sid in sessions:
             store.close(sid)

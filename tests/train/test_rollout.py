@@ -191,7 +191,7 @@ def test_tool_episodes_continue_their_session_through_tool_results_and_rollbacks
     assert finished >= 2 and rollout.store.sessions() == []
     assert len(Scripted.calls) >= 3 * finished
     for group, values in zip(groups, replay(SessionStore(model, prefix_cache=False), groups)):
-        for c, v in zip(group, values):            # tool results appended as they were; batches differ
+        for c, v in zip(group, values):            # the retried replies are not replayed: other batches
             assert np.abs(v - recorded(c)).max() <= 1e-6
 
 
