@@ -222,7 +222,10 @@ class SessionStore:
         store that repeats another's work (a rollout's `replay`) reserves the other's capacity
         (`stats`' ``slot_capacity``, ``page_capacity``) and reuses its programs instead of
         compiling its own for each size it would pass through."""
-        self._device.grow(slots, pages)
+        for name, count in (("slots", slots), ("pages", pages)):
+            if not (isinstance(count, (int, np.integer)) and not isinstance(count, bool) and count >= 0):
+                raise ValueError(f"{name} must be a non-negative integer, got {count!r}")
+        self._device.grow(int(slots), int(pages))
 
     def cache_prefix(self, sid) -> None:
         """Keep the session's current state in the prefix cache: a later `open` of a prompt that

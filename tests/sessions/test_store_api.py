@@ -10,7 +10,7 @@ STATS_KEYS = [
     "prefix_hits", "prefix_misses", "prefix_tokens_reused", "prefill_tokens", "spills_to_host", "spills_to_disk",
     "loads_from_host", "loads_from_disk", "pages_copied", "decode_steps", "decode_tokens", "sessions", "snapshots",
     "prefix_entries", "sessions_on_device", "sessions_on_host", "sessions_on_disk", "values_on_device",
-    "slots_in_use", "pages_in_use", "pages_shared", "device_bytes", "host_bytes", "disk_bytes", "device_pool_bytes",
+    "slots_in_use", "pages_in_use", "slot_capacity", "page_capacity", "pages_shared", "device_bytes", "host_bytes", "disk_bytes", "device_pool_bytes",
     "slot_bytes", "page_bytes", "page_size", "host_memory",
 ]
 
@@ -25,6 +25,21 @@ def test_stats_has_the_published_keys_in_order(model):
     assert list(stats) == STATS_KEYS
     assert stats["device_bytes"] == stats["host_bytes"] == stats["disk_bytes"] == stats["sessions"] == 0
     assert stats["device_pool_bytes"] == 8 * stats["slot_bytes"] + 32 * stats["page_bytes"]   # the initial pools
+    assert (stats["slot_capacity"], stats["page_capacity"]) == (8, 32)
+
+
+def test_reserve_grows_the_pools_by_doubling_to_the_free_room_asked(model):
+    store = SessionStore(model)
+    store.reserve(20, 33)
+    stats = store.stats()
+    assert (stats["slot_capacity"], stats["page_capacity"]) == (32, 64)
+    assert stats["device_pool_bytes"] == 32 * stats["slot_bytes"] + 64 * stats["page_bytes"]
+    assert stats["slots_in_use"] == stats["pages_in_use"] == 0
+    store.reserve(4, 4)                                            # room enough: nothing changes
+    assert store.stats()["device_pool_bytes"] == stats["device_pool_bytes"]
+    for bad in ((-1, 0), (1.5, 0), (0, True)):
+        with pytest.raises(ValueError, match="must be a non-negative integer"):
+            store.reserve(*bad)
 
 
 @pytest.mark.parametrize("arguments, message", [
