@@ -128,12 +128,12 @@ class DevicePools:
     def copy_slot(self, source: int) -> int:
         """A new slot holding slot ``source``'s state and conv tails."""
         slot = self.slots.allocate()
-        self.arrays = paged.copy_slot(self.arrays, jnp.int32(source), jnp.int32(slot))
+        self.arrays = paged.copy_slot(self.arrays, np.int32(source), np.int32(slot))
         return slot
 
     def read_slot(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """The state and conv tails of ``slot``, on the host."""
-        return tuple(np.asarray(a) for a in paged.read_slot(self.arrays, jnp.int32(slot)))
+        return tuple(np.asarray(a) for a in paged.read_slot(self.arrays, np.int32(slot)))
 
     def shared_partial_page(self, pages: list[int], length: int) -> int | None:
         """The index in ``pages`` of the sequence's last, partial page when someone else holds it
@@ -150,7 +150,7 @@ class DevicePools:
         if index is None:
             return
         page = self.pages.allocate()
-        self.arrays = paged.copy_page(self.arrays, jnp.int32(pages[index]), jnp.int32(page))
+        self.arrays = paged.copy_page(self.arrays, np.int32(pages[index]), np.int32(page))
         self.pages.release([pages[index]])
         pages[index] = page
         self.pages_copied += 1
@@ -163,13 +163,13 @@ class DevicePools:
         padded = np.zeros((rows.shape[0], bucket * self.page_size, rows.shape[-1]), rows.dtype)
         padded[:, :length] = np.asarray(rows)
         slot, pages = self.slots.allocate(), self.allocate_pages(count)
-        self.arrays = paged.write_value(self.arrays, jnp.int32(slot), state, conv,
-                                        jnp.asarray(self.table(pages, bucket)), padded)
+        self.arrays = paged.write_value(self.arrays, np.int32(slot), state, conv,
+                                        self.table(pages, bucket), padded)
         return slot, pages
 
     def download(self, slot: int, pages: list[int], length: int):
         """-> (state, conv tails, latent rows ``[N_mla, length, L]`` on the host) of one sequence:
         state and conv as device arrays."""
         bucket = paged.next_power_of_two(len(pages)) if pages else 0
-        state, conv, rows = paged.read_value(self.arrays, jnp.int32(slot), jnp.asarray(self.table(pages, bucket)))
+        state, conv, rows = paged.read_value(self.arrays, np.int32(slot), self.table(pages, bucket))
         return state, conv, np.asarray(rows)[:, :length]

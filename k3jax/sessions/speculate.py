@@ -277,8 +277,8 @@ def feed(store, values: list[Value], tokens: list[list[int]], width: int, restor
     if restore is not None:
         restore = tuple(jnp.concatenate([a, jnp.zeros((pad, *a.shape[1:]), a.dtype)]) for a in restore)
     logits, device.arrays, saved = paged.feed_rows(
-        store._graph, store._params, device.arrays, jnp.asarray(slots), jnp.asarray(tables),
-        jnp.asarray(lengths), jnp.asarray(rows), restore, every_position=every_position)
+        store._graph, store._params, device.arrays, slots, tables, lengths, rows, restore,
+        every_position=every_position)
     return np.asarray(logits)[: len(values)], saved
 
 
@@ -290,7 +290,7 @@ def keep_positions(store, values: list[Value], saved, positions: list[int]) -> N
     outside = device.arrays.state.shape[0]                    # padding rows write nowhere
     slots = np.asarray([v.slot for v in values] + [outside] * (batch - len(values)), np.int32)
     positions = np.asarray(list(positions) + [0] * (batch - len(values)), np.int32)
-    device.arrays = paged.keep_positions(device.arrays, jnp.asarray(slots), saved, jnp.asarray(positions))
+    device.arrays = paged.keep_positions(device.arrays, slots, saved, positions)
 
 
 def feed_by_length(store, values: list[Value], tokens: list[list[int]], restore=None) -> list[np.ndarray]:

@@ -346,9 +346,9 @@ class SessionStore:
             self._tiers.writable(value, size)
             bucket = paged.next_power_of_two(self._device.pages_for(value.length + size))
             logits, self._device.arrays = paged.prefill_piece(
-                self._graph, self._params, self._device.arrays, jnp.int32(value.slot),
-                jnp.asarray(self._device.table(value.pages, bucket)), jnp.int32(value.length),
-                jnp.asarray(tokens[done : done + size], jnp.int32))
+                self._graph, self._params, self._device.arrays, np.int32(value.slot),
+                self._device.table(value.pages, bucket), np.int32(value.length),
+                np.asarray(tokens[done : done + size], np.int32))
             value.tokens.extend(tokens[done : done + size])
             done += size
             outputs.append(logits)
@@ -392,8 +392,8 @@ class SessionStore:
             one_hot[np.arange(len(sids)), [forced[sid] for sid in sids]] = 1.0
             batch = batch._replace(logits=one_hot)
         tokens, logits, self._device.arrays = paged.decode_step(
-            self._graph, self._params, self._device.arrays, jnp.asarray(batch.slots), jnp.asarray(batch.tables),
-            jnp.asarray(batch.lengths), jnp.asarray(batch.logits), paged.RowSampling(*map(jnp.asarray, batch.sampling)),
+            self._graph, self._params, self._device.arrays, batch.slots, batch.tables,
+            batch.lengths, batch.logits, batch.sampling,
             gathered=self._gathered_decode)
         tokens, logits = np.asarray(tokens), np.asarray(logits)
         for index, value in enumerate(values):
