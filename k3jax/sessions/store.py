@@ -6,6 +6,8 @@ rolled back and moved between device, host and disk.
     store.append(sid, tokens)           # -> logits [T, vocab]; store.logits(sid) -> [vocab]
     store.generate([sid, ...], 32)      # one batched jitted step per token over all the sessions
     store.step({sid: Sampling(...), ...})  # one token for each (a server's continuous batching)
+    store.feed({sid: token, ...})       # the same step, feeding given tokens (teacher forcing)
+    store.reserve(slots, pages)         # grow the pools up front: one pool shape, one set of programs
     store.generate(sids, 32, speculator=Speculator(store, PromptLookup()))   # speculative rounds
     h = store.snapshot(sid); store.rollback(sid, h); sid2 = store.fork(sid); store.close(sid)
     store.save(dir); SessionStore.load(model, dir)
@@ -211,7 +213,7 @@ class SessionStore:
         sessions that stepped (left out as in `step`). It runs `step`'s own program, the token
         chosen greedily from a one-hot row, so feeding the tokens a `step` sampled, to sessions in
         the same state and batch, gives its logits bit for bit (a rollout's replay,
-        `k3jax.training.rollout.Rollout.replay`)."""
+        `k3jax.training.rollout.replay`)."""
         if tokens:
             self._check_tokens(list(tokens.values()))
         return self._step(dict.fromkeys(tokens, Sampling()), forced=tokens)
