@@ -229,17 +229,16 @@ class RLTrainer(Trainer):
             for completion, advantage in zip(group, row):
                 completion.advantage = float(advantage)
         rolled_out = time.perf_counter()
-        rows = update_rows([c for group in groups for c in group], self.config.data.seq_len, rl.loss_average)
-        updates, reference, replay_seconds = [], None, 0.0
+        batch = self._device_batch(update_rows([c for group in groups for c in group], self.config.data.seq_len,
+                                               rl.loss_average))
+        if self.logprob_step is not None:
+            batch = {**batch, "reference_logprobs": self._reference_logprobs(batch)}
+        updates, replay_seconds = [], 0.0
         for _ in range(rl.updates_per_rollout):
             if rl.update_logprobs == "decode":
                 replay_started = time.perf_counter()
-                rows["policy_logprobs"] = self._replayed_logprobs(groups, capacity)
+                batch = {**batch, **self._device_batch({"policy_logprobs": self._replayed_logprobs(groups, capacity)})}
                 replay_seconds += time.perf_counter() - replay_started
-            batch = self._device_batch(rows)
-            if self.logprob_step is not None:
-                reference = self._reference_logprobs(batch) if reference is None else reference
-                batch = {**batch, "reference_logprobs": reference}
             self.state, metrics = self.train_step(self.state, batch, *self.frozen_args)
             updates.append(jax.device_get(metrics))
         updated = time.perf_counter()
@@ -254,7 +253,7 @@ class RLTrainer(Trainer):
         store.reserve(*capacity)
         values = replay(store, groups)
         return logprob_rows([c for group in groups for c in group], self.config.data.seq_len,
-                            [v for group in values for v in group])
+                            [v for group_values in values for v in group_values])
 
     def _record(self, step: int, groups, updates: list[dict], rollout_seconds: float, update_seconds: float,
                 replay_seconds: float, speculation: dict) -> dict:

@@ -136,6 +136,14 @@ def decode(store: SessionStore, rules: dict, limits: dict, stop_id: int,
     return out
 
 
+def open_group(store: SessionStore, prompt_tokens, size: int, fork: bool = True) -> list[int]:
+    """``size`` sessions of one prompt -> their ids: the prompt prefilled once and its session
+    forked ``size`` - 1 times (KDA state copied, MLA pages shared), or with ``fork`` False
+    prefilled once per session."""
+    first = store.open(prompt_tokens)
+    return [first] + [store.fork(first) if fork else store.open(prompt_tokens) for _ in range(size - 1)]
+
+
 def _run_end(flags: list, start: int) -> int:
     """The end of the run of equal ``flags`` that starts at ``start``."""
     end = start
@@ -156,11 +164,8 @@ def replay(store: SessionStore, groups) -> list[list[np.ndarray]]:
     where the rollout's batches held what the completions do not: a reply it discarded (a tool
     call retried) or speculative rounds (which scored tokens with the verify program); those agree
     to fp32 rounding."""
-    sessions = {}
-    for group in groups:
-        sid = store.open(group[0].prompt.tokens)
-        for sample, completion in enumerate(group):
-            sessions[sid if sample == 0 else store.fork(sid)] = completion
+    sessions = {sid: completion for group in groups
+                for sid, completion in zip(open_group(store, group[0].prompt.tokens, len(group)), group)}
     position = dict.fromkeys(sessions, 0)
     logprobs = {sid: [] for sid in sessions}
     try:
@@ -241,11 +246,9 @@ class Rollout:
         self.store.reserve(*self._capacity(len(prompts) * group_size))
         groups, sessions = [], {}
         for slot, (index, prompt) in enumerate(prompts):
-            sid = self.store.open(prompt.tokens)
             group = [Completion(index, sample, prompt) for sample in range(group_size)]
-            for sample, completion in enumerate(group):
-                copy = sid if sample == 0 else self.store.fork(sid) if fork else self.store.open(prompt.tokens)
-                sessions[copy] = (slot * group_size + sample, completion)
+            for sample, (sid, completion) in enumerate(zip(open_group(self.store, prompt.tokens, group_size, fork), group)):
+                sessions[sid] = (slot * group_size + sample, completion)
             groups.append(group)
         try:
             if self.environment is None:
