@@ -37,7 +37,7 @@ from flax import nnx
 
 from bench.common import table, write_json
 from eval.chat_turns import chat_turns_for
-from eval.loading import EvalInputError, load_run
+from k3jax.inference import InputError, load_run
 
 QUESTION = "{{question}}"
 
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     task, docs = read_task(task_dir)
     try:
         run = load_run(args.run_dir)
-    except EvalInputError as error:
+    except InputError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     chat = chat_turns_for(run.config)

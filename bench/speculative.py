@@ -31,7 +31,7 @@ import numpy as np
 
 from bench.common import seconds, table, write_json
 from eval.chat_turns import chat_turns_for
-from eval.loading import load_run
+from k3jax.inference import load_run
 from k3jax.data import load_tokenizer
 from k3jax.sessions import DraftModel, PromptLookup, SessionStore, Speculator
 from k3jax.speculative import ROLLBACKS

@@ -19,8 +19,8 @@ else the rendering in place of the sampled ids. So the session's tokens are alwa
 `render_conversation` of the turns so far plus the generation prompt. ``--raw`` (and every other
 run) takes turns as `eval.generate` takes prompts (`eval.generate.Codec`): plain text through the
 run's tokenizer, or space-separated token ids on MQAR runs, answered with ids. Sampling
-flags are those of `k3jax.generate.generate`; ``--prompt-lookup N`` / ``--draft RUN_DIR`` with
-``--speculate-k K`` answer by speculative rounds (`eval.speculation`). Bad input (a missing checkpoint, a bad flag, an
+flags are those of `k3jax.inference.generation.generate`; ``--prompt-lookup N`` / ``--draft RUN_DIR`` with
+``--speculate-k K`` answer by speculative rounds (`eval.flags`). Bad input (a missing checkpoint, a bad flag, an
 unknown command or session, a name that exists) prints one ``error:`` line; startup errors exit 2.
 """
 from __future__ import annotations
@@ -31,28 +31,23 @@ import sys
 
 import numpy as np
 
+from k3jax.checkpoint import quiet_checkpoint_io
 from k3jax.data import DataError
 from k3jax.sampling import check_sampling
 from k3jax.sessions import SessionStore, Speculator
 
 from .chat_turns import ChatTurns, chat_turns_for
-from .cli import quiet_checkpoint_logging
 from .generate import Codec
-from .loading import EvalInputError, load_run
-from .speculation import add_speculation_flags, speculation_from
+from k3jax.inference import InputError, load_run
+from .flags import OneLineParser, add_speculation_flags, speculation_from
 
 
 class ChatInputError(Exception):
     """A bad line or flag: shown as one ``error:`` line."""
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        raise ChatInputError(f"{message} (see python -m eval.chat --help)")
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = _OneLineParser(prog="python -m eval.chat", description="Chat with a K3-family checkpoint.")
+    parser = OneLineParser(prog="python -m eval.chat", description="Chat with a K3-family checkpoint.")
     parser.add_argument("run", metavar="RUN_DIR", help="a run directory, its checkpoints/, or a step directory")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -75,19 +70,20 @@ class Chat:
     """The state of one chat: the store, the current session and each session's undo snapshots."""
 
     def __init__(self, model, codec: Codec | None, args: argparse.Namespace, sessions_dir: pathlib.Path,
-                 turns: ChatTurns | None = None, speculation=None):
+                 turns: ChatTurns | None = None, speculation=None, draft=None):
         """``turns``: K3's chat format for every turn; None: ``codec`` encodes turns as they are.
-        ``speculation`` (a `k3jax.speculative.Speculation`): replies by speculative rounds."""
+        ``speculation`` (a `k3jax.config.SpeculationConfig`; ``draft``: its draft run's model): replies
+        by speculative rounds."""
         self.model, self.codec, self.args, self.sessions_dir, self.turns = model, codec, args, sessions_dir, turns
         self.store, self.current, self.undo = SessionStore(model), None, {}
-        self.speculation, self._speculator = speculation, None
+        self.speculation, self.draft, self._speculator = speculation, draft, None
 
     def speculator(self) -> Speculator | None:
         """The speculator of the current store (a new one after /load replaced the store)."""
         if self.speculation is None:
             return None
         if self._speculator is None or self._speculator.store is not self.store:
-            self._speculator = Speculator.of(self.store, self.speculation)
+            self._speculator = Speculator.of(self.store, self.speculation, self.draft)
         return self._speculator
 
     def turn(self, line: str) -> str:
@@ -163,24 +159,24 @@ class Chat:
 
 def main(argv: list[str] | None = None, stdin=None, stdout=None) -> int:
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
-    quiet_checkpoint_logging()
+    quiet_checkpoint_io()
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         run = load_run(args.run, args.step)
         turns = None if args.raw else chat_turns_for(run.config)
         codec = Codec(run.config, raw=True) if turns is None else None
-        speculation = speculation_from(args, run.config)
-    except (ChatInputError, EvalInputError, DataError) as error:
+        speculation, draft = speculation_from(args, run.config)
+    except (ChatInputError, InputError, DataError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     sessions_dir = pathlib.Path(args.sessions_dir) if args.sessions_dir else run.run_dir / "sessions"
     sessions_dir.mkdir(parents=True, exist_ok=True)
-    chat = Chat(run.model, codec, args, sessions_dir, turns, speculation)
+    chat = Chat(run.model, codec, args, sessions_dir, turns, speculation, draft)
     for line in stdin:
         line = line.strip()
         try:
             reply = chat.command(line) if line.startswith("/") else chat.turn(line)
-        except (ChatInputError, EvalInputError, ValueError, OSError) as error:   # one line; the chat goes on
+        except (ChatInputError, InputError, ValueError, OSError) as error:   # one line; the chat goes on
             print(f"error: {error}", file=stdout, flush=True)
             continue
         if reply is None:

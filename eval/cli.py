@@ -20,23 +20,18 @@ import sys
 
 from tqdm import tqdm
 
+from k3jax.checkpoint import quiet_checkpoint_io
 from k3jax.data import DataError
 from k3jax.host import keep_freed_memory
+from k3jax.inference import InputError, LoadedRun, load_run
 from k3jax.model import param_counts
 from k3jax.training import read_metrics
-from .loading import EvalInputError, LoadedRun, load_run
+from .flags import OneLineParser
 from .report import build_report, markdown_table, write_report
 from .tasks import TASKS, EvalContext, run_task
 from .tasks.perplexity import open_text_dataset
 
 TASK_NAMES = tuple(TASKS)   # in the order they run
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """Argument errors become an `EvalInputError` (one line, exit status 2) instead of usage + exit."""
-
-    def error(self, message):
-        raise EvalInputError(f"{message} (see {self.prog} --help)")
 
 
 def _int_at_least(minimum: int):
@@ -69,7 +64,7 @@ def parse_tasks(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in TASK_NAMES]
     if unknown or not names:
-        raise EvalInputError(f"unknown task {unknown[0]!r}; choose from {', '.join(TASK_NAMES)}" if unknown
+        raise InputError(f"unknown task {unknown[0]!r}; choose from {', '.join(TASK_NAMES)}" if unknown
                              else f"no task given; choose from {', '.join(TASK_NAMES)}")
     return [name for name in TASK_NAMES if name in names]
 
@@ -78,16 +73,16 @@ def prepare_out_dir(path: pathlib.Path) -> pathlib.Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise EvalInputError(f"cannot create output directory {path}: {error.strerror or error}") from None
+        raise InputError(f"cannot create output directory {path}: {error.strerror or error}") from None
     return path
 
 
 def open_text(path: str, config):
-    """The ``--text`` evaluation set, or a one-line `EvalInputError`."""
+    """The ``--text`` evaluation set, or a one-line `InputError`."""
     try:
         return open_text_dataset(path, config)
     except DataError as error:
-        raise EvalInputError(f"--text: {error}") from None
+        raise InputError(f"--text: {error}") from None
 
 
 def training_record(run_dir: pathlib.Path) -> tuple[dict, list[dict]]:
@@ -134,22 +129,16 @@ def results_text(report: dict, config) -> str:
     return "\n".join(lines)
 
 
-def quiet_checkpoint_logging() -> None:
-    """Keep stderr for the progress bars and our own one-line errors (`quiet_checkpoint_io`)."""
-    from k3jax.checkpoint import quiet_checkpoint_io
-    quiet_checkpoint_io()
-
-
 def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()  # before JAX starts its threads
-    quiet_checkpoint_logging()
+    quiet_checkpoint_io()
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         task_names = parse_tasks(args.tasks)
         run = load_run(args.run, args.step)
         text = open_text(args.text, run.config) if args.text else None
         out_dir = prepare_out_dir(pathlib.Path(args.out) if args.out else run.run_dir / "eval")
-    except EvalInputError as error:
+    except InputError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     tasks = [TASKS[name]() for name in task_names]

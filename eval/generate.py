@@ -6,7 +6,7 @@ continue prompts with a trained checkpoint.
     python -m eval.generate runs/default --prompt "3 17 250"                    # MQAR runs: token ids
     python -m eval.generate runs/chat --prompt "3 QWERTY"                       # chat runs: a user turn
     python -m eval.generate runs/chat --prompt "3 QWERTY" --raw                 # ... or plain text
-    python -m eval.generate runs/text --prompt-file prompts.txt --prompt-lookup 3   # speculative (`eval.speculation`)
+    python -m eval.generate runs/text --prompt-file prompts.txt --prompt-lookup 3   # speculative (`eval.flags`)
 
 Chat runs (``data.kind=chat``, or a model whose tokenizer names K3's chat markers, such as an
 imported K3) take each prompt as a user turn in K3's chat format followed by the assistant's
@@ -14,7 +14,7 @@ generation prompt, stop at ``<|end_of_msg|>`` and print the reply's response tex
 (`eval.chat_turns`); ``--raw`` treats them as text runs. Text runs (and raw ones) encode and decode
 with the run's tokenizer (``data.tokenizer``; bytes by default) and stop a sample at its EOS; MQAR
 runs take and print space-separated token ids. All prompts go in one batch, whatever their lengths
-(`k3jax.generate.generate`). Prints one continuation per line, in prompt order. Bad input (no checkpoint, an empty prompt file, a token id out of range, a bad
+(`k3jax.inference.generation.generate`). Prints one continuation per line, in prompt order. Bad input (no checkpoint, an empty prompt file, a token id out of range, a bad
 flag) ends with one line on stderr and exit status 2.
 """
 from __future__ import annotations
@@ -25,11 +25,11 @@ import sys
 
 import numpy as np
 
+from k3jax.checkpoint import quiet_checkpoint_io
 from k3jax.data import DataError, load_tokenizer
 from .chat_turns import chat_turns_for
-from .cli import OneLineParser, quiet_checkpoint_logging
-from .loading import EvalInputError, load_run
-from .speculation import add_speculation_flags, speculation_from
+from k3jax.inference import InputError, load_run
+from .flags import OneLineParser, add_speculation_flags, speculation_from
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -56,10 +56,10 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     try:
         lines = pathlib.Path(args.prompt_file).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as error:
-        raise EvalInputError(f"--prompt-file {args.prompt_file}: {getattr(error, 'strerror', None) or error}") from None
+        raise InputError(f"--prompt-file {args.prompt_file}: {getattr(error, 'strerror', None) or error}") from None
     prompts = [line for line in lines if line.strip()]
     if not prompts:
-        raise EvalInputError(f"--prompt-file {args.prompt_file} holds no prompt")
+        raise InputError(f"--prompt-file {args.prompt_file} holds no prompt")
     return prompts
 
 
@@ -81,7 +81,7 @@ class Codec:
         try:
             return [int(word) for word in prompt.split()]
         except ValueError:
-            raise EvalInputError(f"this run's data are MQAR token ids; give space-separated integers, "
+            raise InputError(f"this run's data are MQAR token ids; give space-separated integers, "
                                  f"got {prompt!r}") from None
 
     def decode(self, ids: list[int]) -> str:
@@ -93,19 +93,20 @@ class Codec:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from k3jax.generate import generate
+    from k3jax.inference.generation import generate
 
-    quiet_checkpoint_logging()
+    quiet_checkpoint_io()
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         prompts = read_prompts(args)
         run = load_run(args.run, args.step)
         codec = Codec(run.config, raw=args.raw)
         ids = [codec.encode(prompt) for prompt in prompts]
+        speculation, draft = speculation_from(args, run.config)
         out = generate(run.model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=codec.eos_id,
-                       speculation=speculation_from(args, run.config))
-    except (EvalInputError, DataError, ValueError) as error:
+                       speculation=speculation, draft=draft)
+    except (InputError, DataError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)

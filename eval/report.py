@@ -63,7 +63,7 @@ def environment() -> dict:
 
 
 def build_report(run, parameters: tuple[int, int], seeds, results: list[TaskResult], training: dict) -> dict:
-    """The report as plain JSON values (``run``: an `eval.loading.LoadedRun`); ``plots`` is left
+    """The report as plain JSON values (``run``: an `k3jax.inference.LoadedRun`); ``plots`` is left
     empty for whoever draws them."""
     total, active = parameters
     return jsonable({

@@ -449,6 +449,52 @@ class FinetuneConfig:
         return self.lora_alpha / self.lora_rank
 
 
+Rollback = Literal["states", "replay"]   # how rejected drafts are undone (`SpeculationConfig.rollback`)
+ROLLBACKS = typing.get_args(Rollback)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculationConfig:
+    """Speculative decoding (`k3jax.sessions.speculate`; the rules: `k3jax.speculative`), declared
+    once for every program that decodes: ``rl.speculation`` of a GRPO run and the flags of
+    ``eval.generate``, ``eval.chat`` and ``eval.serve`` (the ``flag`` of each field; `eval.flags`).
+
+    Drafts come from ``prompt_lookup`` (what followed the latest earlier occurrence of the last n
+    tokens, n <= this) or from ``draft``, a smaller model: the newest checkpoint of that run
+    directory, which must read the same token ids (`k3jax.inference.load.draft_mismatch`); at most
+    one of the two, neither: no speculation. Up to ``k`` drafts a round (adapted per sequence when
+    ``adaptive``); rejected ones undone as ``rollback`` says: ``states`` (the verify keeps every
+    position's KDA state; faster) or ``replay`` (the kept tokens are fed again; no per-position
+    memory). Greedy output is unchanged; sampled output keeps its distribution."""
+
+    prompt_lookup: int | None = dataclasses.field(default=None, metadata={
+        "flag": "--prompt-lookup", "metavar": "N",
+        "help": "draft by prompt lookup: copy what followed the last n-gram (n <= N) earlier in the sequence"})
+    draft: str | None = dataclasses.field(default=None, metadata={
+        "flag": "--draft", "metavar": "RUN_DIR", "help": "draft with a smaller model: a run directory with the same tokenizer"})
+    k: int = dataclasses.field(default=4, metadata={
+        "flag": "--speculate-k", "metavar": "K", "help": "drafts per round, at most (adapted per sequence)"})
+    rollback: Rollback = dataclasses.field(default="states", metadata={
+        "flag": "--speculate-rollback",
+        "help": "undo rejected drafts from the verify's per-position KDA states (states, faster) or by "
+                "replaying the kept tokens (replay: no per-position memory)"})
+    adaptive: bool = dataclasses.field(default=True, metadata={
+        "flag": "--speculate-adaptive",
+        "help": "adapt each sequence's draft length to its acceptance, pausing drafting where it fails "
+                "(--no-speculate-adaptive: always k)"})
+
+    def __post_init__(self):
+        _positive(self, "prompt_lookup", "k")
+        _require(self.prompt_lookup is None or self.draft is None, "draft",
+                 "drafts come from prompt_lookup or a draft model, not both: unset one")
+        _require(self.draft is None or bool(self.draft.strip()), "draft", "must name a run directory")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a draft source is set."""
+        return self.prompt_lookup is not None or self.draft is not None
+
+
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
     """Reinforcement learning (``train.objective=grpo``; `k3jax.training.rl`). Each step samples
@@ -471,11 +517,8 @@ class RLConfig:
     ``forward`` takes the training forward's (no replay; they differ from the recorded ones by fp32
     rounding, up to about 1e-5 at logits of 30).
 
-    Speculative rollouts (`k3jax.sessions.speculate`; the recorded log-probs stay the policy's):
-    ``prompt_lookup`` drafts by copying what followed the last n-gram (n <= ``prompt_lookup``) earlier
-    in the sequence; ``draft`` by a smaller model, the newest checkpoint of that run directory (same
-    tokenizer and vocabulary); up to ``speculate_k`` drafts a round, rejected ones undone as
-    ``speculate_rollback`` says (`k3jax.speculative.Speculation`). At most one of the two."""
+    ``speculation``: speculative rollouts (`SpeculationConfig`; the recorded log-probs stay the
+    policy's), e.g. ``rl.speculation.prompt_lookup=2`` or ``rl.speculation.draft=runs/small``."""
 
     reward: str = "exact_match"
     environment: str | None = None
@@ -496,16 +539,11 @@ class RLConfig:
     max_turns: int = 4                    # assistant turns per completion with an environment
     eval_prompts: int = 32                # held-out prompts of each greedy evaluation (train.eval_every, the end)
     pass_threshold: float = 1.0
-    prompt_lookup: int | None = None      # speculative rollouts drafting by prompt lookup: the longest n-gram
-    draft: str | None = None              # speculative rollouts drafting with this run's model
-    speculate_k: int = 4                  # drafts per speculative round, at most
-    speculate_rollback: Literal["states", "replay"] = "states"   # per-position KDA states, or replay kept tokens
+    speculation: SpeculationConfig = SpeculationConfig()
 
     def __post_init__(self):
         _positive(self, "prompts_per_step", "max_new_tokens", "updates_per_rollout", "max_turns", "top_k",
-                  "temperature", "clip", "prompt_lookup", "speculate_k")
-        _require(self.prompt_lookup is None or self.draft is None, "draft",
-                 "drafts come from rl.prompt_lookup or rl.draft, not both: unset one")
+                  "temperature", "clip")
         _require(self.group_size >= 2, "group_size",
                  f"must be at least 2 (advantages are relative to the group), got {self.group_size}")
         _require(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -518,11 +556,6 @@ class RLConfig:
     def rows(self) -> int:
         """Completions per step: the rows of each update."""
         return self.prompts_per_step * self.group_size
-
-    @property
-    def speculative(self) -> bool:
-        """Whether rollouts decode speculatively (a draft source is set)."""
-        return self.prompt_lookup is not None or self.draft is not None
 
 
 MESH_AXIS_NAMES = ("data", "fsdp", "expert", "context", "tensor")   # the mesh's axes, outermost first
@@ -771,11 +804,43 @@ def apply_override(data: dict, override: str) -> dict:
     return _merge(data, update)
 
 
+RENAMED_KEYS = {   # a key of an earlier release -> its name now (configs saved in checkpoints keep loading)
+    "rl.prompt_lookup": "rl.speculation.prompt_lookup",
+    "rl.draft": "rl.speculation.draft",
+    "rl.speculate_k": "rl.speculation.k",
+    "rl.speculate_rollback": "rl.speculation.rollback",
+}
+
+
+def _renamed(data: dict) -> dict:
+    """``data`` with every key of `RENAMED_KEYS` moved to its new name."""
+    for old, new in RENAMED_KEYS.items():
+        *section, name = old.split(".")
+        holder = data
+        for part in section:
+            holder = holder.get(part) if isinstance(holder, dict) else None
+        if isinstance(holder, dict) and name in holder:
+            holder = dict(holder)
+            value = holder.pop(name)
+            data = _merge(_set_path(data, section, holder), _set_path({}, new.split("."), value))
+    return data
+
+
+def _set_path(data: dict, path: typing.Sequence[str], value) -> dict:
+    """A copy of ``data`` with ``value`` at the dotted ``path`` (replacing what was there)."""
+    if not path:
+        return value
+    head, *rest = path
+    inner = data.get(head) if isinstance(data.get(head), dict) else {}
+    return {**data, head: _set_path(inner, rest, value)}
+
+
 def config_from_dict(data: dict, overrides: typing.Sequence[str] = ()) -> Config:
-    """Validate a parsed mapping (plus overrides) into a `Config`."""
+    """Validate a parsed mapping (plus overrides) into a `Config`; keys of an earlier release are
+    read under their new names (`RENAMED_KEYS`)."""
     for override in overrides:
         data = apply_override(data, override)
-    return _build(Config, data, "")
+    return _build(Config, _renamed(data), "")
 
 
 def load_config(path: str | pathlib.Path, overrides: typing.Sequence[str] = ()) -> Config:

@@ -1,4 +1,4 @@
-"""Sampling from logits, one home for every decoding path (`k3jax.generate`, the session store,
+"""Sampling from logits, one home for every decoding path (`k3jax.inference.generation`, the session store,
 the server, RL rollouts, speculative rounds):
 
     greedy        temperature == 0: argmax

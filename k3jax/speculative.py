@@ -100,41 +100,6 @@ def prompt_lookup(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: 
     return []
 
 
-@dataclasses.dataclass(frozen=True)
-class Speculation:
-    """How to speculate: drafts from ``prompt_lookup`` (the longest n-gram matched, n <= this) or
-    from ``draft`` (a smaller `k3jax.model.K3Model` with the target's vocabulary), up to ``k``
-    per round (adaptive when ``adaptive``), rejected drafts undone by ``rollback``: "states" (the
-    verify keeps every position's KDA state; the default, faster) or "replay" (the verify keeps
-    the states before it and the kept tokens are fed again; no per-position memory).
-    `k3jax.sessions.speculate.Speculator.of` builds it."""
-
-    prompt_lookup: int | None = None
-    draft: object = None
-    k: int = 4
-    adaptive: bool = True
-    rollback: str = "states"
-
-    def __post_init__(self):
-        if (self.prompt_lookup is None) == (self.draft is None):
-            raise ValueError("speculation needs exactly one draft: prompt_lookup (a max n-gram) or a draft model")
-        if self.prompt_lookup is not None and not (isinstance(self.prompt_lookup, int) and self.prompt_lookup >= 1):
-            raise ValueError(f"prompt_lookup must be an integer >= 1 (the longest n-gram matched), "
-                             f"got {self.prompt_lookup!r}")
-        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
-            raise ValueError(f"speculate k must be an integer >= 1, got {self.k!r}")
-        check_rollback(self.rollback)
-
-
-ROLLBACKS = ("states", "replay")
-
-
-def check_rollback(rollback) -> None:
-    """ValueError unless ``rollback`` is one of `ROLLBACKS` (`k3jax.sessions.speculate`)."""
-    if rollback not in ROLLBACKS:
-        raise ValueError(f"speculative rollback must be one of {ROLLBACKS}, got {rollback!r}")
-
-
 @dataclasses.dataclass
 class AdaptiveK:
     """A sequence's draft length: up by one after a round that accepted every draft, down to

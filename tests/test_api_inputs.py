@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax import generate as generation
-from k3jax.generate import generate, prompt_bucket
+from k3jax.inference import generation
+from k3jax.inference.generation import generate, prompt_bucket
 from k3jax.memory import init_memory
 from k3jax.model import K3Model
 from tests.test_model import continue_, micro_config

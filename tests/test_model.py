@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from k3jax.config import load_config
-from k3jax.generate import generate
+from k3jax.inference.generation import generate
 from k3jax.layers.params import logical_axes
 from k3jax.memory import init_memory, memory_bytes
 from k3jax.model import DecoderLayer, K3Model, param_counts

@@ -5,7 +5,8 @@ the adaptive draft length on hand-made cases."""
 import numpy as np
 import pytest
 
-from k3jax.speculative import (DRAW, UNIFORM, AdaptiveK, Speculation, accepted_drafts, draw, position_rng,
+from k3jax.config import ConfigError, SpeculationConfig
+from k3jax.speculative import (DRAW, UNIFORM, AdaptiveK, accepted_drafts, draw, position_rng,
                                prompt_lookup, residual, sampling_probs)
 
 
@@ -101,9 +102,15 @@ def test_adaptive_k_grows_on_full_acceptance_and_pauses_below_the_floor():
     assert set(probes) == {0, 1} and probes.sum() == 2 and np.diff(np.flatnonzero(probes)).tolist() == [8]
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (dict(), "exactly one draft"), (dict(prompt_lookup=2, draft=object()), "exactly one draft"),
-    (dict(prompt_lookup=0), "prompt_lookup must be"), (dict(prompt_lookup=2, k=0), "k must be")])
-def test_bad_speculation_is_a_one_line_error(arguments, message):
-    with pytest.raises(ValueError, match=message):
-        Speculation(**arguments)
+@pytest.mark.parametrize("arguments, key, message", [
+    (dict(prompt_lookup=2, draft="runs/small"), "draft", "not both"), (dict(prompt_lookup=0), "prompt_lookup", "must be positive"),
+    (dict(prompt_lookup=2, k=0), "k", "must be positive"), (dict(draft=" "), "draft", "must name a run directory")])
+def test_bad_speculation_is_a_one_line_error(arguments, key, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        SpeculationConfig(**arguments)
+    assert error.value.key == key and "\n" not in str(error.value)
+
+
+def test_speculation_is_enabled_by_a_draft_source_only():
+    assert not SpeculationConfig().enabled and not SpeculationConfig(k=2, rollback="replay").enabled
+    assert SpeculationConfig(prompt_lookup=1).enabled and SpeculationConfig(draft="runs/small").enabled

@@ -12,12 +12,11 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 finish, the rest an error; with ``--state-dir`` the stored responses are saved, and loaded at the
 next start; the process then ends by the signal (status 143 after SIGTERM, as uvicorn does). Bad flags or an unusable run directory: one line on stderr, exit status 2.
 
-Speculative decoding (`k3jax.sessions.speculate`): ``--prompt-lookup N`` drafts by copying what
-followed the latest earlier occurrence of the last (up to N) tokens; ``--draft RUN_DIR`` drafts with
-that run's (smaller) model, which must read the same token ids (vocabulary size, tokenizer); up to
-``--speculate-k`` drafts a round, rejected ones undone as ``--speculate-rollback`` says (``states``,
-the default: from the verify's per-position KDA states; ``replay``: feeding the kept tokens again,
-no per-position memory). Greedy output is unchanged, sampled output keeps its distribution.
+Speculative decoding (`k3jax.sessions.speculate`): the flags of `eval.flags` (``--prompt-lookup N``
+or ``--draft RUN_DIR``, ``--speculate-k``, ``--speculate-rollback``, ``--[no-]speculate-adaptive``),
+from the one declaration of the settings (`k3jax.config.SpeculationConfig`); a draft must read the
+same token ids as the served model (`k3jax.inference.draft_mismatch`). Greedy output is unchanged,
+sampled output keeps its distribution.
 """
 from __future__ import annotations
 
@@ -26,13 +25,12 @@ import logging
 import pathlib
 import sys
 
-from k3jax.speculative import ROLLBACKS
+from k3jax.checkpoint import quiet_checkpoint_io
+from k3jax.inference import InputError, load_draft, load_run
 
-from ..cli import OneLineParser, quiet_checkpoint_logging
-from ..loading import EvalInputError, load_run
+from ..flags import OneLineParser, add_speculation_flags, speculation_settings
 
 DEFAULT_COMPILATION_CACHE = "~/.cache/k3jax/xla"    # `train.compilation_cache`'s default
-DEFAULT_SPECULATE_K = 4
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
@@ -83,52 +81,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              f"(default {DEFAULT_COMPILATION_CACHE}, as training's; 'none': off)")
     parser.add_argument("--drain-seconds", type=_positive(float), default=30.0,
                         help="on SIGTERM, seconds running requests get to finish (default 30)")
-    drafts = parser.add_mutually_exclusive_group()
-    drafts.add_argument("--prompt-lookup", type=_positive(int), default=None, metavar="N",
-                        help="speculative decoding, drafts copied from the sequence itself (n-grams up to N)")
-    drafts.add_argument("--draft", default=None, metavar="RUN_DIR",
-                        help="speculative decoding, drafts from this run's model (same tokenizer)")
-    parser.add_argument("--speculate-k", type=_positive(int), default=None, metavar="K",
-                        help=f"draft tokens per round (default {DEFAULT_SPECULATE_K})")
-    parser.add_argument("--speculate-rollback", choices=ROLLBACKS, default=None,
-                        help="undo rejected drafts from the verify's per-position KDA states (default, faster) or "
-                             "by replaying the kept tokens (no per-position memory)")
+    add_speculation_flags(parser)
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
-    for flag in ("speculate_k", "speculate_rollback"):
-        if getattr(args, flag) is not None and args.prompt_lookup is None and args.draft is None:
-            parser.error(f"--{flag.replace('_', '-')} needs --prompt-lookup or --draft")
-    if args.speculate_k is None:
-        args.speculate_k = DEFAULT_SPECULATE_K
-    if args.speculate_rollback is None:
-        args.speculate_rollback = ROLLBACKS[0]
+    args.speculation = speculation_settings(args)
     return args
 
 
-def load_drafter(args: argparse.Namespace, served):
-    """The drafter ``args`` name (None: no speculative decoding): prompt lookup, or the model of the
-    ``--draft`` run, which must read the same token ids as ``served`` (an `eval.serve.model.ServedModel`)."""
-    from k3jax.sessions.speculate import DraftModel, PromptLookup
-
-    from .model import ServedModel
-
-    if args.prompt_lookup is not None:
-        return PromptLookup(max_ngram=args.prompt_lookup)
-    if args.draft is None:
+def load_draft_model(args: argparse.Namespace, config):
+    """The model of the ``--draft`` run (None without one), which must read the same token ids as
+    a model trained with ``config``."""
+    if args.speculation is None or args.speculation.draft is None:
         return None
     try:
-        draft = ServedModel(load_run(args.draft), "draft", served.max_model_len)
-    except EvalInputError as error:
-        raise EvalInputError(f"--draft: {error}") from None
-    if draft.vocab_size != served.vocab_size:
-        raise EvalInputError(f"--draft {args.draft}: its vocabulary has {draft.vocab_size} tokens, the served "
-                             f"model's {served.vocab_size}")
-    ours, theirs = served.token_meaning(), draft.token_meaning()
-    differing = [key for key in ours if ours[key] != theirs[key]]
-    if differing:
-        raise EvalInputError(f"--draft {args.draft}: its {' and '.join(differing)} differ from the served model's")
-    return DraftModel(draft.model)
+        return load_draft(args.speculation.draft, config)
+    except InputError as error:
+        raise InputError(f"--draft: {error}") from None
 
 
 def build(args: argparse.Namespace):
@@ -144,7 +113,7 @@ def build(args: argparse.Namespace):
     run = load_run(args.run, args.step)
     name = args.model_name or run.run_dir.name
     served = ServedModel(run, name, args.max_model_len)
-    drafter = load_drafter(args, served)
+    draft = load_draft_model(args, run.config)
     budgets = dict(device_bytes=args.device_bytes, host_bytes=args.host_bytes)
     state_dir = None if args.state_dir is None else pathlib.Path(args.state_dir)
     try:
@@ -154,9 +123,8 @@ def build(args: argparse.Namespace):
             from k3jax.sessions import SessionStore
             responses, store = ResponseStore(), SessionStore(run.model, **budgets)
     except (OSError, ValueError) as error:
-        raise EvalInputError(f"--state-dir {state_dir}: {error}") from None
-    speculator = None if drafter is None else Speculator(store, drafter, k=args.speculate_k,
-                                                         rollback=args.speculate_rollback)
+        raise InputError(f"--state-dir {state_dir}: {error}") from None
+    speculator = None if args.speculation is None else Speculator.of(store, args.speculation, draft)
     engine = Engine(store, max_batch=args.max_batch, max_queue=args.max_queue, speculator=speculator)
     server = Server(served, engine, responses, api_key=args.api_key, request_timeout=args.request_timeout)
 
@@ -175,16 +143,16 @@ def build(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    quiet_checkpoint_logging()
+    quiet_checkpoint_io()
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         _, config, served = build(args)
-    except EvalInputError as error:
+    except InputError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     logging.basicConfig(level=logging.WARNING)
     if args.compilation_cache.lower() != "none":
-        from k3jax.training.trainer import enable_compilation_cache
+        from k3jax.host import enable_compilation_cache
         enable_compilation_cache(args.compilation_cache)
     server = uvicorn.Server(config)
     original = server.startup

@@ -19,7 +19,7 @@ from .engine import ServeError
 
 
 class ServedModel:
-    """The loaded run (``run``: an `eval.loading.LoadedRun`) as the server presents it."""
+    """The loaded run (``run``: an `k3jax.inference.LoadedRun`) as the server presents it."""
 
     def __init__(self, run, name: str, max_model_len: int):
         config = run.config
@@ -34,13 +34,6 @@ class ServedModel:
                                             + ")") if self.specials else None)
         eos = self.chat.eos_id if self.chat is not None else getattr(self.tokenizer, "eos_id", None)
         self.eos_id = eos if eos is not None and eos < self.vocab_size else None
-
-    def token_meaning(self) -> dict:
-        """What the model's token ids mean: its tokenizer (kind, file hash, size; "token ids" for
-        MQAR runs) and the special tokens' names. Two models with the same can draft for each other."""
-        tokenizer = "token ids" if self.tokenizer is None else \
-            {key: value for key, value in self.tokenizer.describe().items() if key != "path"}
-        return {"tokenizer": tokenizer, "special tokens": self.specials}
 
     # ------------------------------------------------------------------ text
     def encode(self, text: str) -> list[int]:

@@ -1,4 +1,4 @@
-"""Samples from fixed prompts (`k3jax.generate.generate`), one set per seed.
+"""Samples from fixed prompts (`k3jax.inference.generation.generate`), one set per seed.
 
 Prompts follow the run's data: for text runs the fixed `TEXT_PROMPTS` in the run's tokenizer (EOS
 ends a sample); for chat runs the same texts as one user turn each in K3's chat format, followed by
@@ -17,7 +17,7 @@ import numpy as np
 
 from k3jax.data import DataError, MQARDataset, load_tokenizer
 from k3jax.flops import decode_flops, forward_flops
-from k3jax.generate import generate
+from k3jax.inference.generation import generate
 
 from ..chat_turns import ChatTurns
 from ..stats import t_interval

@@ -17,8 +17,8 @@ tensor in its HF and k3jax forms, whatever the model's depth. MXFP4 routed exper
     OUT_DIR/tokenizer/                   tiktoken.model, tokenizer_config.json (when HF_DIR has them)
     OUT_DIR/hf_source/                   the source config.json and tensor manifest (for export)
 
-It is what `k3jax.training.restore_model`, ``python -m eval``, ``init_from=`` and
-`k3jax.generate.generate` read; the optimizer state starts fresh. Everything is written under a
+It is what `k3jax.inference.restore_model`, ``python -m eval``, ``init_from=`` and
+`k3jax.inference.generation.generate` read; the optimizer state starts fresh. Everything is written under a
 temporary name (``.<name>.partial-import`` beside OUT_DIR) and renamed at the end: a failed import
 leaves nothing that looks complete, and removes its partial directory; one a killed import left is
 removed by the next import of the same OUT_DIR (`k3jax.convert.processes.PartialDirectory`).

@@ -5,7 +5,7 @@ arrays named ``<top>.<leaf key>`` in an OCDBT key-value store, plus Orbax's ``_M
 ``_sharding``) and the JSON item ``meta``. `StreamedStateWriter` creates every array of that
 layout up front and fills it region by region — e.g. one expert of one scanned layer at a time —
 so converting a model never holds more than one tensor; `k3jax.checkpoint.RunCheckpoints`,
-`restore_subtree` and `k3jax.training.restore_model` read the result like any trainer checkpoint.
+`restore_subtree` and `k3jax.inference.restore_model` read the result like any trainer checkpoint.
 `StateReader` reads regions of the arrays of any such checkpoint (the trainer's included).
 
 Several processes can write one checkpoint (each a share of the regions) the way Orbax writes

@@ -192,8 +192,11 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> ByteTokenizer | Tik
 
 def same_tokenizer(a: str | os.PathLike | None, b: str | os.PathLike | None) -> bool:
     """Whether two ``data.tokenizer`` settings give the same token ids (a draft model must read its
-    target's): both bytes (None), or BPE files of the same content (sha256), wherever they are.
-    DataError when one does not load."""
+    target's): both bytes (None), or BPE files of the same content (sha256) and the same special
+    tokens (names and ids), wherever they are. DataError when one does not load."""
     if a is None or b is None:
         return a is None and b is None
-    return {**load_tokenizer(a).describe(), "path": None} == {**load_tokenizer(b).describe(), "path": None}
+
+    def meaning(tokenizer) -> dict:
+        return {**tokenizer.describe(), "path": None, "special_tokens": tokenizer.special_tokens}
+    return meaning(load_tokenizer(a)) == meaning(load_tokenizer(b))

@@ -1,8 +1,8 @@
 """Speculative rounds over the sessions of a `SessionStore`: draft, verify in one batched call,
 roll back the rejected drafts, exactly (the rules: `k3jax.speculative`).
 
-    speculator = Speculator(store, PromptLookup(max_ngram=3), k=4)      # or DraftModel(draft_model)
-    speculator = Speculator.of(store, Speculation(prompt_lookup=3))     # the same
+    speculator = Speculator(store, PromptLookup(max_ngram=3), SpeculationConfig(k=4))   # or DraftModel(draft_model)
+    speculator = Speculator.of(store, SpeculationConfig(prompt_lookup=3, k=4))          # the same
     out = speculator.round({sid: Sampling(...), ...}, limits={sid: 16}, stop_ids={2})
     out[sid].tokens, out[sid].logprobs                                   # this round's, >= 1 token each
     speculator.stats.as_dict()                                           # acceptance, draft / verify s
@@ -42,8 +42,9 @@ from k3jax.sessions import paged
 from k3jax.sessions.batching import Sampling
 from k3jax.sessions.store import SessionStore
 from k3jax.sessions.tiers import NoRoom, Value
-from k3jax.speculative import (DRAW, UNIFORM, AdaptiveK, Speculation, SpeculationStats, accepted_drafts, check_rollback,
-                               draw, position_rng, prompt_lookup, residual, sampling_probs)
+from k3jax.config import SpeculationConfig
+from k3jax.speculative import (DRAW, UNIFORM, AdaptiveK, SpeculationStats, accepted_drafts, draw, position_rng,
+                               prompt_lookup, residual, sampling_probs)
 
 
 class RoundResult(NamedTuple):
@@ -128,28 +129,31 @@ class DraftModel:
 
 class Speculator:
     """Speculative rounds for sessions of ``store`` with ``drafter`` (`PromptLookup` or
-    `DraftModel`) proposing up to ``k`` tokens a round (`AdaptiveK` per session when ``adaptive``).
-    See the module docstring."""
+    `DraftModel`) proposing up to ``settings.k`` tokens a round (`AdaptiveK` per session when
+    ``settings.adaptive``), rejected drafts undone as ``settings.rollback`` says (the settings'
+    draft source is `of`'s). See the module docstring."""
 
-    def __init__(self, store, drafter, k: int = 4, adaptive: bool = True, rollback: str = "states"):
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"speculate k must be an integer >= 1, got {k!r}")
-        check_rollback(rollback)
-        self.store, self.drafter, self.k, self.adaptive, self.rollback = store, drafter, k, adaptive, rollback
+    def __init__(self, store, drafter, settings: SpeculationConfig = SpeculationConfig()):
+        self.store, self.drafter = store, drafter
+        self.k, self.adaptive, self.rollback = settings.k, settings.adaptive, settings.rollback
         self.stats = SpeculationStats()
         self._k: dict[int, AdaptiveK] = {}
         self._rejected: dict[int, int] = {}       # session -> the draft its last round rejected (sampled)
 
     @classmethod
-    def of(cls, store, speculation: Speculation) -> "Speculator":
-        """The speculator ``speculation`` describes, over ``store``."""
-        if speculation.draft is None:
-            return cls(store, PromptLookup(speculation.prompt_lookup), speculation.k, speculation.adaptive,
-                       speculation.rollback)
-        if speculation.draft.config.vocab_size != store.config.vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({speculation.draft.config.vocab_size} tokens) is not "
+    def of(cls, store, settings: SpeculationConfig, draft_model=None) -> "Speculator":
+        """The speculator ``settings`` describe, over ``store``: prompt lookup, or ``draft_model``
+        (the model of ``settings.draft``, loaded and checked by `k3jax.inference.load_draft`)."""
+        if not settings.enabled:
+            raise ValueError("speculation needs a draft source: prompt_lookup or a draft model")
+        if settings.prompt_lookup is not None:
+            return cls(store, PromptLookup(settings.prompt_lookup), settings)
+        if draft_model is None:
+            raise ValueError(f"speculation drafting with {settings.draft} needs its model (k3jax.inference.load_draft)")
+        if draft_model.config.vocab_size != store.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) is not "
                              f"the target's ({store.config.vocab_size})")
-        return cls(store, DraftModel(speculation.draft), speculation.k, speculation.adaptive, speculation.rollback)
+        return cls(store, DraftModel(draft_model), settings)
 
     def leave(self, sid: int) -> None:
         """Forget ``sid``'s speculation state (its draft session, draft length)."""

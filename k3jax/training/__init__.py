@@ -17,10 +17,9 @@ train``), tests, benchmarks and users' own scripts.
     run_dir    the run directory: creation, the lock, atomic writes, `RunError`
     metrics    metrics.jsonl (written and read), TensorBoard, the progress line
     signals    SIGTERM / SIGINT recorded for a clean stop (no JAX: the CLI installs it first)
-    restore    `restore_model`: a trained model back from a run's checkpoints
     plan       a train step's per-device memory, FLOPs and collectives, compiled ahead of time
 
-FLOP counts live in `k3jax.flops`. The names below are importable from the package itself
+FLOP counts live in `k3jax.flops`; a trained model is loaded to run it by `k3jax.inference`. The names below are importable from the package itself
 (``from k3jax.training import Trainer``); each submodule loads on first use, so that importing
 one light module (`signals`, `metrics`) does not start JAX.
 """
@@ -43,7 +42,6 @@ _EXPORTS = {
     "run_dir": ("RunError",),
     "metrics": ("read_metrics",),
     "signals": ("StopRequested", "StopSignals"),
-    "restore": ("RestoredModel", "restore_model"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)

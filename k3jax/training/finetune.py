@@ -16,7 +16,7 @@ layers decode them a tile at a time) and, like every frozen array, never reach t
 
 A LoRA run's checkpoints hold the adapters, the router biases and the adapters' optimizer state
 only, with ``meta["lora_base"]``: where the base came from (``init_from``, step) and its
-fingerprint (`base_fingerprint`), which a resume and `k3jax.training.restore_model` check
+fingerprint (`base_fingerprint`), which a resume and `k3jax.inference.restore_model` check
 against the base they load (the streaming exporter checks only that the base's model config is
 the run's: fingerprinting would read the whole base first).
 """

@@ -33,9 +33,10 @@ fine-tune keeps one more copy of them), or for LoRA the frozen base itself: the 
 no extra memory. Rollouts run in one process, on the run's mesh: the session pools are placed
 beside the (sharded) parameters by the jitted steps themselves.
 
-With ``rl.prompt_lookup`` or ``rl.draft`` rollouts decode speculatively (`k3jax.training.rollout`,
-up to ``rl.speculate_k`` drafts a round) on each step's own store, so on the current policy; the
-draft model is restored once, at the start, on the first device. ``metrics.jsonl`` then also holds
+With ``rl.speculation.prompt_lookup`` or ``rl.speculation.draft`` rollouts decode speculatively
+(`k3jax.training.rollout`, up to ``rl.speculation.k`` drafts a round) on each step's own store, so on
+the current policy; the draft model is restored once, at the start, on the first device.
+``metrics.jsonl`` then also holds
 the step's ``speculation_acceptance_rate``, ``speculation_mean_accepted_length``,
 ``speculation_tokens_per_round`` (emitted tokens per sequence-round), ``speculation_draft_seconds``
 and ``speculation_verify_seconds``.
@@ -50,9 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.checkpoint import CheckpointError, latest_meta, restore_subtree
-from k3jax.config import ConfigError
+from k3jax.config import ConfigError, config_from_dict
 from k3jax.data import DataError
-from k3jax.data.tokenizers import same_tokenizer
 from k3jax.layers.lora import set_adapter_dropout
 from k3jax.sessions import SessionStore
 from k3jax.sharding import compiled_together
@@ -60,8 +60,7 @@ from k3jax.training.environments import load_environment
 from k3jax.training.grpo import group_advantages, logprob_rows, make_logprob_step, policy_objective, update_rows
 from k3jax.training.metrics import MetricsLog, Progress
 from k3jax.training.rewards import check_records, load_reward
-from k3jax.speculative import Speculation
-from k3jax.training.restore import restore_model
+from k3jax.inference import draft_mismatch, restore_model
 from k3jax.training.rollout import Rollout, SamplingSettings, replay
 from k3jax.training.run_dir import RunError
 from k3jax.training.signals import StopSignals
@@ -75,26 +74,16 @@ def sampling_seed(seed: int, step: int) -> int:
 
 
 def check_draft(config) -> int:
-    """The step of ``rl.draft``'s newest checkpoint, after checking from its saved config that it
-    drafts in the policy's vocabulary: the same ``model.vocab_size`` and ``data.tokenizer``."""
-    source = pathlib.Path(config.rl.draft).expanduser()
+    """The step of ``rl.speculation.draft``'s newest checkpoint, after checking from its saved
+    config that it drafts in the policy's token ids (`k3jax.inference.draft_mismatch`)."""
+    source = pathlib.Path(config.rl.speculation.draft).expanduser()
     try:
         step, meta = latest_meta(source)
-    except CheckpointError as error:
-        raise ConfigError("rl.draft", str(error)) from None
-    saved = meta.get("config", {})
-    vocab = saved.get("model", {}).get("vocab_size")
-    if vocab != config.model.vocab_size:
-        raise ConfigError("rl.draft", f"{source} has a vocabulary of {vocab} tokens, the policy "
-                                      f"{config.model.vocab_size}: a draft must share the policy's vocabulary")
-    tokenizer = saved.get("data", {}).get("tokenizer")
-    try:
-        same = same_tokenizer(tokenizer, config.data.tokenizer)
-    except DataError as error:
-        raise ConfigError("rl.draft", f"{source}'s tokenizer: {error}") from None
-    if not same:
-        raise ConfigError("rl.draft", f"{source} was trained with tokenizer {tokenizer or 'bytes'}, this run's data "
-                                      f"uses {config.data.tokenizer or 'bytes'}: a draft must share the policy's tokenizer")
+        problem = draft_mismatch(config, config_from_dict(meta.get("config") or {}))
+    except (CheckpointError, ConfigError) as error:
+        raise ConfigError("rl.speculation.draft", f"{source}: {error}") from None
+    if problem is not None:
+        raise ConfigError("rl.speculation.draft", f"{source}: {problem}")
     return step
 
 
@@ -156,7 +145,7 @@ class RLTrainer(Trainer):
             check_records(rl.reward, records)
         if not self.data.num_prompts("train"):
             raise DataError(f"{self.config.data.path}: the train split has no prompts")
-        self.draft_step = check_draft(self.config) if rl.draft is not None else None
+        self.draft_step = check_draft(self.config) if rl.speculation.draft is not None else None
 
     def _build_steps(self) -> None:
         config, rl = self.config, self.config.rl
@@ -167,16 +156,13 @@ class RLTrainer(Trainer):
                             objective=policy_objective(rl.clip, rl.kl_coef)), "train step")
         self.logprob_step = make_logprob_step(self.parts, self.shardings) if rl.kl_coef else None
         self.reference = self._reference_params() if rl.kl_coef else None
-        self.speculation = self._speculation() if rl.speculative else None
+        self.draft = self._draft() if rl.speculation.draft is not None else None
 
-    def _speculation(self) -> Speculation:
-        """The rollouts' speculative decoding: prompt lookup, or ``rl.draft``'s model (restored here, once)."""
-        rl = self.config.rl
-        if rl.draft is None:
-            return Speculation(prompt_lookup=rl.prompt_lookup, k=rl.speculate_k, rollback=rl.speculate_rollback)
-        draft = restore_model(rl.draft, step=self.draft_step).model
+    def _draft(self):
+        """The draft model of speculative rollouts: ``rl.speculation.draft``'s (restored here, once)."""
+        draft = restore_model(self.config.rl.speculation.draft, step=self.draft_step).model
         set_adapter_dropout(draft, 0.0)
-        return Speculation(draft=draft, k=rl.speculate_k, rollback=rl.speculate_rollback)
+        return draft
 
     def _check_fields(self, records, fields, setting: str) -> None:
         for prompt in records:
@@ -207,7 +193,7 @@ class RLTrainer(Trainer):
         rl = self.config.rl
         return Rollout(self.policy_model(), self.data, self.settings, reward=self.reward,
                        environment=self.environment, tool_retries=rl.tool_retries, max_turns=rl.max_turns,
-                       fingerprint=f"{self.run_dir}@{self.position}", speculation=self.speculation)
+                       fingerprint=f"{self.run_dir}@{self.position}", speculation=rl.speculation, draft=self.draft)
 
     def _reference_logprobs(self, batch) -> jax.Array:
         params = self.reference if self.reference is not None else jax.tree.map(jnp.zeros_like, self.state.params)

@@ -23,7 +23,7 @@ with the next generation prompt and appended to the same session (no new prefill
 tool call does not parse, or that the environment refuses (`ToolCallError`), is undone -- the
 session rolls back to its snapshot from before the reply -- and sampled again with another stream.
 
-With a `k3jax.speculative.Speculation` the sessions decode in speculative rounds instead
+With speculation settings (`k3jax.config.SpeculationConfig`) the sessions decode in speculative rounds instead
 (`k3jax.sessions.speculate`): each round drafts up to k tokens per session (prompt lookup or a draft model), verifies them in one
 batched call and emits one or more tokens per session, each with the same log-prob as above. A
 session after a round is exactly as that many plain steps would leave it (tool turns and rollbacks
@@ -44,7 +44,7 @@ from k3jax.data.chat_format import generation_prompt, render_conversation
 from k3jax.sampling import log_softmax
 from k3jax.sessions import Sampling, SessionStore
 from k3jax.sessions.speculate import Speculator
-from k3jax.speculative import Speculation
+from k3jax.config import SpeculationConfig
 from k3jax.training.environments import ToolCallError
 from k3jax.training.rewards import RewardError, checked_reward, score
 
@@ -196,16 +196,18 @@ def replay(store: SessionStore, groups) -> list[list[np.ndarray]]:
 class Rollout:
     """Sampling for one policy: ``model`` (its adapters' dropout off), its prompts' ``dataset``
     (`k3jax.data.PromptDataset`), ``settings`` and the reward (or environment class); ``speculation``
-    (a `k3jax.speculative.Speculation`) decodes in speculative rounds on the rollout's own store."""
+    (a `k3jax.config.SpeculationConfig` with a draft source; ``draft``: the model of its draft run)
+    decodes in speculative rounds on the rollout's own store."""
 
     def __init__(self, model, dataset, settings: SamplingSettings, *, reward: Callable | None = None,
                  environment=None, tool_retries: int = 0, max_turns: int = 1, fingerprint: str | None = None,
-                 speculation: Speculation | None = None):
+                 speculation: SpeculationConfig | None = None, draft=None):
         self.model, self.dataset, self.settings = model, dataset, settings
         self.reward, self.environment = reward, environment
         self.tool_retries, self.max_turns = tool_retries, max_turns
         self.store = SessionStore(model, fingerprint=fingerprint, prefix_cache=False)
-        self.speculator = None if speculation is None else Speculator.of(self.store, speculation)
+        speculating = speculation is not None and speculation.enabled
+        self.speculator = Speculator.of(self.store, speculation, draft) if speculating else None
         self.attempts = max_turns * (tool_retries + 1)   # streams per completion
         self.seconds = 0.0
 

@@ -43,7 +43,7 @@ def broken(source, tmp_path) -> pathlib.Path:
 def test_tied_embeddings_import_and_export(tmp_path):
     """tie_word_embeddings: no lm_head tensor in or out; the logits use the embedding."""
     import jax.numpy as jnp
-    from k3jax.training import restore_model
+    from k3jax.inference import restore_model
     from tests.convert.numpy_hf_forward import hf_forward
     from tests.convert.test_import_export import _same_tensors
     hf = small_config()

@@ -19,8 +19,8 @@ from k3jax.convert.importer import import_checkpoint
 from k3jax.convert.mxfp4 import decode_mxfp4
 from k3jax.convert.safetensors_io import SafetensorsCheckpoint
 from k3jax.data.tokenizers import load_tokenizer
-from k3jax.generate import generate
-from k3jax.training import restore_model
+from k3jax.inference.generation import generate
+from k3jax.inference import restore_model
 from tests.convert import hf_configs, release_names
 from tests.convert.hf_fixtures import VISION, hf_tensors, write_checkpoint, write_tokenizer
 from tests.convert.numpy_hf_forward import hf_forward

@@ -10,7 +10,7 @@ import tensorstore as ts
 from k3jax.checkpoint import CHECKSUMS, CheckpointError, latest_meta, region_checksum, tree_checksums
 from k3jax.convert.importer import import_checkpoint
 from k3jax.convert.orbax_stream import StateReader
-from k3jax.training import restore_model
+from k3jax.inference import restore_model
 from tests.convert.hf_fixtures import hf_tensors, write_checkpoint
 from tests.convert.test_import_export import QUIET, k3_config
 

@@ -18,7 +18,7 @@ from k3jax.config import Config, load_config
 from tests.helpers import CONFIGS
 from k3jax.training import Trainer
 from eval.cli import evaluate
-from eval.loading import load_run
+from k3jax.inference import load_run
 from eval.tasks import DecodeCostTask, MQARLengthTask, PasskeyTask, PerplexityTask, SamplesTask
 
 COMMON = [

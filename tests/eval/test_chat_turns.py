@@ -2,7 +2,7 @@
 are the renderer's for the same messages, generation stops at ``<|end_of_msg|>``, the reply is printed
 without markup; ``--raw`` keeps plain text. The model and the session store are stand-ins that record
 what they are fed and answer with fixed replies (so no compilation); a slow test runs both
-programs on a real chat checkpoint against greedy `k3jax.generate` on the renderer's prompts."""
+programs on a real chat checkpoint against greedy `k3jax.inference.generation` on the renderer's prompts."""
 import io
 from types import SimpleNamespace
 
@@ -11,9 +11,9 @@ import pytest
 
 import eval.chat
 import eval.generate
-import k3jax.generate
+import k3jax.inference.generation
 from eval.chat_turns import ChatTurns, chat_turns_for
-from eval.loading import LoadedRun, load_run
+from k3jax.inference import LoadedRun, load_run
 from k3jax.config import load_config
 from k3jax.data import load_tokenizer
 from k3jax.data.chat_format import ChatEncoder, generation_prompt, render_conversation, reply_segments
@@ -80,7 +80,7 @@ def test_runs_get_the_chat_format_when_trained_on_chat_or_their_tokenizer_names_
 
 
 class RecordingGenerate:
-    """Stands in for `k3jax.generate.generate`: records the prompts and eos id, answers ``reply`` and, as
+    """Stands in for `k3jax.inference.generation.generate`: records the prompts and eos id, answers ``reply`` and, as
     the real one does, ends each sample at the first ``eos_id`` (``lengths``) and fills the rest with it."""
 
     def __init__(self, reply: list[int]):
@@ -104,7 +104,7 @@ def test_generate_renders_a_user_turn_stops_at_end_of_msg_and_prints_the_reply(t
     tokenizer = load_tokenizer(tokenizer_dir)
     fake = RecordingGenerate(reply_ids(tokenizer_dir, "three") + list(b"<after the end>"))
     monkeypatch.setattr(eval.generate, "load_run", lambda path, step: loaded(config, tmp_path))
-    monkeypatch.setattr(k3jax.generate, "generate", fake)
+    monkeypatch.setattr(k3jax.inference.generation, "generate", fake)
     assert eval.generate.main(["run", "--prompt", "3 QWERTY", "--prompt", "1 ZX", "--max-new-tokens", "64"]) == 0
     assert capsys.readouterr().out.splitlines() == ["three", "three"]
     prompts, eos_id = fake.calls[-1]
@@ -200,7 +200,7 @@ def test_generate_and_chat_on_a_chat_checkpoint_feed_the_rendered_conversation(c
         messages.append({"role": "user", "content": text})
         prompt = encoder.encode(render_conversation(messages, thinking=False, thinking_effort=None)
                                 + generation_prompt(False))[0]
-        sample = k3jax.generate.generate(model, prompt, max_new_tokens=3, eos_id=encoder.end_of_message_id)
+        sample = k3jax.inference.generation.generate(model, prompt, max_new_tokens=3, eos_id=encoder.end_of_message_id)
         messages.append(encoder.reply_message(np.asarray(sample.tokens)[: int(sample.lengths)], thinking=False))
     assert out.getvalue() == "".join(m["content"] + "\n" for m in messages[1::2])
     whole = encoder.encode(render_conversation(messages, thinking=False, thinking_effort=None))[0]

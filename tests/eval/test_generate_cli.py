@@ -6,8 +6,8 @@ import io
 import pytest
 
 from eval.generate import main
-from eval.speculation import add_speculation_flags, speculation_from
-from k3jax.speculative import Speculation
+from eval.flags import add_speculation_flags, speculation_settings
+from k3jax.config import SpeculationConfig
 
 
 def test_prompts_of_different_lengths_get_one_line_each(untrained_run, capsys):
@@ -61,17 +61,20 @@ def test_speculation_flags_make_the_speculation_they_name():
     parser = argparse.ArgumentParser()
     add_speculation_flags(parser)
     args = parser.parse_args(["--prompt-lookup", "3", "--speculate-k", "2", "--speculate-rollback", "replay"])
-    assert speculation_from(args, None) == Speculation(prompt_lookup=3, k=2, rollback="replay")
-    assert speculation_from(parser.parse_args(["--prompt-lookup", "3"]), None).rollback == "states"
-    assert speculation_from(parser.parse_args([]), None) is None
+    assert speculation_settings(args) == SpeculationConfig(prompt_lookup=3, k=2, rollback="replay")
+    assert speculation_settings(parser.parse_args(["--prompt-lookup", "3"])) == SpeculationConfig(prompt_lookup=3)
+    assert speculation_settings(parser.parse_args(["--draft", "d", "--no-speculate-adaptive"])) == \
+        SpeculationConfig(draft="d", adaptive=False)
+    assert speculation_settings(parser.parse_args([])) is None
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--prompt-lookup", "2", "--draft", "x"], "not allowed with argument"),
-    (["--prompt-lookup", "0"], "prompt_lookup must be"),
-    (["--prompt-lookup", "2", "--speculate-k", "0"], "k must be"),
-    (["--speculate-k", "2"], "--speculate-k and --speculate-rollback need --prompt-lookup or --draft"),
-    (["--speculate-rollback", "replay"], "--speculate-k and --speculate-rollback need --prompt-lookup or --draft"),
+    (["--prompt-lookup", "2", "--draft", "x"], "--draft: drafts come from prompt_lookup or a draft model, not both"),
+    (["--prompt-lookup", "0"], "--prompt-lookup: must be positive, got 0"),
+    (["--prompt-lookup", "2", "--speculate-k", "0"], "--speculate-k: must be positive, got 0"),
+    (["--speculate-k", "2"], "--speculate-k needs --prompt-lookup or --draft"),
+    (["--speculate-rollback", "replay", "--speculate-k", "2"],
+     "--speculate-k and --speculate-rollback need --prompt-lookup or --draft"),
     (["--prompt-lookup", "2", "--speculate-rollback", "undo"], "invalid choice: 'undo'"),
     (["--draft", "/no/such/run"], "/no/such/run"),
 ])

@@ -7,7 +7,7 @@ import pytest
 
 from k3jax.training import split_model
 from eval.cli import main
-from eval.loading import EvalInputError, load_run
+from k3jax.inference import InputError, load_run
 from tests.eval.conftest import CONFIGS, assert_params_equal
 
 REPO = CONFIGS.parent
@@ -32,7 +32,7 @@ def test_step_directory_and_step_option_name_the_same_checkpoint(trained_run):
     step_dir = trained_run.path / "checkpoints" / str(trained_run.step)
     assert load_run(str(step_dir)).step == trained_run.step
     assert load_run(str(trained_run.path / "checkpoints"), step=trained_run.step).step == trained_run.step
-    with pytest.raises(EvalInputError, match="step"):
+    with pytest.raises(InputError, match="step"):
         load_run(str(step_dir), step=trained_run.step + 1)
 
 
@@ -81,7 +81,7 @@ def test_a_corrupted_latest_checkpoint_falls_back_to_the_previous_one_saying_so(
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith(f"warning: cannot restore 'params' from checkpoint {steps[-1]}")
     assert lines[1] == f"falling back to checkpoint {steps[-2]} (unusable: {steps[-1]})"
-    with pytest.raises(EvalInputError, match=f"checkpoint {steps[-1]}"):
+    with pytest.raises(InputError, match=f"checkpoint {steps[-1]}"):
         load_run(str(copy), step=steps[-1])
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from k3jax.memory import init_memory
 from eval.cli import evaluate, open_text
-from eval.loading import load_run
+from k3jax.inference import load_run
 from eval.tasks import PerplexityTask
 from eval.tasks.decode_cost import all_mla_config
 

@@ -9,7 +9,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from eval.chat import main as chat_main
-from eval.loading import load_run
+from k3jax.inference import load_run
 from eval.tasks import EvalContext, SessionsTask, run_task
 from eval.tasks.mqar import base_mqar_dataset
 from eval.tasks.sessions import split_row

@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from k3jax.data import ByteTokenizer
 from k3jax.memory import init_memory
-from eval.loading import load_run
+from k3jax.inference import load_run
 from eval.tasks import EvalContext, MQARLengthTask, run_task
 from eval.tasks.common import content_hash
 from eval.tasks.decode_cost import synthetic_memory

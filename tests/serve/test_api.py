@@ -1,5 +1,5 @@
 """The server's routes in this process (`fastapi.testclient`), against independent references: the
-model's full forward over the whole history (log-probs, greedy tokens), `k3jax.generate`, the chat
+model's full forward over the whole history (log-probs, greedy tokens), `k3jax.inference.generation`, the chat
 format's rendering; statefulness (previous_response_id = the whole history), fork / rollback /
 delete, continuous batching, and every bad input a 4xx that leaves the server serving."""
 import json
@@ -8,9 +8,9 @@ import threading
 import numpy as np
 import pytest
 
-from eval.loading import load_run
+from k3jax.inference import load_run
 from k3jax.data.chat_format import reply_segments
-from k3jax.generate import generate
+from k3jax.inference.generation import generate
 from tests.serve.conftest import KEY
 
 USER = [{"role": "user", "content": "3 QWERTY"}]

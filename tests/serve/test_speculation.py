@@ -180,30 +180,32 @@ def test_concurrent_requests_of_different_lengths_one_with_top_logprobs(serving,
 
 
 def test_bad_speculation_flags_are_one_line_errors():
-    from eval.loading import EvalInputError
+    from k3jax.config import SpeculationConfig
+    from k3jax.inference import InputError
     from eval.serve.cli import parse_args
 
-    for flags, words in ((["--prompt-lookup", "3", "--draft", "draft-run"], "not allowed with argument"),
-                         (["--prompt-lookup", "0"], "--prompt-lookup: expected a positive number"),
-                         (["--draft", "draft-run", "--speculate-k", "0"], "--speculate-k: expected a positive number"),
+    for flags, words in ((["--prompt-lookup", "3", "--draft", "draft-run"], "--draft: drafts come from prompt_lookup or"),
+                         (["--prompt-lookup", "0"], "--prompt-lookup: must be positive"),
+                         (["--draft", "draft-run", "--speculate-k", "0"], "--speculate-k: must be positive"),
                          (["--speculate-k", "3"], "--speculate-k needs --prompt-lookup or --draft"),
                          (["--speculate-rollback", "replay"], "--speculate-rollback needs --prompt-lookup or --draft"),
                          (["--prompt-lookup", "2", "--speculate-rollback", "undo"], "invalid choice: 'undo'")):
-        with pytest.raises(EvalInputError, match=words) as error:
+        with pytest.raises(InputError, match=words) as error:
             parse_args(["run", *flags])
         assert "\n" not in str(error.value)
-    default = parse_args(["run", "--prompt-lookup", "2"])
-    assert (default.speculate_k, default.speculate_rollback) == (4, "states")
-    assert parse_args(["run", "--draft", "d", "--speculate-rollback", "replay"]).speculate_rollback == "replay"
+    assert parse_args(["run", "--prompt-lookup", "2"]).speculation == SpeculationConfig(prompt_lookup=2, k=4, rollback="states")
+    assert parse_args(["run", "--draft", "d", "--speculate-rollback", "replay"]).speculation.rollback == "replay"
+    assert parse_args(["run"]).speculation is None
 
 
-def test_a_draft_must_load_and_read_the_same_token_ids(serving, chat_run, tmp_path, monkeypatch, capsys):
+def test_a_draft_must_load_and_read_the_same_token_ids(chat_run, tmp_path, monkeypatch, capsys):
     """A missing or checkpoint-less draft directory ends ``main`` with one line and status 2; a
     draft whose config gives another vocabulary size or tokenizer is refused (the run as loaded,
     its config changed: only the config is read)."""
     import dataclasses
 
-    from eval.loading import EvalInputError, load_run
+    import k3jax.inference.load
+    from k3jax.inference import InputError, load_run
     from eval.serve import cli
 
     for draft, words in ((tmp_path / "missing", "no such directory"), (tmp_path, "--draft")):
@@ -211,9 +213,9 @@ def test_a_draft_must_load_and_read_the_same_token_ids(serving, chat_run, tmp_pa
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: --draft") and words in lines[0], lines
     run = load_run(str(chat_run))
-    for section, fields, words in (("model", {"vocab_size": 640}, "its vocabulary has 640 tokens, the served model's 512"),
-                                   ("data", {"kind": "mqar", "tokenizer": None}, "its tokenizer and special tokens differ")):
+    for section, fields, words in (("model", {"vocab_size": 640}, "its vocabulary has 640 tokens, the target's 512"),
+                                   ("data", {"kind": "mqar", "tokenizer": None}, "it was trained with tokenizer bytes")):
         config = dataclasses.replace(run.config, **{section: dataclasses.replace(getattr(run.config, section), **fields)})
-        monkeypatch.setattr(cli, "load_run", lambda path, step=None: run._replace(config=config))
-        with pytest.raises(EvalInputError, match=words):
-            cli.load_drafter(cli.parse_args([str(chat_run), "--draft", "other-run"]), serving[1])
+        monkeypatch.setattr(k3jax.inference.load, "load_run", lambda path, step=None: run._replace(config=config))
+        with pytest.raises(InputError, match=words):
+            cli.load_draft_model(cli.parse_args([str(chat_run), "--draft", "other-run"]), run.config)

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax.generate import generate
+from k3jax.inference.generation import generate
 from k3jax.model import K3Model
 from k3jax.sampling import log_softmax
 from k3jax.sessions import DraftModel, PromptLookup, Sampling, SessionStore, Speculator
-from k3jax.speculative import Speculation
+from k3jax.config import SpeculationConfig
 from tests.sessions.conftest import contiguous_bank, contiguous_logits, random_tokens, tiny_config, tiny_model
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -81,7 +81,7 @@ def test_greedy_rounds_with_rejections_equal_plain_greedy_and_leave_every_sessio
     plain = dict(zip(sids, store.generate([store.fork(sid) for sid in sids], NEW)))
     wrong = {sids[0]: {2, 3, 7}, sids[1]: {1, 9}, sids[2]: set()}      # different acceptances
     drafter = ScriptedDrafts(dict(zip(sids, PROMPTS)), plain, wrong)
-    speculator = Speculator(store, drafter, k=3, adaptive=False, rollback=rollback)
+    speculator = Speculator(store, drafter, SpeculationConfig(k=3, adaptive=False, rollback=rollback))
     tokens, logprobs = run_rounds(speculator, sids, Sampling())
     for sid in sids:
         assert_session_is_one_prefill(model, store, sid)
@@ -99,7 +99,7 @@ def test_sampled_rounds_are_reproducible_and_exact_in_memory(model, rollback):
     def sample():
         store = SessionStore(model)
         sids = [store.open(prompt) for prompt in PROMPTS[:2]]
-        speculator = Speculator(store, DraftModel(tiny_model(seed=3)), k=3, rollback=rollback)
+        speculator = Speculator(store, DraftModel(tiny_model(seed=3)), SpeculationConfig(k=3, rollback=rollback))
         tokens, logprobs = run_rounds(speculator, sids, sampling, new=8)
         for sid in sids:
             assert_session_is_one_prefill(model, store, sid)
@@ -116,14 +116,14 @@ def test_store_generate_and_generate_speculate_as_greedy_decoding_does(model):
     store = SessionStore(model)
     sids = [store.open(prompt) for prompt in PROMPTS[:2]]
     plain = store.generate([store.fork(sid) for sid in sids], NEW, eos_id=9)
-    speculator = Speculator(store, DraftModel(model), k=4)              # the target as its own draft
+    speculator = Speculator(store, DraftModel(model), SpeculationConfig(k=4))              # the target as its own draft
     spoken = store.generate(sids, NEW, eos_id=9, speculator=speculator)
     for expected, got in zip(plain, spoken):
         np.testing.assert_array_equal(got, expected)
     assert speculator.stats.accepted == speculator.stats.drafted > 0
     assert speculator.drafter.store.sessions() == []                    # draft sessions closed as they finished
     expected = generate(model, list(PROMPTS), max_new_tokens=NEW, eos_id=9)
-    got = generate(model, list(PROMPTS), max_new_tokens=NEW, eos_id=9, speculation=Speculation(prompt_lookup=2))
+    got = generate(model, list(PROMPTS), max_new_tokens=NEW, eos_id=9, speculation=SpeculationConfig(prompt_lookup=2))
     np.testing.assert_array_equal(got.lengths, expected.lengths)
     np.testing.assert_array_equal(got.tokens, expected.tokens)
 
@@ -134,7 +134,7 @@ def test_prompt_lookup_drafts_from_the_history_and_a_stop_id_ends_the_round(mode
     sid = store.open(np.tile(PROMPTS[2], 2))                            # most tokens recur: drafts
     continuation = store.generate([store.fork(sid)], NEW)[0]
     stop = int(continuation[5])
-    speculator = Speculator(store, PromptLookup(max_ngram=3), k=4)
+    speculator = Speculator(store, PromptLookup(max_ngram=3), SpeculationConfig(k=4))
     emitted = []
     while not emitted or emitted[-1] != stop and len(emitted) < NEW:
         emitted += speculator.round({sid: Sampling()}, limits={sid: NEW - len(emitted)}, stop_ids=[stop])[sid].tokens
@@ -149,7 +149,7 @@ def test_bad_speculation_requests_are_one_line_errors(model):
     with pytest.raises(ValueError, match="at least one token"):
         Speculator(store, PromptLookup()).round({sid: Sampling()}, limits={sid: 0})
     with pytest.raises(ValueError, match="vocabulary"):
-        Speculator.of(store, Speculation(draft=K3Model(tiny_config("model.vocab_size=32"), rngs=nnx.Rngs(0))))
+        Speculator.of(store, SpeculationConfig(draft="small"), K3Model(tiny_config("model.vocab_size=32"), rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="another session store"):
         store.generate([sid], 2, speculator=Speculator(SessionStore(model), PromptLookup()))
 
@@ -162,7 +162,7 @@ def test_a_round_the_budget_cannot_hold_leaves_every_session_as_it_was(model):
     store = SessionStore(model, prefix_cache=False, device_bytes=2 * slot_bytes + 3 * page_bytes)
     sids = [store.open(random_tokens(20 + i, 16)) for i in range(2)]         # one full page each; one page free
     before = {sid: (store.tokens(sid).copy(), list(store._sessions[sid].pages)) for sid in sids}
-    speculator = Speculator(store, PromptLookup(), k=2)
+    speculator = Speculator(store, PromptLookup(), SpeculationConfig(k=2))
     with pytest.raises(ValueError, match="cannot hold a speculative round of 2"):
         speculator.round({sid: Sampling() for sid in sids})
     for sid in sids:

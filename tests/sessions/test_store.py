@@ -5,7 +5,7 @@ import pickle
 import numpy as np
 import pytest
 
-from k3jax.generate import generate
+from k3jax.inference.generation import generate
 from k3jax.sessions import SessionStore, Snapshot
 from tests.sessions.conftest import contiguous_bank, contiguous_logits, random_tokens, tiny_model
 

@@ -339,7 +339,7 @@ def _devices_env(count: int) -> dict:
             "PYTHONPATH": os.environ.get("PYTHONPATH", str(ROOT))}
 
 
-LOAD = ("import jax, sys; from eval.loading import load_run; run = load_run(sys.argv[1]); "
+LOAD = ("import jax, sys; from k3jax.inference import load_run; run = load_run(sys.argv[1]); "
         "print(jax.device_count(), run.step)")
 WRITE_TWO_DEVICE_CHECKPOINT = ("import sys; from k3jax.config import load_config; from k3jax.training import Trainer; "
                                "t = Trainer(load_config(sys.argv[1], sys.argv[2:])); t.save(force=True); "

@@ -65,7 +65,7 @@ def runs(tmp_path_factory):
 
 
 def test_lora_lowers_the_loss_and_leaves_the_base_bit_identical(runs):
-    from k3jax.training import restore_model
+    from k3jax.inference import restore_model
 
     root, _, _ = runs
     curve = losses(root / "ft")
@@ -115,7 +115,7 @@ def test_lora_resume_is_exact_and_a_different_base_is_refused(runs):
 def test_export_merges_the_adapters_and_reimports_as_the_fine_tuned_model(runs):
     from k3jax.convert.exporter import export_checkpoint
     from k3jax.convert.importer import import_checkpoint
-    from k3jax.training import restore_model
+    from k3jax.inference import restore_model
 
     root, _, _ = runs
     export_checkpoint(root / "ft", root / "hf", float32=True, log=lambda line: None)

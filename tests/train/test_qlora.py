@@ -66,7 +66,7 @@ def runs(tmp_path_factory):
 
 
 def test_qlora_lowers_the_loss_and_leaves_params_and_codes_bit_identical(runs):
-    from k3jax.training import restore_model
+    from k3jax.inference import restore_model
 
     curve = losses(runs / "ft")
     assert len(curve) == 4 and curve[-1] < curve[0], curve
@@ -95,7 +95,7 @@ def test_qlora_resume_is_exact(runs):
 
 
 def test_qlora_export_dense_reimports_as_the_fine_tuned_model(runs):
-    from k3jax.training import restore_model
+    from k3jax.inference import restore_model
 
     run("-m", "k3jax.convert", "export", str(runs / "ft"), str(runs / "hf_dense"), "--float32")
     run("-m", "k3jax.convert", "import", str(runs / "hf_dense"), str(runs / "merged"), "model.compute_dtype=float32")
@@ -117,7 +117,7 @@ def test_qlora_export_dense_reimports_as_the_fine_tuned_model(runs):
 
 
 def test_qlora_export_repacked_mxfp4_holds_the_quantized_merged_experts(runs):
-    from k3jax.training import restore_model
+    from k3jax.inference import restore_model
 
     run("-m", "k3jax.convert", "export", str(runs / "ft"), str(runs / "hf_mxfp4"), "--mxfp4")
     run("-m", "k3jax.convert", "import", str(runs / "hf_mxfp4"), str(runs / "repacked"))
@@ -141,7 +141,7 @@ def test_qlora_export_repacked_mxfp4_holds_the_quantized_merged_experts(runs):
 def test_qlora_grpo_samples_with_the_packed_base_and_leaves_it_bit_identical(runs):
     import json
 
-    from k3jax.training import restore_model
+    from k3jax.inference import restore_model
     from tests.train.test_rl_runs import PROMPTS
 
     (runs / "prompts.jsonl").write_text("".join(json.dumps(record) + "\n" for record in PROMPTS))

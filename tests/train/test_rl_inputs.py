@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from eval.chat_turns import ChatTurns
-from k3jax.config import ConfigError, load_config
+from k3jax.config import ConfigError, SpeculationConfig, load_config, to_dict
 from k3jax.data import DataError, PromptDataset, load_tokenizer
 from k3jax.training import rl
 from k3jax.training.rewards import RewardError, check_records, load_reward, parse_number, score
@@ -127,9 +127,10 @@ GRPO = ["train.objective=grpo", "data.kind=prompts", "data.path=p.jsonl", "init_
     (GRPO + ["rl.top_p=0"], "rl.top_p", "(0, 1]"),
     (GRPO + ["rl.advantage=ppo"], "rl.advantage", "not one of"),
     (GRPO + ["rl.kl_coef=-1"], "rl.kl_coef", "non-negative"),
-    (GRPO + ["rl.prompt_lookup=2", "rl.draft=runs/small"], "rl.draft", "not both"),
-    (GRPO + ["rl.prompt_lookup=0"], "rl.prompt_lookup", "must be positive"),
-    (GRPO + ["rl.prompt_lookup=2", "rl.speculate_k=0"], "rl.speculate_k", "must be positive"),
+    (GRPO + ["rl.speculation.prompt_lookup=2", "rl.speculation.draft=runs/small"], "rl.speculation.draft", "not both"),
+    (GRPO + ["rl.speculation.prompt_lookup=0"], "rl.speculation.prompt_lookup", "must be positive"),
+    (GRPO + ["rl.speculation.prompt_lookup=2", "rl.speculation.k=0"], "rl.speculation.k", "must be positive"),
+    (GRPO + ["rl.speculate_k=0"], "rl.speculation.k", "must be positive"),      # an earlier release's key
 ])
 def test_bad_rl_settings_are_one_line_errors(overrides, key, words):
     with pytest.raises(ConfigError) as error:
@@ -137,30 +138,37 @@ def test_bad_rl_settings_are_one_line_errors(overrides, key, words):
     assert error.value.key == key and words in str(error.value) and "\n" not in str(error.value)
 
 
-def draft_saved_with(monkeypatch, vocab_size, tokenizer=None):
-    """rl.draft's newest checkpoint, as `check_draft` reads it: a saved config with these settings."""
-    saved = {"model": {"vocab_size": vocab_size}, "data": {"tokenizer": tokenizer}}
+def draft_saved_with(monkeypatch, config, vocab_size, tokenizer=None):
+    """rl.speculation.draft's newest checkpoint, as `check_draft` reads it: ``config`` saved with
+    this vocabulary size and tokenizer."""
+    saved = to_dict(config)
+    saved["model"]["vocab_size"], saved["data"]["tokenizer"] = vocab_size, tokenizer
     monkeypatch.setattr(rl, "latest_meta", lambda source: (3, {"config": saved}))
 
 
 @pytest.mark.parametrize("vocab_offset, tokenizer, words", [
     (None, None, "no checkpoint in"),                  # nothing saved there
-    (2, None, "share the policy's vocabulary"),
-    (0, "tok.model", "trained with tokenizer tok.model, this run's data uses bytes"),
+    (2, None, "share the target's vocabulary"),
+    (0, "tok.model", "trained with tokenizer tok.model, the target with bytes"),
 ])
 def test_a_bad_draft_is_a_one_line_error(tmp_path, monkeypatch, vocab_offset, tokenizer, words):
-    config = load_config(MICRO, GRPO + [f"rl.draft={tmp_path / 'nowhere'}"])
+    config = load_config(MICRO, GRPO + [f"rl.speculation.draft={tmp_path / 'nowhere'}"])
     if vocab_offset is not None:
-        draft_saved_with(monkeypatch, config.model.vocab_size + vocab_offset, tokenizer)
+        draft_saved_with(monkeypatch, config, config.model.vocab_size + vocab_offset, tokenizer)
     with pytest.raises(ConfigError) as error:
         rl.check_draft(config)
-    assert error.value.key == "rl.draft" and words in str(error.value) and "\n" not in str(error.value)
+    assert error.value.key == "rl.speculation.draft" and words in str(error.value) and "\n" not in str(error.value)
 
 
 def test_a_draft_sharing_the_policys_vocabulary_restores_its_newest_step(monkeypatch):
-    config = load_config(MICRO, GRPO + ["rl.draft=runs/small"])
-    draft_saved_with(monkeypatch, config.model.vocab_size)
+    config = load_config(MICRO, GRPO + ["rl.speculation.draft=runs/small"])
+    draft_saved_with(monkeypatch, config, config.model.vocab_size)
     assert rl.check_draft(config) == 3
+
+
+def test_an_earlier_releases_speculation_keys_are_read_under_their_new_names():
+    config = load_config(MICRO, GRPO + ["rl.prompt_lookup=3", "rl.speculate_k=2", "rl.speculate_rollback=replay"])
+    assert config.rl.speculation == SpeculationConfig(prompt_lookup=3, k=2, rollback="replay")
 
 
 def test_rows_of_an_update():

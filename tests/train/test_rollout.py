@@ -1,5 +1,5 @@
 """Rollouts on forked sessions against the full forward over each whole sequence: the recorded
-log-probs are the model's (<= 1e-5), greedy groups are `k3jax.generate`, one prefill per prompt,
+log-probs are the model's (<= 1e-5), greedy groups are `k3jax.inference.generation`, one prefill per prompt,
 samples depend on (seed, slot, sample) only; tool episodes continue their session exactly through
 tool results and rollbacks. A `replay` of a rollout's tokens gives its recorded log-probs bit for bit
 (and another policy's its own). Speculative rollouts (prompt lookup, or the model drafting for
@@ -14,12 +14,12 @@ from flax import nnx
 from k3jax.config import load_config
 from k3jax.data import PromptDataset
 from k3jax.data.chat_format import generation_prompt, render_conversation
-from k3jax.generate import generate
+from k3jax.inference.generation import generate
 from k3jax.sampling import log_softmax
 from k3jax.model import K3Model
 from k3jax.sessions import SessionStore
 from k3jax.training.environments import ToolCallError, Turn
-from k3jax.speculative import Speculation
+from k3jax.config import SpeculationConfig
 from k3jax.training.rollout import Rollout, SamplingSettings, replay
 from tests.data.chat_tokenizer import write_chat_tokenizer
 from tests.helpers import MICRO
@@ -202,8 +202,9 @@ LONGER = SamplingSettings(temperature=1.0, top_k=2, top_p=1.0, max_new_tokens=12
 def speculative(model, data, drafter: str) -> Rollout:
     """A rollout drafting by prompt lookup over bigrams, or with the model itself; two drafts a round
     at most (each replayed length, batch and round width is a program of its own to compile)."""
-    speculation = Speculation(prompt_lookup=2, k=2) if drafter == "lookup" else Speculation(draft=model, k=2)
-    return Rollout(model, data, LONGER, reward=lambda *a: 0.0, speculation=speculation)
+    speculation = SpeculationConfig(prompt_lookup=2, k=2) if drafter == "lookup" else SpeculationConfig(draft="self", k=2)
+    return Rollout(model, data, LONGER, reward=lambda *a: 0.0, speculation=speculation,
+                   draft=None if drafter == "lookup" else model)
 
 
 def worst_logprob_error(forward, groups) -> float:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from k3jax.config import SpeculationConfig
 from k3jax.memory import init_memory, memory_bytes, memory_limit
 from k3jax.model import K3Model, check_token_range
 from k3jax.sampling import check_sampling, is_integer, sample_logits
@@ -130,7 +131,8 @@ def generate(
     top_p: float | None = None,
     seed: int = 0,
     eos_id: int | None = None,
-    speculation=None,
+    speculation: SpeculationConfig | None = None,
+    draft=None,
 ) -> Generation:
     """Continue ``prompt_tokens``: ``[T]``, ``[B, T]``, or a list of B token lists of any lengths
     >= 1 (ids in ``[0, vocab_size)``). Each sequence continues as if it were generated alone.
@@ -140,7 +142,8 @@ def generate(
     ``max_new_tokens``; the sampling settings, seed and EOS are runtime values. Bad arguments
     raise ValueError before anything runs.
 
-    ``speculation`` (a `k3jax.speculative.Speculation`): speculative decoding over a session store
+    ``speculation`` (a `k3jax.config.SpeculationConfig` with a draft source; ``draft``: the model
+    of its ``draft`` run, `k3jax.inference.load_draft`): speculative decoding over a session store
     instead (`speculative_generate`): greedy output is token for token the same; sampled output
     follows the same distribution with other random numbers.
     """
@@ -155,8 +158,8 @@ def generate(
     check_bank_fits(model.config, len(prompts), prompt_bucket(max(p.size for p in prompts)) + max_new_tokens - 1,
                     f"max_new_tokens={max_new_tokens}")
     if speculation is not None:
-        result = speculative_generate(model, prompts, speculation, max_new_tokens, temperature, top_k, top_p, seed,
-                                      eos_id)
+        result = speculative_generate(model, prompts, speculation, draft, max_new_tokens, temperature, top_k, top_p,
+                                      seed, eos_id)
         return Generation(result.tokens[0], result.lengths[0]) if squeeze else result
     sampling = (jnp.float32(temperature), jnp.int32(top_k or 0), jnp.float32(1.0 if top_p is None else top_p))
     prompt, segments = pad_prompts(prompts)
@@ -166,8 +169,8 @@ def generate(
     return Generation(result.tokens[0], result.lengths[0]) if squeeze else result
 
 
-def speculative_generate(model: K3Model, prompts: list[np.ndarray], speculation, max_new_tokens: int,
-                         temperature: float, top_k: int | None, top_p: float | None, seed: int,
+def speculative_generate(model: K3Model, prompts: list[np.ndarray], speculation: SpeculationConfig, draft,
+                         max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None, seed: int,
                          eos_id: int | None) -> Generation:
     """`generate` by speculative rounds: the prompts open sessions of a store of their own
     (`k3jax.sessions.speculate.Speculator`), all of them speculating together."""
@@ -176,7 +179,7 @@ def speculative_generate(model: K3Model, prompts: list[np.ndarray], speculation,
     store = SessionStore(model, fingerprint="generate", prefix_cache=False)
     sids = [store.open(prompt.astype(np.int32)) for prompt in prompts]
     outputs = store.generate(sids, max_new_tokens, temperature, top_k, top_p, seed, eos_id,
-                             speculator=Speculator.of(store, speculation))
+                             speculator=Speculator.of(store, speculation, draft))
     tokens = np.full((len(prompts), max_new_tokens), max(eos_id or 0, 0), np.int32)
     for row, output in enumerate(outputs):
         tokens[row, : output.size] = output

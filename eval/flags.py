@@ -1,0 +1,77 @@
+"""Command-line pieces the evaluation programs share (``eval``, ``eval.generate``, ``eval.chat``,
+``eval.serve``): one-line argument errors, and speculative decoding's flags, made from the one
+declaration of its settings (`k3jax.config.SpeculationConfig`, each field's ``flag``):
+
+    --prompt-lookup N      drafts copied from the sequence itself (n-grams of up to N tokens)
+    --draft RUN_DIR        drafts from a smaller model: a k3jax run with the same tokenizer
+    --speculate-k K        drafts per round, at most (default 4; adaptive)
+    --speculate-rollback states|replay
+    --[no-]speculate-adaptive
+
+A flag of the settings given without a draft source, or a value the settings refuse, is one
+`k3jax.inference.InputError` line naming the flag.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from k3jax.config import ConfigError, SpeculationConfig
+from k3jax.inference import InputError, load_draft
+
+SOURCES = ("prompt_lookup", "draft")      # the fields that choose a draft source
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Argument errors become an `InputError` (one line, exit status 2) instead of usage + exit."""
+
+    def error(self, message):
+        raise InputError(f"{message} (see {self.prog} --help)")
+
+
+def _argument(field: dataclasses.Field, hint) -> dict:
+    """argparse keywords for one `SpeculationConfig` field of type ``hint`` (default None: unset)."""
+    options = {"dest": f"speculation_{field.name}", "default": None, "help": field.metadata["help"]}
+    choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
+    if hint is bool:
+        return {**options, "action": argparse.BooleanOptionalAction}
+    if choices:
+        return {**options, "choices": choices}
+    kind = next((t for t in (int, str) if t in (hint, *typing.get_args(hint))), str)
+    return {**options, "type": kind, "metavar": field.metadata.get("metavar")}
+
+
+def add_speculation_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per `SpeculationConfig` field, in a group of their own."""
+    group = parser.add_argument_group("speculative decoding (greedy output unchanged, sampled output keeps its "
+                                      "distribution)")
+    hints = typing.get_type_hints(SpeculationConfig)
+    for field in dataclasses.fields(SpeculationConfig):
+        group.add_argument(field.metadata["flag"], **_argument(field, hints[field.name]))
+
+
+def speculation_settings(args: argparse.Namespace) -> SpeculationConfig | None:
+    """The settings the flags ask for (None: no draft source given), validated by the dataclass."""
+    fields = {field.name: field for field in dataclasses.fields(SpeculationConfig)}
+    given = {name: getattr(args, f"speculation_{name}") for name in fields
+             if getattr(args, f"speculation_{name}") is not None}
+    if not any(name in given for name in SOURCES):
+        if given:
+            flags = " and ".join(fields[name].metadata["flag"] for name in given)
+            raise InputError(f"{flags} need{'s' if len(given) == 1 else ''} --prompt-lookup or --draft")
+        return None
+    try:
+        return SpeculationConfig(**given)
+    except ConfigError as error:
+        flag = fields[error.key].metadata["flag"] if error.key in fields else "speculation"
+        raise InputError(f"{flag}: {error.message}") from None
+
+
+def speculation_from(args: argparse.Namespace, config) -> tuple[SpeculationConfig | None, object]:
+    """``(settings, draft model)`` the flags ask for on a run trained with ``config``: the draft run
+    loaded and checked against it (`k3jax.inference.load_draft`); ``(None, None)``: no speculation."""
+    settings = speculation_settings(args)
+    if settings is None or settings.draft is None:
+        return settings, None
+    return settings, load_draft(settings.draft, config)

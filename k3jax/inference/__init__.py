@@ -1,0 +1,18 @@
+"""Running a trained model: the library under ``eval``, ``eval.generate``, ``eval.chat``,
+``eval.serve``, RL's rollouts and the benchmarks.
+
+    load       a model back from its checkpoints (`load_run`, `restore_model`: one device for
+               now), a draft model checked against its target (`load_draft`, `draft_mismatch`),
+               `InputError` for every bad input on the way
+    generation batched generation in one compiled loop (`generate`), or by speculative rounds
+               over a session store
+
+The pieces it runs on have their own homes: the memory bank (`k3jax.memory`), the session store
+(`k3jax.sessions`), the sampling rules (`k3jax.sampling`), speculative decoding's settings
+(`k3jax.config.SpeculationConfig`) and rules (`k3jax.speculative`).
+"""
+from .generation import Generation, generate
+from .load import InputError, LoadedRun, RestoredModel, draft_mismatch, load_draft, load_run, restore_model
+
+__all__ = ["Generation", "InputError", "LoadedRun", "RestoredModel", "draft_mismatch", "generate", "load_draft",
+           "load_run", "restore_model"]

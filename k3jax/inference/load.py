@@ -1,0 +1,150 @@
+"""A trained model back from its checkpoints, to run it: evaluation, generation, serving, RL's
+policy, reference and draft, export.
+
+    run = load_run("runs/chat")                 # a run, its checkpoints/ or one step directory
+    run.model, run.config, run.step, run.run_dir
+    restored = restore_model("runs/chat", step=None)   # the library call under it
+    draft = load_draft("runs/small", run.config)       # a draft model for speculative decoding
+
+The model is rebuilt from the config saved in the checkpoint, on this process's first device
+(whatever devices wrote it); parameters and router biases only (no optimizer state), each array
+verified against its saved checksum. Every failure of `load_run` and `load_draft` is one
+`InputError` line.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import pathlib
+import sys
+import warnings
+from typing import Any, NamedTuple
+
+from flax import nnx
+
+from k3jax.checkpoint import (CheckpointError, RunCheckpoints, checkpoint_directory, restore_newest_good,
+                              restore_subtree)
+from k3jax.config import Config, ConfigError, config_from_dict
+from k3jax.data import DataError
+from k3jax.data.tokenizers import same_tokenizer
+from k3jax.training.finetune import restore_lora_model
+from k3jax.training.state import abstract_model
+
+
+class RestoredModel(NamedTuple):
+    model: nnx.Module
+    config: Any               # the run's `k3jax.config.Config`
+    meta: dict                # the checkpoint's metadata
+    step: int
+
+
+def _restore_model_at(directory, step: int) -> tuple[nnx.Module, Any, dict]:
+    """``(model, config, meta)`` of checkpoint ``step``, its arrays verified."""
+    checkpoints = RunCheckpoints(checkpoint_directory(directory), read_only=True)
+    try:
+        meta = checkpoints.meta(step)
+    finally:
+        checkpoints.close()
+    if not isinstance(meta.get("config"), dict):
+        raise CheckpointError(f"checkpoint {step} in {checkpoints.directory} has no saved config")
+    config = config_from_dict(meta["config"])
+    if config.finetune.lora:
+        return restore_lora_model(directory, step, config, meta), config, meta
+    parts, params, buffers = abstract_model(config.model)
+    params, _ = restore_subtree(directory, "params", params, step)
+    buffers, _ = restore_subtree(directory, "buffers", buffers, step)
+    return parts.merge(params, buffers), config, meta
+
+
+def restore_model(directory, step: int | None = None, report=None) -> RestoredModel:
+    """The model of a trainer checkpoint (a run directory or its ``checkpoints/``), built from the
+    config saved with it, on this process's first device (whatever devices wrote it). ``step`` None
+    picks the newest checkpoint that restores: each newer one that is corrupted or unreadable is
+    reported through ``report`` (default: a logging warning) and skipped. Only parameters and router
+    biases are read (not the optimizer state), each verified against its saved checksum; a LoRA
+    run's model is its base (from the run it names) with the adapters it trained. Raises
+    `k3jax.checkpoint.CheckpointError` when there is none."""
+    checkpoints = RunCheckpoints(checkpoint_directory(directory), read_only=True)
+    try:
+        steps = [checkpoints.require_step(step)] if step is not None else checkpoints.steps()
+        checkpoints.require_step(None)
+    finally:
+        checkpoints.close()
+    report = report or logging.getLogger(__name__).warning
+    step, (model, config, meta) = restore_newest_good(steps, functools.partial(_restore_model_at, directory), report)
+    return RestoredModel(model, config, meta, step)
+
+
+class InputError(ValueError):
+    """Bad input to running a model (a missing or unreadable checkpoint, a draft that reads other
+    token ids, a bad argument): one line, for the programs to print."""
+
+
+class LoadedRun(NamedTuple):
+    model: nnx.Module
+    config: Config
+    meta: dict
+    step: int
+    checkpoints: pathlib.Path     # the directory holding the step directories
+    run_dir: pathlib.Path         # where the run's metrics.jsonl and summary.json are
+
+
+def locate_checkpoint(path: str, step: int | None) -> tuple[pathlib.Path, int | None]:
+    """``(checkpoints directory, step)`` for a run, checkpoints or step directory (``step`` None: latest)."""
+    given = pathlib.Path(path).expanduser().resolve()
+    if not given.is_dir():
+        raise InputError(f"{path}: no such directory")
+    if given.name.isdigit() and not (given / "checkpoints").is_dir():
+        if step is not None and step != int(given.name):
+            raise InputError(f"{path} is the checkpoint of step {given.name}, but --step {step} was given")
+        return given.parent, int(given.name)
+    return checkpoint_directory(given), step
+
+
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def load_run(path: str, step: int | None = None) -> LoadedRun:
+    """Restore the model of the checkpoint at ``path`` (a run directory, its ``checkpoints/`` or one
+    step directory ``<run>/checkpoints/<step>``): ``step``, or else the newest one that restores
+    (each newer, corrupted one reported on stderr)."""
+    checkpoints, step = locate_checkpoint(path, step)
+    try:
+        with warnings.catch_warnings():   # the trainer's checkpoints hold single-device arrays
+            warnings.filterwarnings("ignore", message="Sharding info not provided when restoring")
+            restored = restore_model(checkpoints, step, report=_warn)
+    except (CheckpointError, ConfigError) as error:
+        raise InputError(f"cannot load the checkpoint in {checkpoints}: {error}") from None
+    except (KeyError, TypeError, ValueError) as error:   # metadata without a usable config
+        raise InputError(f"checkpoint in {checkpoints} has unusable metadata: {type(error).__name__}: {error}") from None
+    run_dir = checkpoints.parent if checkpoints.name == "checkpoints" else checkpoints
+    return LoadedRun(restored.model, restored.config, restored.meta, restored.step, checkpoints, run_dir)
+
+
+def draft_mismatch(target: Config, draft: Config) -> str | None:
+    """Why a model trained with ``draft`` cannot draft for one trained with ``target`` (None: it
+    can): a draft must read the same token ids -- the same ``model.vocab_size`` and tokenizer
+    (`k3jax.data.tokenizers.same_tokenizer`: bytes, or BPE files of the same content and special
+    tokens). The one rule every speculative path applies (generate, chat, serve, RL rollouts)."""
+    if draft.model.vocab_size != target.model.vocab_size:
+        return (f"its vocabulary has {draft.model.vocab_size} tokens, the target's {target.model.vocab_size}: "
+                f"a draft must share the target's vocabulary")
+    try:
+        same = same_tokenizer(draft.data.tokenizer, target.data.tokenizer)
+    except DataError as error:
+        return f"its tokenizer does not load: {error}"
+    if not same:
+        return (f"it was trained with tokenizer {draft.data.tokenizer or 'bytes'}, the target with "
+                f"{target.data.tokenizer or 'bytes'}: a draft must share the target's tokenizer")
+    return None
+
+
+def load_draft(path: str, target: Config) -> nnx.Module:
+    """The model of run ``path`` (its newest good checkpoint) as a draft for a model trained with
+    ``target``: `InputError` when it does not load or reads other token ids (`draft_mismatch`)."""
+    run = load_run(path)
+    problem = draft_mismatch(target, run.config)
+    if problem is not None:
+        raise InputError(f"draft {path}: {problem}")
+    return run.model
