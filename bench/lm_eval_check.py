@@ -1,7 +1,7 @@
 """lm-evaluation-harness through `eval.serve` against the model's own log-likelihoods: a local
 multiple-choice task (``configs/lm_eval/k3_digits``) scored here without lm-eval or the server.
 
-For each question: the prompt is K3's chat format as `eval.chat_turns` renders a user turn and the
+For each question: the prompt is K3's chat format as `k3jax.inference.chat` renders a user turn and the
 assistant's generation prompt with the run's chat settings; each choice is tokenized with the run's
 tokenizer; one full forward of the model over prompt + choice (no session store, no cache) gives
 the choice's log-likelihood, the sum of the log-softmax of its tokens; the answer is the argmax
@@ -36,8 +36,8 @@ import yaml
 from flax import nnx
 
 from bench.common import table, write_json
-from eval.chat_turns import chat_turns_for
 from k3jax.inference import InputError, load_run
+from k3jax.inference.chat import chat_turns_for
 
 QUESTION = "{{question}}"
 

@@ -9,7 +9,7 @@
              of ``--bounds-config``: every draft accepted, and none (shifted by one): the best and
              worst case of the mechanism itself, no draft model's cost
 
-For each, and for each way of rolling back rejected drafts (`k3jax.speculative.ROLLBACKS`: the
+For each, and for each way of rolling back rejected drafts (`k3jax.config.ROLLBACKS`: the
 verify's per-position states, or snapshot and replay): greedy decode tokens/s of B sessions
 decoding together (`SessionStore.generate`), plain vs speculative, the ratio, acceptance rate, mean accepted drafts per session-round, draft and verify
 seconds, and whether the outputs are equal token for token. Each trial starts from the same
@@ -30,11 +30,11 @@ import sys
 import numpy as np
 
 from bench.common import seconds, table, write_json
-from eval.chat_turns import chat_turns_for
-from k3jax.inference import load_run
+from k3jax.config import ROLLBACKS, SpeculationConfig
 from k3jax.data import load_tokenizer
+from k3jax.inference import load_draft, load_run
+from k3jax.inference.chat import chat_turns_for
 from k3jax.sessions import DraftModel, PromptLookup, SessionStore, Speculator
-from k3jax.speculative import ROLLBACKS
 
 WARMUP_TRIALS = 2
 CHAT = ("data.kind=chat data.path=configs/chat/conversations.jsonl data.tokenizer=configs/chat/tokenizer "
@@ -103,8 +103,9 @@ def compare(store: SessionStore, prompts: list, speculators: dict[str, Speculato
 
 
 def speculators(store: SessionStore, drafter, args, **options) -> dict[str, Speculator]:
-    """One speculator per rollback (`k3jax.speculative.ROLLBACKS`), each with its own ``drafter()``."""
-    return {rollback: Speculator(store, drafter(), args.k, rollback=rollback, **options) for rollback in ROLLBACKS}
+    """One speculator per rollback (`k3jax.config.ROLLBACKS`), each with its own ``drafter()``."""
+    return {rollback: Speculator(store, drafter(), SpeculationConfig(k=args.k, rollback=rollback, **options))
+            for rollback in ROLLBACKS}
 
 
 class KnownContinuations:
@@ -163,13 +164,14 @@ def copy_case(run_dir: str, args) -> dict:
 
 
 def chat_case(run_dir: str, draft_dir: str, args) -> dict:
-    run, draft = load_run(run_dir), load_run(draft_dir)
+    run = load_run(run_dir)
+    draft = load_draft(draft_dir, run.config)
     turns = chat_turns_for(run.config)
     rng = np.random.default_rng(1)
     prompts = [turns.user_turn(f"{rng.integers(1, 4)} {copy_line(rng)[:8].upper()}", first=True).tolist()
                for _ in range(args.sessions)]
     store = SessionStore(run.model, prefix_cache=False)
-    return compare(store, prompts, speculators(store, lambda: DraftModel(draft.model), args), args.new_tokens,
+    return compare(store, prompts, speculators(store, lambda: DraftModel(draft), args), args.new_tokens,
                    args.trials)
 
 

@@ -10,7 +10,7 @@ per conversation.
     > /quit                     (or end of input)
 
 On a chat run (``data.kind=chat``, or a model whose tokenizer names K3's chat markers, such as an
-imported K3) every turn goes through K3's chat format (`eval.chat_turns`): the session holds the
+imported K3) every turn goes through K3's chat format (`k3jax.inference.chat`): the session holds the
 rendered conversation, each line is appended as a user message plus the assistant's generation
 prompt, the reply stops at ``<|end_of_msg|>`` and its response text is printed without markup. The
 session keeps the reply as the renderer writes it: the sampled ids when they are a prefix of that
@@ -33,13 +33,13 @@ import numpy as np
 
 from k3jax.checkpoint import quiet_checkpoint_io
 from k3jax.data import DataError
+from k3jax.inference import InputError, load_run
+from k3jax.inference.chat import ChatTurns, chat_turns_for
 from k3jax.sampling import check_sampling
 from k3jax.sessions import SessionStore, Speculator
 
-from .chat_turns import ChatTurns, chat_turns_for
-from .generate import Codec
-from k3jax.inference import InputError, load_run
 from .flags import OneLineParser, add_speculation_flags, speculation_from
+from .generate import Codec
 
 
 class ChatInputError(Exception):

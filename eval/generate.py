@@ -11,7 +11,7 @@ continue prompts with a trained checkpoint.
 Chat runs (``data.kind=chat``, or a model whose tokenizer names K3's chat markers, such as an
 imported K3) take each prompt as a user turn in K3's chat format followed by the assistant's
 generation prompt, stop at ``<|end_of_msg|>`` and print the reply's response text without markup
-(`eval.chat_turns`); ``--raw`` treats them as text runs. Text runs (and raw ones) encode and decode
+(`k3jax.inference.chat`); ``--raw`` treats them as text runs. Text runs (and raw ones) encode and decode
 with the run's tokenizer (``data.tokenizer``; bytes by default) and stop a sample at its EOS; MQAR
 runs take and print space-separated token ids. All prompts go in one batch, whatever their lengths
 (`k3jax.inference.generation.generate`). Prints one continuation per line, in prompt order. Bad input (no checkpoint, an empty prompt file, a token id out of range, a bad
@@ -27,8 +27,9 @@ import numpy as np
 
 from k3jax.checkpoint import quiet_checkpoint_io
 from k3jax.data import DataError, load_tokenizer
-from .chat_turns import chat_turns_for
 from k3jax.inference import InputError, load_run
+from k3jax.inference.chat import chat_turns_for
+
 from .flags import OneLineParser, add_speculation_flags, speculation_from
 
 

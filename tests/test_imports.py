@@ -3,7 +3,11 @@
 - no cycles among the modules of k3jax/, train/ and eval/, counting imports inside functions too
   (a submodule's implicit import of its own parent package is not an edge);
 - the library (k3jax/) never imports the launcher (train/) or the evaluation programs (eval/);
-- tests and benchmarks import nothing from train/ but the tests of its CLIs.
+- tests and benchmarks import nothing from train/ but the tests of its CLIs;
+- running a model has one home, `k3jax.inference`: it takes from `k3jax.training` only the model's
+  parts (`state`, `finetune`); the server needs nothing of training and nothing of the eval
+  program's CLI; no evaluation program imports the trainers;
+- benchmarks use the library, never the eval programs (they start those as subprocesses).
 """
 import ast
 import pathlib
@@ -100,3 +104,44 @@ def test_tests_and_benchmarks_use_the_launcher_only_to_test_its_clis():
     users = [str(path.relative_to(ROOT)) for path in python_files("tests", "bench")
              if any(module.split(".")[0] == "train" for module in imported(path, known))]
     assert sorted(set(users) - CLI_TESTS) == []
+
+
+def imports_of(prefix: str) -> dict[str, set[str]]:
+    """{module: the modules of k3jax/, train/, eval/ it imports} for the modules under ``prefix``
+    (``bench``: the benchmarks, read from their files)."""
+    if prefix == "bench":
+        known = set(program_graph())
+        return {module_name(path): imported(path, known) for path in python_files("bench")}
+    return {name: targets for name, targets in program_graph().items() if name == prefix or name.startswith(f"{prefix}.")}
+
+
+def offenders(prefix: str, forbidden, allowed=()) -> dict[str, list[str]]:
+    """The modules under ``prefix`` that import a module under one of ``forbidden`` that is not
+    under one of ``allowed`` -> what they import."""
+    under = lambda module, tops: any(module == top or module.startswith(f"{top}.") for top in tops)  # noqa: E731
+    found = {name: sorted(t for t in targets if under(t, forbidden) and not under(t, allowed))
+             for name, targets in imports_of(prefix).items()}
+    return {name: targets for name, targets in found.items() if targets}
+
+
+def test_the_rule_finder_finds_a_planted_import(monkeypatch):
+    monkeypatch.setitem(globals(), "program_graph", lambda: {"eval.serve.x": {"k3jax.training.trainer"}, "eval.y": set()})
+    assert offenders("eval.serve", ["k3jax.training"]) == {"eval.serve.x": ["k3jax.training.trainer"]}
+    assert offenders("eval.serve", ["k3jax.training"], allowed=["k3jax.training.trainer"]) == {}
+
+
+def test_running_a_model_takes_only_the_models_parts_from_training():
+    assert offenders("k3jax.inference", ["k3jax.training", "train", "eval"],
+                     allowed=["k3jax.training.state", "k3jax.training.finetune"]) == {}
+
+
+def test_the_server_needs_nothing_of_training_nor_of_the_eval_cli():
+    assert offenders("eval.serve", ["k3jax.training", "train", "eval.cli"]) == {}
+
+
+def test_no_evaluation_program_imports_a_trainer():
+    assert offenders("eval", ["k3jax.training.trainer", "k3jax.training.rl", "k3jax.training.rollout"]) == {}
+
+
+def test_benchmarks_use_the_library_not_the_eval_programs():
+    assert offenders("bench", ["eval"]) == {}

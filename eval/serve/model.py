@@ -1,5 +1,5 @@
 """What the server knows of its model: name, limits, how text becomes token ids and back, and K3's
-chat format (`eval.chat_turns`) when the run has it.
+chat format (`k3jax.inference.chat`) when the run has it.
 
 Text (completions prompts, ``/tokenize``) is encoded with the run's tokenizer, the names of its
 special tokens read as those tokens (as Hugging Face tokenizers and vLLM do); chat message content
@@ -14,7 +14,7 @@ import numpy as np
 
 from k3jax.data import load_tokenizer
 from k3jax.data.chat_format import generation_prompt, render_conversation
-from ..chat_turns import chat_turns_for
+from k3jax.inference.chat import chat_turns_for
 from .engine import ServeError
 
 

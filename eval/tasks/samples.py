@@ -17,9 +17,9 @@ import numpy as np
 
 from k3jax.data import DataError, MQARDataset, load_tokenizer
 from k3jax.flops import decode_flops, forward_flops
+from k3jax.inference.chat import ChatTurns
 from k3jax.inference.generation import generate
 
-from ..chat_turns import ChatTurns
 from ..stats import t_interval
 from .common import TaskOutput, TaskSkipped, canonical_json, require_vocabulary, sha256_text
 from .mqar import base_mqar_dataset
@@ -58,7 +58,7 @@ def text_prompts(tokenizer, texts: tuple[str, ...]) -> PromptSet:
 
 def chat_prompts(data_config, texts: tuple[str, ...]) -> PromptSet:
     """Each text as a user turn, rendered with the run's chat settings and ending in the generation prompt
-    (`eval.chat_turns`); a sample is shown decoded, without the ids beyond the tokenizer's vocabulary
+    (`k3jax.inference.chat`); a sample is shown decoded, without the ids beyond the tokenizer's vocabulary
     that a model with a larger embedding can sample."""
     turns = ChatTurns(load_tokenizer(data_config.tokenizer), data_config.chat_thinking, data_config.chat_thinking_effort)
     prompts = [Prompt(turns.user_turn(text), text, None) for text in texts]

@@ -6,6 +6,7 @@
                `InputError` for every bad input on the way
     generation batched generation in one compiled loop (`generate`), or by speculative rounds
                over a session store
+    chat       prompts and replies in K3's chat format, turn by turn (`chat_turns_for`, `ChatTurns`)
 
 The pieces it runs on have their own homes: the memory bank (`k3jax.memory`), the session store
 (`k3jax.sessions`), the sampling rules (`k3jax.sampling`), speculative decoding's settings

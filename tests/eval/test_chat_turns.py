@@ -12,11 +12,11 @@ import pytest
 import eval.chat
 import eval.generate
 import k3jax.inference.generation
-from eval.chat_turns import ChatTurns, chat_turns_for
-from k3jax.inference import LoadedRun, load_run
 from k3jax.config import load_config
 from k3jax.data import load_tokenizer
 from k3jax.data.chat_format import ChatEncoder, generation_prompt, render_conversation, reply_segments
+from k3jax.inference import LoadedRun, load_run
+from k3jax.inference.chat import ChatTurns, chat_turns_for
 from k3jax.sessions import SessionStore
 from tests.data.chat_tokenizer import write_chat_tokenizer
 from tests.helpers import CONFIGS, MICRO

@@ -7,9 +7,9 @@ import sys
 import numpy as np
 import pytest
 
-from eval.chat_turns import ChatTurns
 from k3jax.config import ConfigError, SpeculationConfig, load_config, to_dict
 from k3jax.data import DataError, PromptDataset, load_tokenizer
+from k3jax.inference.chat import ChatTurns
 from k3jax.training import rl
 from k3jax.training.rewards import RewardError, check_records, load_reward, parse_number, score
 from tests.data.chat_tokenizer import write_chat_tokenizer

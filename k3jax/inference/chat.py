@@ -1,5 +1,6 @@
-"""Prompts and replies in K3's chat format for the eval programs (`eval.generate`, `eval.chat`, the
-samples task), on a run trained on conversations or a model whose tokenizer names K3's markers.
+"""Prompts and replies in K3's chat format for running a chat model (`eval.generate`, `eval.chat`,
+the server, the samples task, the benchmarks), on a run trained on conversations or a model whose
+tokenizer names K3's markers.
 
     user turn  render_conversation([{"role": "user", "content": TEXT}]) + generation_prompt
                (the thinking-effort note only on a conversation's first turn, as the renderer
