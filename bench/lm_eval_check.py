@@ -28,6 +28,7 @@ import pathlib
 import re
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -121,10 +122,93 @@ def log_likelihoods(model, contexts: list[np.ndarray], choices: list[list[int]])
     return scores
 
 
+class Questions(NamedTuple):
+    """The task's questions as the model reads them: lm-eval's prompt template, the choices' texts
+    and token ids (after the task's delimiter), each question's chat prompt ids and answer."""
+
+    template: str
+    delimiter: str
+    choice_texts: list[str]
+    choices: list[list[int]]
+    contexts: list[np.ndarray]
+    answers: np.ndarray
+
+
+def questions_of(task: dict, docs: list[dict], chat) -> Questions:
+    """The `Questions` of ``docs``, checked: every question has the same choices, and the task's
+    ``doc_to_text`` gives exactly the chat renderer's prompt."""
+    template = task["doc_to_text"]
+    choice_texts = [list(doc["choices"]) for doc in docs]
+    if any(texts != choice_texts[0] for texts in choice_texts):
+        raise SystemExit("every question must have the same choices")
+    delimiter = task.get("target_delimiter", " ")     # lm-eval's default; this task's is ""
+    contexts = []
+    for doc in docs:
+        ids = chat.user_turn(doc["question"])
+        if encode_with_markers(template.replace(QUESTION, doc["question"]), chat.tokenizer) != ids.tolist():
+            raise SystemExit(f"the task's doc_to_text does not give the chat renderer's prompt for {doc['question']!r}")
+        contexts.append(ids)
+    choices = [list(chat.tokenizer.encode(delimiter + text)) for text in choice_texts[0]]
+    return Questions(template, delimiter, choice_texts[0], choices, contexts, np.array([doc["answer"] for doc in docs]))
+
+
+def lm_eval_scores(output: str, task: dict, docs: list[dict], questions: Questions) -> dict:
+    """What lm-eval wrote under ``output``: its accuracies and each (question, choice)'s
+    log-likelihood from its samples, checked to be the requests of the task's text."""
+    results_path, samples_path = lm_eval_files(pathlib.Path(output), task["task"])
+    metrics = json.loads(results_path.read_text())["results"][task["task"]]
+    samples = [json.loads(line) for line in samples_path.read_text().splitlines() if line.strip()]
+    if len(samples) != len(docs):
+        raise SystemExit(f"{samples_path}: {len(samples)} samples for {len(docs)} questions")
+    scores = np.zeros((len(docs), len(questions.choices)))
+    by_question = {doc["question"]: q for q, doc in enumerate(docs)}
+    for sample in samples:
+        q = by_question[sample["doc"]["question"]]
+        if any(context != questions.template.replace(QUESTION, docs[q]["question"])
+               or continuation != questions.delimiter + text
+               for (context, continuation), text in zip(sample_arguments(sample), questions.choice_texts)):
+            raise SystemExit(f"{samples_path}: the requests of {docs[q]['question']!r} are not the task's text")
+        scores[q] = [float(resp[0][0]) for resp in sample["resps"]]
+    return {"results": results_path, "samples": samples_path, "acc": metrics["acc,none"],
+            "acc_norm": metrics["acc_norm,none"], "scores": scores}
+
+
+def compare(run, task: dict, questions: Questions, lm: dict, direct: np.ndarray, forward_seconds: float,
+            out: str | None) -> bool:
+    """Print lm-eval's scores beside the direct ones (and write them to ``out``): whether they agree."""
+    answers, lm_scores = questions.answers, lm["scores"]
+    choice_chars = np.array([len(text) for text in questions.choice_texts])
+    direct_acc = float(np.mean(direct.argmax(1) == answers))
+    direct_acc_norm = float(np.mean((direct / choice_chars).argmax(1) == answers))
+    sample_acc = float(np.mean(lm_scores.argmax(1) == answers))
+    delta = np.abs(lm_scores - direct)
+    disagreements = int(np.sum(lm_scores.argmax(1) != direct.argmax(1)))
+    print(f"{run.run_dir} step {run.step}; {len(answers)} questions x {len(questions.choices)} choices; "
+          f"lm-eval: {lm['results']}")
+    print(table(["scored by", "acc", "acc_norm"], [
+        ["lm-eval (local-completions, eval.serve)", f"{lm['acc']:.4f}", f"{lm['acc_norm']:.4f}"],
+        ["direct (full forward here)", f"{direct_acc:.4f}", f"{direct_acc_norm:.4f}"],
+    ]))
+    print(f"max |delta log-likelihood| over {delta.size} (question, choice) pairs: {delta.max():.3g} nats "
+          f"(mean {delta.mean():.3g}); argmax disagreements: {disagreements}; direct forwards {forward_seconds:.1f} s")
+    same = lm["acc"] == direct_acc and lm["acc_norm"] == direct_acc_norm and sample_acc == direct_acc
+    print("match" if same else "MISMATCH")
+    if out:
+        write_json(out, {
+            "run_dir": str(run.run_dir), "step": run.step, "task": task["task"], "questions": len(answers),
+            "choices": questions.choice_texts, "lm_eval_results": str(lm["results"]),
+            "lm_eval_samples": str(lm["samples"]),
+            "lm_eval": {"acc": lm["acc"], "acc_norm": lm["acc_norm"], "acc_from_samples": sample_acc},
+            "direct": {"acc": direct_acc, "acc_norm": direct_acc_norm, "forward_seconds": forward_seconds},
+            "max_abs_delta_loglikelihood": float(delta.max()), "mean_abs_delta_loglikelihood": float(delta.mean()),
+            "argmax_disagreements": disagreements, "match": same,
+        })
+    return same
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    task_dir = pathlib.Path(args.task_dir)
-    task, docs = read_task(task_dir)
+    task, docs = read_task(pathlib.Path(args.task_dir))
     try:
         run = load_run(args.run_dir)
     except InputError as error:
@@ -134,65 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     if chat is None:
         print(f"error: {args.run_dir} has no chat format (train it with data.kind=chat)", file=sys.stderr)
         return 2
-    template = task["doc_to_text"]
-    choice_texts = [list(doc["choices"]) for doc in docs]
-    if any(texts != choice_texts[0] for texts in choice_texts):
-        raise SystemExit("every question must have the same choices")
-    delimiter = task.get("target_delimiter", " ")     # lm-eval's default; this task's is ""
-    choices = [list(chat.tokenizer.encode(delimiter + text)) for text in choice_texts[0]]
-
-    contexts = []
-    for doc in docs:
-        ids = chat.user_turn(doc["question"])
-        if encode_with_markers(template.replace(QUESTION, doc["question"]), chat.tokenizer) != ids.tolist():
-            raise SystemExit(f"the task's doc_to_text does not give the chat renderer's prompt for {doc['question']!r}")
-        contexts.append(ids)
-
+    questions = questions_of(task, docs, chat)
     start = time.perf_counter()
-    direct = log_likelihoods(run.model, contexts, choices)
+    direct = log_likelihoods(run.model, questions.contexts, questions.choices)
     forward_seconds = time.perf_counter() - start
-    answers = np.array([doc["answer"] for doc in docs])
-    choice_chars = np.array([len(text) for text in choice_texts[0]])
-    direct_acc = float(np.mean(direct.argmax(1) == answers))
-    direct_acc_norm = float(np.mean((direct / choice_chars).argmax(1) == answers))
-
-    results_path, samples_path = lm_eval_files(pathlib.Path(args.lm_eval_output), task["task"])
-    metrics = json.loads(results_path.read_text())["results"][task["task"]]
-    lm_acc, lm_acc_norm = metrics["acc,none"], metrics["acc_norm,none"]
-    samples = [json.loads(line) for line in samples_path.read_text().splitlines() if line.strip()]
-    if len(samples) != len(docs):
-        raise SystemExit(f"{samples_path}: {len(samples)} samples for {len(docs)} questions")
-    lm_scores = np.zeros_like(direct)
-    by_question = {doc["question"]: q for q, doc in enumerate(docs)}
-    for sample in samples:
-        q = by_question[sample["doc"]["question"]]
-        if any(context != template.replace(QUESTION, docs[q]["question"]) or continuation != delimiter + text
-               for (context, continuation), text in zip(sample_arguments(sample), choice_texts[q])):
-            raise SystemExit(f"{samples_path}: the requests of {docs[q]['question']!r} are not the task's text")
-        lm_scores[q] = [float(resp[0][0]) for resp in sample["resps"]]
-    delta = np.abs(lm_scores - direct)
-    sample_acc = float(np.mean(lm_scores.argmax(1) == answers))
-
-    print(f"{run.run_dir} step {run.step}; {len(docs)} questions x {len(choices)} choices; lm-eval: {results_path}")
-    print(table(["scored by", "acc", "acc_norm"], [
-        ["lm-eval (local-completions, eval.serve)", f"{lm_acc:.4f}", f"{lm_acc_norm:.4f}"],
-        ["direct (full forward here)", f"{direct_acc:.4f}", f"{direct_acc_norm:.4f}"],
-    ]))
-    print(f"max |delta log-likelihood| over {delta.size} (question, choice) pairs: {delta.max():.3g} nats "
-          f"(mean {delta.mean():.3g}); argmax disagreements: {int(np.sum(lm_scores.argmax(1) != direct.argmax(1)))}; "
-          f"direct forwards {forward_seconds:.1f} s")
-    same = lm_acc == direct_acc and lm_acc_norm == direct_acc_norm and sample_acc == direct_acc
-    print("match" if same else "MISMATCH")
-    if args.out:
-        write_json(args.out, {
-            "run_dir": str(run.run_dir), "step": run.step, "task": task["task"], "questions": len(docs),
-            "choices": choice_texts[0], "lm_eval_results": str(results_path), "lm_eval_samples": str(samples_path),
-            "lm_eval": {"acc": lm_acc, "acc_norm": lm_acc_norm, "acc_from_samples": sample_acc},
-            "direct": {"acc": direct_acc, "acc_norm": direct_acc_norm, "forward_seconds": forward_seconds},
-            "max_abs_delta_loglikelihood": float(delta.max()), "mean_abs_delta_loglikelihood": float(delta.mean()),
-            "argmax_disagreements": int(np.sum(lm_scores.argmax(1) != direct.argmax(1))), "match": same,
-        })
-    return 0 if same else 1
+    lm = lm_eval_scores(args.lm_eval_output, task, docs, questions)
+    return 0 if compare(run, task, questions, lm, direct, forward_seconds, args.out) else 1
 
 
 if __name__ == "__main__":
