@@ -146,7 +146,8 @@ def resume(config: Config, layout: RunLayout, checkpoints: RunCheckpoints, steps
         raise CheckpointError(f"no usable checkpoint: {error}; pick one with train.resume_step=N "
                               f"or start afresh in another run_dir") from None
     if primary:
-        set_aside(run_dir, [s for s in steps if s > step], "newer than train.resume_step" if wanted is not None else "unusable")
+        set_aside(run_dir, [s for s in steps if s > step],
+                  "newer than train.resume_step" if wanted is not None else "unusable")
     wait_for_all_processes("checkpoints set aside")
     checkpoints.reload()
     return state, int(meta["data_position"]), step
