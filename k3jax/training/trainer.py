@@ -133,7 +133,7 @@ class Trainer:
                             shardings=self.shardings, dropout_seed=config.train.seed), "train step")
         self.eval_step = compiled_together(make_eval_step(self.parts, self.shardings), "eval step")
 
-    # -- state ---------------------------------------------------------------------------------
+    # -- checkpoints ---------------------------------------------------------------------------
 
     def _meta(self) -> dict:
         meta = {"config": to_dict(self.config), "data_position": self.position,
