@@ -87,56 +87,44 @@ def check_heldout_unseen(sft_config: str, grpo_config: str, overrides: list[str]
     return len(heldout)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--sft", default="configs/rl/addition_sft.yaml")
-    parser.add_argument("--grpo", default="configs/rl/addition.yaml")
-    parser.add_argument("--runs", default=None, help="run directories go here (default: a temporary directory)")
-    parser.add_argument("--out", default="bench/rl_job.json")
-    parser.add_argument("overrides", nargs="*", help="key=value settings for both commands")
-    args = parser.parse_args(argv)
-    os.chdir(ROOT)
-    heldout = check_heldout_unseen(args.sft, args.grpo, args.overrides)
-    print(f"{heldout} held-out prompts, none of them in the SFT text", flush=True)
-    scratch = None if args.runs else tempfile.TemporaryDirectory(prefix="k3jax-rl-job-")
-    runs = pathlib.Path(args.runs or scratch.name).resolve()
-    runs.mkdir(parents=True, exist_ok=True)
-    rows, loads = [], [os.getloadavg()[0]]
-    try:
-        for seed in range(args.seeds):
-            sft_dir, grpo_dir = runs / f"sft-{seed}", runs / f"grpo-{seed}"
-            sft_seconds = run([sys.executable, "-m", "train", args.sft, f"run_dir={sft_dir}", f"train.seed={seed}",
-                               *args.overrides], runs / f"sft-{seed}.log")
-            grpo_seconds = run([sys.executable, "-m", "train", args.grpo, f"run_dir={grpo_dir}", f"train.seed={seed}",
-                                f"init_from={sft_dir}", *args.overrides], runs / f"grpo-{seed}.log")
-            sft_summary = json.loads((sft_dir / "summary.json").read_text())
-            grpo_summary = json.loads((grpo_dir / "summary.json").read_text())
-            records = [json.loads(line) for line in (grpo_dir / "metrics.jsonl").read_text().splitlines()]
-            curve = [[r["step"], r["heldout_reward"]] for r in records if r.get("kind") == "eval"]
-            if not curve or curve[0][0] != 0:
-                raise SystemExit(f"{grpo_dir}: no step-0 evaluation in metrics.jsonl (set train.eval_every)")
-            steps = [r for r in records if r.get("kind") != "eval"]
-            rows.append({"seed": seed, "before": curve[0][1], "after": grpo_summary["heldout_reward"],
-                         "logprob_mismatch_max": max(r["logprob_mismatch"] for r in steps),
-                         "forward_gap_max": max((r["forward_gap"] for r in steps if "forward_gap" in r), default=None),
-                         "heldout_prompts": grpo_summary["heldout_prompts"],
-                         "sft_seconds": sft_seconds, "sft_train_seconds": sft_summary["train_seconds"],
-                         "sft_heldout_loss": sft_summary.get("heldout_loss"),
-                         "grpo_seconds": grpo_seconds, "grpo_train_seconds": grpo_summary["train_seconds"],
-                         "grpo_steps": grpo_summary["step"], "heldout_curve": curve,
-                         "train_reward_first": steps[0]["reward_mean"] if steps else None,
-                         "train_reward_last": steps[-1]["reward_mean"] if steps else None,
-                         "rollout_seconds": sum(r["rollout_seconds"] for r in steps),
-                         "update_seconds": sum(r["update_seconds"] for r in steps),
-                         "replay_seconds": sum(r.get("replay_seconds", 0.0) for r in steps)})
-            loads.append(os.getloadavg()[0])
-            row = rows[-1]
-            print(f"seed {seed}: before {row['before']:.3f}  after {row['after']:.3f}  SFT {sft_seconds:.0f} s  "
-                  f"GRPO {grpo_seconds:.0f} s  (held-out curve {curve})", flush=True)
-    finally:
-        if scratch is not None:
-            scratch.cleanup()
+def seed_row(seed: int, sft_dir: pathlib.Path, grpo_dir: pathlib.Path, sft_seconds: float,
+             grpo_seconds: float) -> dict:
+    """One seed's row from its runs' summary.json and the GRPO run's metrics.jsonl (which must
+    hold a step-0 evaluation)."""
+    sft_summary = json.loads((sft_dir / "summary.json").read_text())
+    grpo_summary = json.loads((grpo_dir / "summary.json").read_text())
+    records = [json.loads(line) for line in (grpo_dir / "metrics.jsonl").read_text().splitlines()]
+    curve = [[r["step"], r["heldout_reward"]] for r in records if r.get("kind") == "eval"]
+    if not curve or curve[0][0] != 0:
+        raise SystemExit(f"{grpo_dir}: no step-0 evaluation in metrics.jsonl (set train.eval_every)")
+    steps = [r for r in records if r.get("kind") != "eval"]
+    return {"seed": seed, "before": curve[0][1], "after": grpo_summary["heldout_reward"],
+            "logprob_mismatch_max": max(r["logprob_mismatch"] for r in steps),
+            "forward_gap_max": max((r["forward_gap"] for r in steps if "forward_gap" in r), default=None),
+            "heldout_prompts": grpo_summary["heldout_prompts"],
+            "sft_seconds": sft_seconds, "sft_train_seconds": sft_summary["train_seconds"],
+            "sft_heldout_loss": sft_summary.get("heldout_loss"),
+            "grpo_seconds": grpo_seconds, "grpo_train_seconds": grpo_summary["train_seconds"],
+            "grpo_steps": grpo_summary["step"], "heldout_curve": curve,
+            "train_reward_first": steps[0]["reward_mean"] if steps else None,
+            "train_reward_last": steps[-1]["reward_mean"] if steps else None,
+            "rollout_seconds": sum(r["rollout_seconds"] for r in steps),
+            "update_seconds": sum(r["update_seconds"] for r in steps),
+            "replay_seconds": sum(r.get("replay_seconds", 0.0) for r in steps)}
+
+
+def run_seed(seed: int, args: argparse.Namespace, runs: pathlib.Path) -> dict:
+    """SFT, then GRPO from it, for ``seed`` under ``runs`` -> the seed's `seed_row`."""
+    sft_dir, grpo_dir = runs / f"sft-{seed}", runs / f"grpo-{seed}"
+    sft_seconds = run([sys.executable, "-m", "train", args.sft, f"run_dir={sft_dir}", f"train.seed={seed}",
+                       *args.overrides], runs / f"sft-{seed}.log")
+    grpo_seconds = run([sys.executable, "-m", "train", args.grpo, f"run_dir={grpo_dir}", f"train.seed={seed}",
+                        f"init_from={sft_dir}", *args.overrides], runs / f"grpo-{seed}.log")
+    return seed_row(seed, sft_dir, grpo_dir, sft_seconds, grpo_seconds)
+
+
+def report(args: argparse.Namespace, rows: list[dict], loads: list[float], heldout: int) -> None:
+    """Print the seeds' table with the mean ± 95% CI over seeds and the gain; write ``args.out``."""
     summary = {key: mean_ci(row[key] for row in rows) for key in ("before", "after", "sft_seconds", "grpo_seconds")}
     summary["gain"] = mean_ci(row["after"] - row["before"] for row in rows)
     fmt = lambda key, spec: f"{summary[key][0]:{spec}} ± {summary[key][1]:{spec}}"  # noqa: E731
@@ -155,6 +143,35 @@ def main(argv=None) -> None:
                           "runs": rows, "cpus": os.cpu_count(), "load_average": [min(loads), max(loads)],
                           "platform": platform.platform(), "python": platform.python_version()})
     print(f"wrote {args.out}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--sft", default="configs/rl/addition_sft.yaml")
+    parser.add_argument("--grpo", default="configs/rl/addition.yaml")
+    parser.add_argument("--runs", default=None, help="run directories go here (default: a temporary directory)")
+    parser.add_argument("--out", default="bench/rl_job.json")
+    parser.add_argument("overrides", nargs="*", help="key=value settings for both commands")
+    args = parser.parse_args(argv)
+    os.chdir(ROOT)
+    heldout = check_heldout_unseen(args.sft, args.grpo, args.overrides)
+    print(f"{heldout} held-out prompts, none of them in the SFT text", flush=True)
+    scratch = None if args.runs else tempfile.TemporaryDirectory(prefix="k3jax-rl-job-")
+    runs = pathlib.Path(args.runs or scratch.name).resolve()
+    runs.mkdir(parents=True, exist_ok=True)
+    rows, loads = [], [os.getloadavg()[0]]
+    try:
+        for seed in range(args.seeds):
+            rows.append(run_seed(seed, args, runs))
+            loads.append(os.getloadavg()[0])
+            row = rows[-1]
+            print(f"seed {seed}: before {row['before']:.3f}  after {row['after']:.3f}  SFT {row['sft_seconds']:.0f} s  "
+                  f"GRPO {row['grpo_seconds']:.0f} s  (held-out curve {row['heldout_curve']})", flush=True)
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
+    report(args, rows, loads, heldout)
 
 
 if __name__ == "__main__":

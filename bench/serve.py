@@ -435,6 +435,12 @@ def bad_requests(name: str) -> list[tuple]:
     user = [{"role": "user", "content": "3 QWERTY"}]
     chat = {"model": name, "messages": user, "max_tokens": 4}
     completion = {"model": name, "prompt": "3 QWERTY", "max_tokens": 4}
+    return [*_bad_bodies(name, chat), *_bad_settings(chat, completion), *_bad_messages(chat, user),
+            *_bad_routes(name, chat)]
+
+
+def _bad_bodies(name: str, chat: dict) -> list[tuple]:
+    """Bodies that are not JSON objects, an unknown model, a request without its prompt or messages."""
     return [
         ("malformed JSON", "POST", "/v1/chat/completions", b'{"messages": [', 400, None),
         ("body not an object (a list)", "POST", "/v1/chat/completions", [1, 2], 400, None),
@@ -443,6 +449,12 @@ def bad_requests(name: str) -> list[tuple]:
         ("unknown model", "POST", "/v1/chat/completions", {**chat, "model": "gpt-4"}, 404, None),
         ("completions without prompt", "POST", "/v1/completions", {"model": name}, 400, None),
         ("chat without messages", "POST", "/v1/chat/completions", {"model": name}, 400, None),
+    ]
+
+
+def _bad_settings(chat: dict, completion: dict) -> list[tuple]:
+    """Prompts past the model's limit and generation settings out of range or of the wrong type."""
+    return [
         ("prompt of 600 tokens (limit 512)", "POST", "/v1/completions", {**completion, "prompt": "x" * 600}, 400, None),
         ("chat turn of 600 tokens (limit 512)", "POST", "/v1/chat/completions",
          {**chat, "messages": [{"role": "user", "content": "x" * 600}]}, 400, None),
@@ -467,6 +479,12 @@ def bad_requests(name: str) -> list[tuple]:
         ("stream a string", "POST", "/v1/chat/completions", {**chat, "stream": "yes"}, 400, None),
         ("stream_options not an object", "POST", "/v1/chat/completions",
          {**chat, "stream": True, "stream_options": 3}, 400, None),
+    ]
+
+
+def _bad_messages(chat: dict, user: list) -> list[tuple]:
+    """Chat messages and tools the API refuses (and one the renderer accepts: bad tool-call JSON)."""
+    return [
         ("messages: unknown role", "POST", "/v1/chat/completions",
          {**chat, "messages": [{"role": "robot", "content": "x"}]}, 400, None),
         ("messages empty", "POST", "/v1/chat/completions", {**chat, "messages": []}, 400, None),
@@ -483,6 +501,13 @@ def bad_requests(name: str) -> list[tuple]:
         ("tools not a list", "POST", "/v1/chat/completions", {**chat, "tools": "add"}, 400, None),
         ("tools: [{}] (no function)", "POST", "/v1/chat/completions", {**chat, "tools": [{}]}, 400, None),
         ("tool_choice 'required'", "POST", "/v1/chat/completions", {**chat, "tool_choice": "required"}, 400, None),
+    ]
+
+
+def _bad_routes(name: str, chat: dict) -> list[tuple]:
+    """Responses that do not exist, paths that climb out, unknown routes and methods, bodies over the
+    size limit, a missing or wrong API key."""
+    return [
         ("unknown previous_response_id", "POST", "/v1/responses",
          {"model": name, "input": "x", "previous_response_id": "resp_" + "0" * 32}, 404, None),
         ('previous_response_id "../x"', "POST", "/v1/responses",
@@ -717,6 +742,14 @@ def fmt(value, spec=".1f") -> str:
 
 
 def print_tables(result: dict) -> None:
+    """The run's tables and lines: load, bad input (a full queue, the good request after), disconnects, shutdown."""
+    _print_load(result)
+    _print_bad_input(result)
+    _print_disconnects_and_shutdown(result)
+
+
+def _print_load(result: dict) -> None:
+    """The warm-up line, then phases A and B: requests, tokens/s, latency, batching, prefix cache, compilations."""
     a, b = result["phases"]
     print(f"\nload: chat completions, max_tokens {result['max_tokens']}"
           f"{' (ignore_eos)' if result['ignore_eos'] else ''}, temperature 0.7, half behind a shared system prompt; "
@@ -742,6 +775,10 @@ def print_tables(result: dict) -> None:
             print(f"phase {p['phase']} includes {p['compiles']} XLA compilations ({p['compile_seconds']:.1f} s on the "
                   f"engine thread, every running request waiting): {p['compiled_functions']}")
 
+
+def _print_bad_input(result: dict) -> None:
+    """Each bad request's answer, the server's health while the 30 MiB prompt was read, the full
+    queue's answers and the good request after them."""
     print("\nbad input (the server's answers)")
     print(table(["request", "expected", "status", "", "error body"],
                 [[r["request"], r["expected"], r["status"], "ok" if r["as_expected"] else "UNEXPECTED",
@@ -762,6 +799,9 @@ def print_tables(result: dict) -> None:
     print(f"\nafter the bad input, a good request: {after['status']} "
           f"({after['completion_tokens']} tokens, {after['latency']:.2f} s, {after['compiles']} compilations)")
 
+
+def _print_disconnects_and_shutdown(result: dict) -> None:
+    """The sessions gauge around each disconnect, SIGTERM's exit, the server's 5xx answers."""
     print(f"\nclient disconnects: requests of {DISCONNECT_TOKENS} tokens (ignore_eos) left early; k3jax_sessions gauge")
     print(table(["request", "before", "while running", "after", "freed in s", "tokens generated", "cancelled"],
                 [[d["request"], fmt(d["sessions_before"], ".0f"), fmt(d.get("sessions_while_running"), ".0f"),
@@ -773,6 +813,40 @@ def print_tables(result: dict) -> None:
           f"(-15: ended by the signal, as eval.serve documents); tracebacks in its log: {stop['tracebacks']}")
     if result["server_5xx"]:
         print(f"5xx answers counted by the server: {result['server_5xx']}")
+
+
+def measure(server: ServerProcess, args, run_dir: pathlib.Path, headers: dict, result: dict) -> None:
+    """Everything measured on a started ``server``, into ``result``: warm-up, load phases A and B,
+    bad input (with the full queue's second server), the good request after it, disconnects, the
+    server's request counts."""
+    requests = Requests(server.name, args.max_tokens, args.ignore_eos)
+    timeout = args.client_timeout
+    print("warm-up (compiling)", file=sys.stderr, flush=True)
+    result["warmup"] = warm_up(server, headers, requests, args.clients, timeout, args.warmup_rounds)
+    phases = [load_phase("A", server, headers, requests, 1, args.seconds, timeout),
+              load_phase("B", server, headers, requests, args.clients, args.seconds, timeout)]
+    result["phases"] = phases
+    rates = [p["tokens_per_second"] for p in phases]
+    result["tokens_per_second_ratio"] = rates[1] / rates[0] if all(rates) else None
+    result["load_average_after_load"] = os.getloadavg()[0]
+
+    print("bad input", file=sys.stderr, flush=True)
+    result["bad_input"] = [send_bad(server, headers, request) for request in bad_requests(server.name)]
+    result["bad_input"].append(blocking_probe(server, headers, server.name))
+    if not args.skip_queue_overflow:
+        result["queue_overflow"] = queue_overflow(run_dir, args.api_key, args)
+    compiled = server.compiles()
+    with httpx.Client(base_url=server.url, headers=headers, timeout=timeout) as client:
+        after = send(client, requests.next(True)[0])
+    result["after_bad_input"] = {**{k: after[k] for k in ("status", "outcome", "completion_tokens", "latency", "error")},
+                                 **server.compiled_since(compiled)}
+
+    print("client disconnects", file=sys.stderr, flush=True)
+    result["disconnects"] = disconnects(server, headers, server.name, wait=30.0)
+    with httpx.Client(base_url=server.url, headers=headers) as client:
+        final = metrics(client)
+    result["requests_total"] = {k: v for k, v in final.items() if k.startswith("k3jax_requests_total")}
+    result["server_5xx"] = {k: v for k, v in result["requests_total"].items() if re.search(r'status="5\d\d"', k)}
 
 
 def main(argv=None) -> int:
@@ -795,34 +869,7 @@ def main(argv=None) -> int:
     try:
         result.update(server_command=" ".join(["python", *server.command[1:]]).replace(key, "KEY"),
                       model=server.name, startup_seconds=server.startup_seconds)
-        requests = Requests(server.name, args.max_tokens, args.ignore_eos)
-        timeout = args.client_timeout
-        print("warm-up (compiling)", file=sys.stderr, flush=True)
-        result["warmup"] = warm_up(server, headers, requests, args.clients, timeout, args.warmup_rounds)
-        phases = [load_phase("A", server, headers, requests, 1, args.seconds, timeout),
-                  load_phase("B", server, headers, requests, args.clients, args.seconds, timeout)]
-        result["phases"] = phases
-        rates = [p["tokens_per_second"] for p in phases]
-        result["tokens_per_second_ratio"] = rates[1] / rates[0] if all(rates) else None
-        result["load_average_after_load"] = os.getloadavg()[0]
-
-        print("bad input", file=sys.stderr, flush=True)
-        result["bad_input"] = [send_bad(server, headers, request) for request in bad_requests(server.name)]
-        result["bad_input"].append(blocking_probe(server, headers, server.name))
-        if not args.skip_queue_overflow:
-            result["queue_overflow"] = queue_overflow(run_dir, key, args)
-        compiled = server.compiles()
-        with httpx.Client(base_url=server.url, headers=headers, timeout=timeout) as client:
-            after = send(client, requests.next(True)[0])
-        result["after_bad_input"] = {**{k: after[k] for k in ("status", "outcome", "completion_tokens", "latency", "error")},
-                                     **server.compiled_since(compiled)}
-
-        print("client disconnects", file=sys.stderr, flush=True)
-        result["disconnects"] = disconnects(server, headers, server.name, wait=30.0)
-        with httpx.Client(base_url=server.url, headers=headers) as client:
-            final = metrics(client)
-        result["requests_total"] = {k: v for k, v in final.items() if k.startswith("k3jax_requests_total")}
-        result["server_5xx"] = {k: v for k, v in result["requests_total"].items() if re.search(r'status="5\d\d"', k)}
+        measure(server, args, run_dir, headers, result)
     except BaseException:
         result["shutdown"] = server.stop()
         result["server_log_tail"] = server.log_tail(40)

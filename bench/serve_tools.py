@@ -153,6 +153,39 @@ def error_text(error: Exception) -> str:
     return f"{type(error).__name__}" + (f" {status}" if status else "") + f": {error}"
 
 
+def parsed_arguments(call: dict | None):
+    """A tool call's arguments as JSON (None without a call, or when they do not parse)."""
+    try:
+        return json.loads(call["arguments"]) if call else None
+    except json.JSONDecodeError:
+        return None
+
+
+def compare_stream(client, request: dict, choice, calls: list[dict], result: dict, markup: list[bool]) -> None:
+    """``request`` again with stream=True: into ``result`` the stream and whether it equals the turn-1
+    reply ``choice`` with its ``calls`` (tool calls, content, finish_reason), or the error; whether
+    its content holds chat markup onto ``markup``."""
+    try:
+        stream = streamed(client, request)
+        result["stream"] = stream
+        result["stream_equal"] = ([(c["name"], c["arguments"]) for c in stream["tool_calls"]]
+                                  == [(c["name"], c["arguments"]) for c in calls]
+                                  and stream["content"] == (choice.message.content or "")
+                                  and stream["finish_reason"] == choice.finish_reason)
+        markup.append(MARKUP in stream["content"])
+    except Exception as error:   # noqa: BLE001
+        result["errors"].append(f"stream: {error_text(error)}")
+        result["stream_equal"] = False
+
+
+def tool_history(user: dict, content, calls: list[dict], call_id: str, total: int) -> list[dict]:
+    """Turn 2's messages: the question, the assistant's reply with its tool calls, the tool's result."""
+    return [user, {"role": "assistant", "content": content,
+                   "tool_calls": [{"id": c["id"], "type": "function",
+                                   "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]},
+            {"role": "tool", "tool_call_id": call_id, "content": str(total)}]
+
+
 def question(client, http, model: str, record: dict, max_tokens: int) -> dict:
     """One held-out question through the whole round trip."""
     user, tools = record["messages"][0], record.get("tools")
@@ -173,35 +206,18 @@ def question(client, http, model: str, record: dict, max_tokens: int) -> dict:
     result.update(finish_reason=choice.finish_reason, content=choice.message.content, tool_calls=calls)
     call = calls[0] if calls else None
     result["tool_call"] = choice.finish_reason == "tool_calls" and call is not None and call["name"] == "add"
-    try:
-        arguments = json.loads(call["arguments"]) if call else None
-    except json.JSONDecodeError:
-        arguments = None
+    arguments = parsed_arguments(call)
     valid = (isinstance(arguments, dict) and set(arguments) == {"a", "b"}
              and all(isinstance(v, int) and not isinstance(v, bool) for v in arguments.values()))
     result["valid_arguments"] = result["tool_call"] and valid
     result["correct_arguments"] = result["valid_arguments"] and arguments == expected_arguments
     markup = [MARKUP in (choice.message.content or "")] + [MARKUP in c["name"] + c["arguments"] for c in calls]
 
-    try:
-        stream = streamed(client, request)
-        result["stream"] = stream
-        result["stream_equal"] = ([(c["name"], c["arguments"]) for c in stream["tool_calls"]]
-                                  == [(c["name"], c["arguments"]) for c in calls]
-                                  and stream["content"] == (choice.message.content or "")
-                                  and stream["finish_reason"] == choice.finish_reason)
-        markup.append(MARKUP in stream["content"])
-    except Exception as error:   # noqa: BLE001
-        result["errors"].append(f"stream: {error_text(error)}")
-        result["stream_equal"] = False
-
+    compare_stream(client, request, choice, calls, result, markup)
     result["final_answer_correct"] = False
     if result["valid_arguments"]:
         total = arguments["a"] + arguments["b"]          # the tool, executed
-        history = [user, {"role": "assistant", "content": choice.message.content,
-                          "tool_calls": [{"id": c["id"], "type": "function",
-                                          "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]},
-                   {"role": "tool", "tool_call_id": call["id"], "content": str(total)}]
+        history = tool_history(user, choice.message.content, calls, call["id"], total)
         try:
             second = client.chat.completions.create(model=model, messages=history, tools=tools, temperature=0,
                                                     max_tokens=max_tokens)

@@ -38,7 +38,7 @@ import numpy as np
 import yaml
 from jax.sharding import AbstractMesh, AxisType
 
-from k3jax.config import ConfigError, config_from_dict, to_dict
+from k3jax.config import Config, ConfigError, config_from_dict, to_dict
 from k3jax.convert.errors import ConvertError, conversion_error, require_new
 from k3jax.convert.hf_config import HFConfigError, checkpoint_flavour, model_config_from_hf
 from k3jax.convert.keymap import TensorMap, is_vision, model_maps, mxfp4_names
@@ -332,6 +332,27 @@ def import_checkpoint(hf_dir, out_dir, overrides: Sequence[str] = (), log: Calla
         raise converted from None
 
 
+def _tensor_maps(config: Config, flavour: str) -> list[TensorMap]:
+    """The HF tensor -> k3jax parameter maps of ``config``'s model (no head when it is tied to the embedding)."""
+    maps = model_maps(config.model, flavour)
+    if getattr(config.model, "tie_embeddings", False):
+        maps = [spec for spec in maps if spec.key != "lm_head"]     # the head is the embedding
+    return maps
+
+
+def _write_run_files(temporary: pathlib.Path, hf_dir: pathlib.Path, manifest: dict[str, TensorInfo],
+                     config: Config) -> None:
+    """The imported run directory's files beside its checkpoint: the tokenizer, the HF config and
+    the text model's tensor list (``source/``), and ``config.yaml``."""
+    _copy_tokenizer(hf_dir, temporary / TOKENIZER_DIR)
+    (temporary / SOURCE_DIR).mkdir()
+    shutil.copyfile(hf_dir / "config.json", temporary / SOURCE_DIR / "config.json")
+    tensors = {name: {"dtype": info.dtype, "shape": list(info.shape)} for name, info in manifest.items()
+               if not is_vision(name)}
+    (temporary / SOURCE_DIR / "tensors.json").write_text(json.dumps(tensors))
+    (temporary / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
 def _import_checkpoint(hf_dir: pathlib.Path, out_dir: pathlib.Path, overrides, log, group: ImportGroup | None,
                        partial: PartialDirectory | None) -> dict:
     process, num_processes = (group.process, group.count) if group else (0, 1)
@@ -344,9 +365,7 @@ def _import_checkpoint(hf_dir: pathlib.Path, out_dir: pathlib.Path, overrides, l
     config, _ = _resolved_config(hf, out_dir, has_tokenizer, overrides)
     checkpoint = SafetensorsCheckpoint(hf_dir)
     check_counts(config.model, checkpoint.manifest)
-    maps = model_maps(config.model, flavour)
-    if getattr(config.model, "tie_embeddings", False):
-        maps = [spec for spec in maps if spec.key != "lm_head"]     # the head is the embedding
+    maps = _tensor_maps(config, flavour)
     packed, vision = plan_import(maps, checkpoint.manifest)
     if vision:
         log(f"skipping {vision} vision tensors (k3jax imports the text model)")
@@ -361,25 +380,15 @@ def _import_checkpoint(hf_dir: pathlib.Path, out_dir: pathlib.Path, overrides, l
     meta = {"config": to_dict(config), "data_position": 0, "optimizer_step": 0, "jax_version": jax.__version__,
             "imported_from": str(hf_dir.resolve())}
     share = process_share(maps, process, num_processes)
-
-    def finish_run_directory(temporary: pathlib.Path) -> None:
-        _copy_tokenizer(hf_dir, temporary / TOKENIZER_DIR)
-        (temporary / SOURCE_DIR).mkdir()
-        shutil.copyfile(hf_config_path, temporary / SOURCE_DIR / "config.json")
-        manifest = {name: {"dtype": info.dtype, "shape": list(info.shape)} for name, info in checkpoint.manifest.items()
-                    if not is_vision(name)}
-        (temporary / SOURCE_DIR / "tensors.json").write_text(json.dumps(manifest))
-        (temporary / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-
     if group is None:
         with partial_directory(out_dir, log) as temporary:
             writer = StreamedStateWriter(temporary / "checkpoints" / "0", leaves)
             _write_tensors(writer, share, checkpoint, packed, log)
-            finish_run_directory(temporary)
+            _write_run_files(temporary, hf_dir, checkpoint.manifest, config)
             writer.finish(meta, writer.checksums())
     else:
         def finish(temporary, writer, checksums):
-            finish_run_directory(temporary)
+            _write_run_files(temporary, hf_dir, checkpoint.manifest, config)
             writer.finish(meta, checksums)
         fingerprint = inputs_fingerprint(hf_config_path.read_bytes(), checkpoint.manifest, out_dir, overrides)
         import_share_in_group(partial, leaves, share, checkpoint, packed, log, group, fingerprint, finish)

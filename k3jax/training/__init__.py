@@ -8,7 +8,9 @@ train``), tests, benchmarks and users' own scripts.
     optim      learning-rate schedules, AdamW and per-head Muon
     finetune   LoRA / QLoRA: the adapted model's split, the adapters' first values, the frozen base
     layout     a run's mesh, parts, optimizer and state shapes before any array exists (`lay_out_run`)
-    trainer    `Trainer`: set up or resume, the train loop, checkpoints, held-out evaluation
+    trainer    `Trainer`: set up, the train loop, checkpoints, held-out evaluation
+    resume     where a run starts: resumed from its checkpoints (checked against the config) or initialised
+    evaluation held-out scores (loss, bits per byte, MQAR recall) and the evaluation's log lines
     rl         `RLTrainer` (``train.objective=grpo``): rollouts and policy updates, rollouts.jsonl
     rollout    groups of completions on forked sessions, with the policy's log-probs; tool episodes
     grpo       group-relative advantages, the update's rows, the clipped policy-gradient objective

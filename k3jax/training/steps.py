@@ -92,6 +92,26 @@ def _gradients(parts, objective, params, buffers, batch, accumulation: int, froz
     return loss_sum, count, grads, _merge_micro_batch_stats(stats), _merge_micro_batch_metrics(metrics)
 
 
+def _balanced_buffers(parts: ModelParts, params, buffers, frozen, stats: MoEStats | None):
+    """``buffers`` with the routers' selection biases moved by the step's routing ``stats``
+    (`update_router_bias`, under the updated ``params``); unchanged without stats or balancing."""
+    if stats is None or not parts.balance:
+        return buffers
+    model = parts.merge(params, buffers, frozen)
+    model.update_router_bias(stats)
+    updated = parts.buffers.flatten(nnx.state(model, BUFFER_TYPES))
+    return {key: updated[key] for key in buffers}      # a LoRA run's frozen codes stay out
+
+
+def _moe_metrics(stats: MoEStats | None) -> dict:
+    """The step's expert balance: max over mean load, the idle experts' fraction, dropped assignments."""
+    if stats is None:
+        return {}
+    load = load_metrics(stats.expert_load)
+    return {"expert_load_max_over_mean": load.max_over_mean, "experts_idle_fraction": load.zero_fraction,
+            "moe_dropped_assignments": stats.dropped}
+
+
 def make_train_step(parts: ModelParts, optimizer: optax.GradientTransformation, *, accumulation: int = 1,
                     schedule: optax.Schedule | None = None, shardings: StepShardings | None = None,
                     dropout_seed: int = 0, objective=language_model_objective):
@@ -115,12 +135,7 @@ def make_train_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(params)
-        buffers = state.buffers
-        if stats is not None and parts.balance:
-            model = parts.merge(params, buffers, frozen)
-            model.update_router_bias(stats)
-            updated = parts.buffers.flatten(nnx.state(model, BUFFER_TYPES))
-            buffers = {key: updated[key] for key in buffers}      # a LoRA run's frozen codes stay out
+        buffers = _balanced_buffers(parts, params, state.buffers, frozen, stats)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         new_state = TrainState(
             step=state.step + finite.astype(jnp.int32),
@@ -133,12 +148,7 @@ def make_train_step(parts: ModelParts, optimizer: optax.GradientTransformation, 
                    "skipped": new_state.skipped, **objective_metrics}
         if schedule is not None:
             metrics["learning_rate"] = schedule(state.step)
-        if stats is not None:
-            load = load_metrics(stats.expert_load)
-            metrics["expert_load_max_over_mean"] = load.max_over_mean
-            metrics["experts_idle_fraction"] = load.zero_fraction
-            metrics["moe_dropped_assignments"] = stats.dropped
-        return new_state, metrics
+        return new_state, {**metrics, **_moe_metrics(stats)}
 
     if shardings is None:
         return jax.jit(train_step, donate_argnums=0)

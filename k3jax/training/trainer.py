@@ -6,7 +6,8 @@ The run directory holds ``config.yaml`` (the resolved config), ``checkpoints/`` 
 ``metrics.jsonl``, ``summary.json`` and, when enabled, ``tensorboard/``. If it already holds a
 checkpoint the run resumes from the latest one exactly: the state is restored bit for bit and
 the data continues at the saved position (batches are a pure function of the data seed and the
-step). ``init_from`` starts a fresh run from another run's parameters (fine-tuning).
+step). ``init_from`` starts a fresh run from another run's parameters (fine-tuning). Where the
+state comes from is `k3jax.training.resume`; the held-out scores are `k3jax.training.evaluation`.
 
 SIGTERM and SIGINT finish the current step, save a checkpoint and end the run cleanly; during the
 start (see `StopSignals`) they end it before anything is written.
@@ -26,105 +27,21 @@ import jax
 import numpy as np
 import yaml
 
-from k3jax.checkpoint import CheckpointError, RunCheckpoints, latest_meta, restore_newest_good, restore_subtree
+from k3jax.checkpoint import RunCheckpoints
 from k3jax.config import Config, ConfigError, to_dict
-from k3jax.data import ChatDataset, MQARDataset, PackedDataset, make_dataset, mqar_recall
-from k3jax.data.byte_metrics import bits_per_byte, scored_bytes, token_byte_lengths
+from k3jax.data import make_dataset
 from k3jax.data.prefetch import Prefetcher
 from k3jax.flops import measured_peak_flops, training_flops
-from k3jax.sharding import compiled_together, global_batch, process_rows, to_host, wait_for_all_processes
-from k3jax.training.finetune import BASE_META, base_fingerprint, initial_adapters, restore_base
+from k3jax.host import enable_compilation_cache
+from k3jax.sharding import compiled_together, global_batch, process_rows
+from k3jax.training.evaluation import HeldOutScores, byte_lengths_of, check_heldout, log_evaluation
+from k3jax.training.finetune import BASE_META
 from k3jax.training.layout import lay_out_run
 from k3jax.training.metrics import MetricsLog, Progress, TensorBoard, jsonable
-from k3jax.training.run_dir import RunError, RunLock, prepare_run_dir, remove_if_empty, say, set_aside, write_atomically
+from k3jax.training.resume import start_run
+from k3jax.training.run_dir import RunError, RunLock, prepare_run_dir, remove_if_empty, write_atomically
 from k3jax.training.signals import StopSignals
-from k3jax.training.state import TrainState, sharded_state_from_params, sharded_train_state
 from k3jax.training.steps import make_eval_step, make_train_step
-
-# Data with a tokenizer: their held-out evaluation also reports bits per byte of the scored targets
-# (for chat, the UTF-8 bytes of the tokens in the loss mask: the assistant's output by default).
-TOKENIZED_DATA = (PackedDataset, ChatDataset)
-
-
-def evaluation_line(step: int, result: dict) -> str:
-    """``step N  held-out loss X  bits/byte Y  recall Z`` (the parts the evaluation has); for RL
-    ``step N  held-out greedy reward X  pass P  (n prompts)``."""
-    if "heldout_reward" in result:
-        return (f"step {step}  held-out greedy reward {result['heldout_reward']:.4f}  pass "
-                f"{result['heldout_pass']:.3f}  ({result['heldout_prompts']} prompts)")
-    parts = [f"step {step}  held-out loss {result['heldout_loss']:.4f}"]
-    if "heldout_bits_per_byte" in result:
-        parts.append(f"bits/byte {result['heldout_bits_per_byte']:.4f}")
-    if "heldout_mqar_recall" in result:
-        parts.append(f"MQAR recall {result['heldout_mqar_recall']:.3f}")
-    return "  ".join(parts) + f"  ({result['heldout_tokens']} tokens)"
-
-
-def _flat_items(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        name = f"{prefix}.{key}" if prefix else str(key)
-        out.update(_flat_items(value, name) if isinstance(value, dict) else {name: value})
-    return out
-
-
-def setting_differences(section: str, saved: dict, current: dict, ignore: tuple[str, ...] = ()) -> list[str]:
-    """``section.key: checkpoint X, config Y`` for every setting of ``section`` that differs, but
-    the dotted keys in ``ignore``."""
-    old, new = _flat_items(saved, section), _flat_items(current, section)
-    return [f"{key}: checkpoint {old.get(key)!r}, config {new.get(key)!r}"
-            for key in sorted(old.keys() | new.keys()) if key not in ignore and old.get(key) != new.get(key)]
-
-
-def _first_of(differences: list[str]) -> str:
-    return differences[0] + (f" (and {len(differences) - 1} more)" if len(differences) > 1 else "")
-
-
-# Model settings that choose kernels, not parameters or mathematics (the same numbers up to fp32
-# rounding): a checkpoint written with one loads with another.
-KERNEL_SETTINGS = ("model.kda.implementation", "model.mla.attention_implementation",
-                   "model.mla.attention_block_size", "model.moe.expert_matmul", "model.moe.mxfp4_implementation")
-
-
-def check_same_model(meta: dict, config: Config, source: str) -> None:
-    differences = setting_differences("model", meta.get("config", {}).get("model", {}), to_dict(config.model),
-                                      ignore=KERNEL_SETTINGS)
-    if differences:
-        raise RunError(f"{source} was written by a different model: {_first_of(differences)}")
-
-
-# Data settings that change how batches are read, not which: they may differ on resume.
-READING_SETTINGS = ("data.prefetch",)
-
-
-def check_same_data(meta: dict, config: Config, content_hash: str, source: str) -> None:
-    """Refuse to resume a checkpoint trained on other data settings, or on data whose content has
-    changed since (``train.allow_data_change`` allows both)."""
-    if config.train.allow_data_change:
-        return
-    differences = setting_differences("data", meta.get("config", {}).get("data", {}), to_dict(config.data),
-                                      ignore=READING_SETTINGS)
-    if meta.get("data_hash", content_hash) != content_hash:
-        differences.append(f"the data's content: checkpoint {meta['data_hash'][:12]}, now {content_hash[:12]}")
-    if differences:
-        raise RunError(f"{source} was trained on other data: {_first_of(differences)}; resume with the same data "
-                       f"or set train.allow_data_change=true")
-
-
-def check_same_base(meta: dict, base: dict, source: str) -> None:
-    """Refuse a LoRA checkpoint whose adapters were trained on another base than ``base``."""
-    saved = meta.get(BASE_META) or {}
-    if saved.get("fingerprint") != base["fingerprint"]:
-        raise RunError(f"{source} holds adapters for a different base (fingerprint "
-                       f"{str(saved.get('fingerprint'))[:12]}, from {saved.get('init_from')} step {saved.get('step')}); "
-                       f"init_from={base['init_from']} step {base['step']} has {base['fingerprint'][:12]}")
-
-
-def enable_compilation_cache(directory: str | None) -> None:
-    """Keep compiled programs on disk so a resumed or repeated run starts in seconds."""
-    if directory:
-        jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(directory).expanduser()))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 class Trainer:
@@ -176,9 +93,7 @@ class Trainer:
         if self.data.vocab_size > config.model.vocab_size:
             raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the data's "
                                                   f"vocabulary ({self.data.vocab_size} tokens)")
-        if config.train.eval_batches and isinstance(self.data, TOKENIZED_DATA) and not self.data.num_rows("heldout"):
-            raise ConfigError("train.eval_batches", f"{config.train.eval_batches}, but the data's held-out split "
-                                                    f"is empty; set train.eval_batches=0 or raise data.heldout_fraction")
+        check_heldout(config, self.data)
         # Shapes and their layout on the device mesh first; the state itself is then created or
         # restored shard by shard, where it lives.
         layout = lay_out_run(config)
@@ -186,15 +101,15 @@ class Trainer:
         self.schedule, self.optimizer = layout.schedule, layout.optimizer
         self.abstract_state, self.shardings = layout.state, layout.shardings
         self.abstract_frozen = layout.frozen
-        self.frozen, self.base = None, None      # a LoRA run's base: its arrays, and where they came from
         self.batch_rows = process_rows(self.shardings.batch, self.batch_size)
         self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", keep=config.checkpoint.keep,
                                           every=config.checkpoint.every, async_save=config.checkpoint.async_save)
-        self.position = 0  # batches consumed
         self._last_evaluation = (None, {})   # (step, result) of the latest periodic evaluation
-        self.byte_lengths = token_byte_lengths(self.data.tokenizer) if isinstance(self.data, TOKENIZED_DATA) else None
+        self.byte_lengths = byte_lengths_of(self.data)
         self._stop_point()
-        self._resume_or_initialise()
+        # position: batches consumed; frozen, base: a LoRA run's base, its arrays and where they came from
+        self.state, self.position, self.resumed_from, self.frozen, self.base = start_run(
+            config, layout, self.checkpoints, self.data_hash, self.run_dir, self.primary)
         self._stop_point()
         if self.primary:
             write_atomically(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
@@ -218,76 +133,7 @@ class Trainer:
                             shardings=self.shardings, dropout_seed=config.train.seed), "train step")
         self.eval_step = compiled_together(make_eval_step(self.parts, self.shardings), "eval step")
 
-    # -- state ---------------------------------------------------------------------------------
-
-    def _restore_checkpoint(self, step: int) -> tuple[TrainState, dict]:
-        meta = self.checkpoints.meta(step)
-        check_same_model(meta, self.config, f"checkpoint {step} in {self.run_dir}")
-        check_same_data(meta, self.config, self.data_hash, f"checkpoint {step} in {self.run_dir}")
-        if self.base is not None:
-            check_same_base(meta, self.base, f"checkpoint {step} in {self.run_dir}")
-        return self.checkpoints.restore(step, self.abstract_state)
-
-    def _load_base(self) -> None:
-        """A LoRA run's frozen base: ``init_from``'s latest parameters, MXFP4 expert codes (QLoRA)
-        and router biases."""
-        if not self.config.init_from:
-            raise RunError("finetune.lora_rank > 0 trains adapters on a frozen base: set init_from=RUN_DIR (the base run)")
-        source = pathlib.Path(self.config.init_from).expanduser().resolve()
-        try:
-            step, meta = latest_meta(source)
-            check_same_model(meta, self.config, f"init_from {source}")
-            self.frozen, self.base_buffers = restore_base(source, step, self.parts, self.abstract_frozen,
-                                                          self.abstract_state.buffers)
-        except CheckpointError as error:
-            raise CheckpointError(f"init_from={source}: {error}") from None
-        self.base = {"init_from": str(source), "step": step, "fingerprint": base_fingerprint(self.frozen)}
-
-    def _resume(self, steps: list[int]) -> None:
-        """Restore ``train.resume_step`` or else the newest checkpoint that restores; set aside the
-        newer ones (unusable, or superseded by the choice) so that the run can save those steps again."""
-        wanted = self.config.train.resume_step
-        candidates = [self.checkpoints.require_step(wanted)] if wanted is not None else steps
-        try:
-            step, (self.state, meta) = restore_newest_good(candidates, self._restore_checkpoint, say)
-        except CheckpointError as error:
-            raise CheckpointError(f"no usable checkpoint: {error}; pick one with train.resume_step=N "
-                                  f"or start afresh in another run_dir") from None
-        if self.primary:
-            set_aside(self.run_dir, [s for s in steps if s > step],
-                      "newer than train.resume_step" if wanted is not None else "unusable")
-        wait_for_all_processes("checkpoints set aside")
-        self.checkpoints.reload()
-        self.position = int(meta["data_position"])
-        self.resumed_from = step
-
-    def _resume_or_initialise(self) -> None:
-        if self.config.finetune.lora:
-            self._load_base()
-        steps = self.checkpoints.steps()
-        if steps:
-            self._resume(steps)
-            return
-        if self.config.train.resume_step is not None:
-            raise RunError(f"train.resume_step={self.config.train.resume_step}, but {self.run_dir} has no checkpoint")
-        self.resumed_from = None
-        if self.base is not None:
-            adapters = initial_adapters(self.config.model, self.config.finetune, self.config.train.seed,
-                                        self.shardings.state.params)
-            self.state = sharded_state_from_params(adapters, self.base_buffers, self.optimizer, self.shardings.state)
-            return
-        if self.config.init_from:
-            source = pathlib.Path(self.config.init_from).expanduser()
-            try:
-                params, meta = restore_subtree(source, "params", self.abstract_state.params)
-                check_same_model(meta, self.config, f"init_from {source}")
-                buffers, _ = restore_subtree(source, "buffers", self.abstract_state.buffers)
-            except CheckpointError as error:
-                raise CheckpointError(f"init_from={source}: {error}") from None
-            self.state = sharded_state_from_params(params, buffers, self.optimizer, self.shardings.state)
-            return
-        self.state = sharded_train_state(self.config.model, self.config.train.seed, self.optimizer,
-                                         self.shardings.state)
+    # -- checkpoints ---------------------------------------------------------------------------
 
     def _meta(self) -> dict:
         meta = {"config": to_dict(self.config), "data_position": self.position,
@@ -448,30 +294,13 @@ class Trainer:
         batches = self.config.train.eval_batches
         if not batches:
             return {}
-        loss_sum = count = num_bytes = 0.0
-        correct = answers = 0.0
-        byte_lengths = self.byte_lengths
+        scores = HeldOutScores(self.data, self.config.train.batch_size, self.byte_lengths)
         for index in range(batches):
             if signals is not None and signals.received:
                 break
             batch = self._device_batch(self._host_batch(index, split="heldout"))
-            batch_loss, batch_count, predictions = self.eval_step(self.state.params, self.state.buffers, batch,
-                                                                  *self.frozen_args)
-            loss_sum, count = loss_sum + float(batch_loss), count + float(batch_count)
-            if byte_lengths is not None or isinstance(self.data, MQARDataset):
-                host = self.data.batch(index, self.config.train.batch_size, split="heldout")   # every process's rows
-            if byte_lengths is not None:
-                num_bytes += scored_bytes(byte_lengths, host["targets"], host["loss_mask"])
-            if isinstance(self.data, MQARDataset):
-                n = float(np.sum(host["loss_mask"]))
-                correct += mqar_recall(to_host(predictions), host) * n
-                answers += n
-        result = {"heldout_loss": loss_sum / max(count, 1.0), "heldout_tokens": int(count)}
-        if byte_lengths is not None:
-            result.update(heldout_bytes=int(num_bytes), heldout_bits_per_byte=bits_per_byte(loss_sum, num_bytes))
-        if answers:
-            result["heldout_mqar_recall"] = correct / answers
-        return result
+            scores.add(index, *self.eval_step(self.state.params, self.state.buffers, batch, *self.frozen_args))
+        return scores.result()
 
     def _periodic_evaluation(self, log: MetricsLog, board, progress: Progress) -> None:
         """Every ``train.eval_every`` steps: evaluate, write an ``{"kind": "eval"}`` record, log a line."""
@@ -480,8 +309,4 @@ class Trainer:
             return
         result = self.evaluate()
         self._last_evaluation = (self.position, result)
-        record = {"kind": "eval", "step": self.position, **result}
-        log.write(record)
-        if board:
-            board.write(record)
-        progress.write(evaluation_line(self.position, result))
+        log_evaluation(self.position, result, log, board, progress)

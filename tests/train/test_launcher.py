@@ -40,7 +40,7 @@ def test_bad_rl_input_is_one_line_before_any_compute(tmp_path, capsys, overrides
 
 def test_a_checkpoint_loads_under_other_kernels_but_not_another_model():
     from k3jax.config import load_config, to_dict
-    from k3jax.training.trainer import RunError, check_same_model
+    from k3jax.training.resume import RunError, check_same_model
 
     saved = {"config": {"model": to_dict(load_config("configs/tiny.yaml").model)}}
     kernels = ["model.kda.implementation=reference", "model.mla.attention_implementation=dense",
@@ -52,7 +52,7 @@ def test_a_checkpoint_loads_under_other_kernels_but_not_another_model():
 
 def test_a_resume_reads_ahead_as_it_likes_but_not_other_data():
     from k3jax.config import load_config, to_dict
-    from k3jax.training.trainer import RunError, check_same_data
+    from k3jax.training.resume import RunError, check_same_data
 
     saved = {"config": {"data": to_dict(load_config("configs/tiny.yaml").data)}, "data_hash": "h"}
     check_same_data(saved, load_config("configs/tiny.yaml", ["data.prefetch=0"]), "h", "checkpoint 4")   # no error

@@ -30,6 +30,8 @@ Log decays below `gate.LOG_DECAY_FLOOR` (g = -inf included) are a full reset of 
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -117,6 +119,24 @@ def by_implementation(implementation: str | None, *args, path: str, xla, pallas)
     return xla(*args)
 
 
+def _xla_kda(q, k, v, g, beta, initial_state, starts, *, scale: float, chunk_size: int, recurrent: bool):
+    """`kda`'s XLA forward on validated inputs (``starts``: `segment_starts` or None): the token
+    recurrence (`recurrent_kda`, "reference") or the chunked form (`chunk_kda`), in the compute dtype."""
+    batch, _, value_heads, value_dim = v.shape
+    dtype = _compute_dtype(q, k, v, g, beta, initial_state)
+    q32, k32 = _to_value_heads(q, k, value_heads, scale, dtype)
+    v32, g32, beta32 = (x.astype(dtype) for x in (v, g, beta))
+    if initial_state is None:
+        state = jnp.zeros((batch, value_heads, q.shape[-1], value_dim), dtype)
+    else:
+        state = initial_state.astype(dtype)
+    if recurrent:
+        o, final_state = recurrent_kda(q32, k32, v32, g32, beta32, state, starts)
+    else:
+        o, final_state = chunk_kda(q32, k32, v32, g32, beta32, state, starts, chunk_size)
+    return o.astype(v.dtype), final_state
+
+
 def kda(
     q: jax.Array,
     k: jax.Array,
@@ -150,7 +170,7 @@ def kda(
       ``(o [B, T, HV, V] in v.dtype, final_state [B, HV, K, V] fp32)``. All arithmetic is fp32
       (float64 when an input is float64, for verification in x64 mode).
     """
-    _, value_heads, key_dim, value_dim = _check_inputs(q, k, v, g, beta, initial_state, token_axis=True)
+    key_dim = _check_inputs(q, k, v, g, beta, initial_state, token_axis=True)[2]
     batch, length = q.shape[:2]
     if segment_ids is not None:
         _require_shape("segment_ids", segment_ids, (batch, length), "[B, T]")
@@ -159,24 +179,8 @@ def kda(
     scale = key_dim**-0.5 if scale is None else scale
     starts = None if segment_ids is None else segment_starts(segment_ids)
     g = floor_log_decay(g)
-
-    def pallas(q, k, v, g, beta, initial_state, starts):
-        return pallas_kda(q, k, v, g, beta, initial_state, starts, scale=scale, chunk_size=chunk_size)
-
-    def xla(q, k, v, g, beta, initial_state, starts):
-        dtype = _compute_dtype(q, k, v, g, beta, initial_state)
-        q32, k32 = _to_value_heads(q, k, value_heads, scale, dtype)
-        v32, g32, beta32 = (x.astype(dtype) for x in (v, g, beta))
-        if initial_state is None:
-            state = jnp.zeros((batch, value_heads, key_dim, value_dim), dtype)
-        else:
-            state = initial_state.astype(dtype)
-        if implementation == "reference":
-            o, final_state = recurrent_kda(q32, k32, v32, g32, beta32, state, starts)
-        else:
-            o, final_state = chunk_kda(q32, k32, v32, g32, beta32, state, starts, chunk_size)
-        return o.astype(v.dtype), final_state
-
+    pallas = functools.partial(pallas_kda, scale=scale, chunk_size=chunk_size)
+    xla = functools.partial(_xla_kda, scale=scale, chunk_size=chunk_size, recurrent=implementation == "reference")
     return by_implementation(implementation, q, k, v, g, beta, initial_state, starts, path="forward",
                              xla=xla, pallas=pallas)
 
