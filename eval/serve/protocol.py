@@ -228,7 +228,7 @@ class ChatMessage(BaseModel):
     reasoning: Any = None           # the same under vLLM's name (the chat format reads either)
     tools: Any = None               # K3's chat format: a system message declaring tools mid-conversation
     tool: Any = None                # K3's chat format: the tool a tool result comes from
-    annotations: Any = None         # read, never used: an earlier reply's citations, sent back with it
+    annotations: Any = None         # read, not rendered: an earlier reply's citations, sent back with it
     refusal: unsupported("", why="a refusal is not rendered; put it in content") = None
     audio: unsupported(why="no audio") = None
     function_call: unsupported(why="the deprecated function_call; use tool_calls") = None
@@ -247,8 +247,8 @@ class ChatRequest(Choices):
     max_completion_tokens: integer(0) | None = None      # OpenAI's newer name for max_tokens (wins over it)
     logprobs: flag(False) = False
     top_logprobs: integer(0, MAX_TOP_LOGPROBS, 0) = 0
-    metadata: Annotated[dict[str, Any], _described("must be an object")] | None = None  # read, never used: tags
-    # OpenAI keeps with a stored completion (store: true, refused below)
+    # read, never used: tags OpenAI keeps with a stored completion (store: true is refused below)
+    metadata: Annotated[dict[str, Any], _described("must be an object")] | None = None
     parallel_tool_calls: unsupported(True, why="a reply may call several tools; it cannot be held to one") = None
     response_format: unsupported({"type": "text"}, why="output is not constrained to a format") = None
     reasoning_effort: unsupported(why="the thinking effort is the run's: data.chat_thinking_effort") = None
@@ -263,8 +263,8 @@ class Part(BaseModel):
 
     type: Literal["input_text", "output_text", "text"]
     text: Annotated[str, Strict()]
-    annotations: Any = None     # read, never used: an earlier output's citations, sent back with it
-    logprobs: Any = None        # read, never used: an earlier output's log-probs, sent back with it
+    annotations: Any = None     # read, not rendered: an earlier output's citations, sent back with it
+    logprobs: Any = None        # read, not rendered: an earlier output's log-probs, sent back with it
 
 
 def _text_parts(value):
@@ -326,13 +326,16 @@ ITEM_TYPES = {"message": MessageItem, "reasoning": ReasoningItem, "function_call
               "function_call_output": FunctionCallOutputItem}
 
 
+ITEM_TAG = "item:"      # an input item's tag: pydantic puts it in an error's location, `field_path` leaves it out
+
+
 def _item_type(item) -> str | None:
     if isinstance(item, dict):
-        return item.get("type", "message")
-    return getattr(item, "type", None)
+        return f"{ITEM_TAG}{item.get('type', 'message')}"
+    return None if getattr(item, "type", None) is None else f"{ITEM_TAG}{item.type}"
 
 
-InputItem = Annotated[Union[tuple(Annotated[model, Tag(name)] for name, model in ITEM_TYPES.items())],
+InputItem = Annotated[Union[tuple(Annotated[model, Tag(f"{ITEM_TAG}{name}")] for name, model in ITEM_TYPES.items())],
                       Discriminator(_item_type)]
 
 
@@ -404,13 +407,12 @@ ERROR_PHRASES = {"bool_type": "must be true or false", "string_type": "must be a
 def field_path(loc) -> str:
     """A pydantic error location as the request's field path: ``input[2].content`` (the tag of a
     responses input item's type, which pydantic puts after the item's index, left out)."""
-    path, previous = "", None
+    path = ""
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif not (isinstance(previous, int) and part in ITEM_TYPES):
-            path += f".{part}" if path else str(part)
-        previous = part
+        elif not part.startswith(ITEM_TAG):
+            path += f".{part}" if path else part
     return path
 
 
@@ -426,7 +428,8 @@ def validation_error(details: list[dict]) -> ServeError:
     elif kind == "missing":
         text = "is required"
     elif kind == "union_tag_invalid":
-        text = f"unsupported item type {detail['ctx']['tag']!r} (expected {detail['ctx']['expected_tags']})"
+        expected = ", ".join(map(repr, ITEM_TYPES))
+        text = f"unsupported item type {detail['ctx']['tag'].removeprefix(ITEM_TAG)!r} (expected {expected})"
     elif kind in ERROR_PHRASES:
         text = f"{ERROR_PHRASES[kind]}, got {_shown(detail.get('input'))}"
     else:
