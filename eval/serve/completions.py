@@ -17,48 +17,43 @@ import uuid
 import numpy as np
 
 from k3jax.data import DataError
-from .engine import Job, Sequence, ServeError, close_sessions, token_logprobs
+from .engine import Job, Sequence, close_sessions, token_logprobs
+from .errors import ServeError, bad
 from .model import ServedModel
+from .protocol import ChatRequest, Choices, CompletionRequest
 from . import params
 
 
-MAX_PROMPTS = 1024      # prompts in one completions request
-
-
-def _is_ids(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-
 def _prompts(served: ServedModel, prompt) -> list[list[int]]:
-    """``prompt``: text, token ids, or a non-empty list of either -> token id lists."""
+    """A checked ``prompt`` (text, token ids, or a list of either) -> token id lists."""
     if isinstance(prompt, str):
         return [served.encode(prompt)]
-    if _is_ids(prompt):
+    if isinstance(prompt[0], int):
         return [served.check_ids(prompt, "prompt")]
-    if isinstance(prompt, list) and 0 < len(prompt) <= MAX_PROMPTS and all(isinstance(p, str) or _is_ids(p) for p in prompt):
-        return [ids for entry in prompt for ids in _prompts(served, entry)]
-    raise params.bad("prompt", f"must be a string, a list of token ids, or a list of 1 to {MAX_PROMPTS} of either")
+    return [ids for entry in prompt for ids in _prompts(served, entry)]
 
 
 class _Choices:
     """What completions and chat share: n choices per prompt, their sampling and stop rules."""
 
-    def __init__(self, served: ServedModel, body: dict, prompts: list[list[int]], max_tokens_default: int | None,
-                 max_tokens_name: str = "max_tokens"):
+    chunk_object: str       # the ``object`` of a streamed chunk
+
+    def __init__(self, served: ServedModel, request: Choices, prompts: list[list[int]], max_tokens_default: int | None,
+                 max_tokens: int | None):
         self.served, self.prompts = served, prompts
-        self.n = params.integer(body, "n", 1, 1, params.MAX_N)
-        self.temperature, self.top_p, self.seed = params.sampling(body)
-        self.stops = params.stop_strings(body)
-        self.stream = params.flag(body, "stream")
+        self.n = request.n
+        self.temperature, self.top_p, self.seed = params.sampling(request)
+        self.stops = request.stop
+        self.stream, self.include_usage = request.stream, request.include_usage
         longest = max(len(p) for p in prompts)
         room = served.max_model_len - longest
         if room < 0:
             served.check_length(longest, 0)
         default = room if max_tokens_default is None else min(max_tokens_default, room)
-        self.max_tokens = params.integer(body, max_tokens_name, default, 0)
+        self.max_tokens = default if max_tokens is None else max_tokens
         for prompt in prompts:
             served.check_length(len(prompt), self.max_tokens)
-        self.ignore_eos = params.flag(body, "ignore_eos")
+        self.ignore_eos = request.ignore_eos
         self.created = int(time.time())
         self.first_stop = params.text_stop(self.stops)
 
@@ -75,20 +70,28 @@ class _Choices:
         completion = sum(len(s.tokens) for s in sequences)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+    # ---------------------------------------------------------------- streaming
+    def opening_chunks(self) -> list[dict]:
+        """The chunks a stream starts with, before any token."""
+        return []
+
+    def usage_chunk(self, usage: dict) -> dict:
+        """The last chunk with ``stream_options.include_usage``: no choices, the request's usage."""
+        return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.served.name,
+                "choices": [], "usage": usage}
+
 
 class CompletionPlan(_Choices):
     """A ``/v1/completions`` request."""
 
-    object = "text_completion"
+    object = chunk_object = "text_completion"
 
-    def __init__(self, served: ServedModel, body: dict):
-        params.model_name(body, served.name)
-        if "prompt" not in body:
-            raise params.bad("prompt", "is required")
-        prompts = _prompts(served, body["prompt"])
-        super().__init__(served, body, prompts, 16)
-        self.echo = params.flag(body, "echo")
-        self.logprobs = params.integer(body, "logprobs", None, 0, params.MAX_TOP_LOGPROBS)
+    def __init__(self, served: ServedModel, body: dict | CompletionRequest):
+        request = CompletionRequest.parse(body)
+        params.check_model(request, served.name)
+        super().__init__(served, request, _prompts(served, request.prompt), 16, request.max_tokens)
+        self.echo = request.echo
+        self.logprobs = request.logprobs
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.prompt_scores: dict[int, list] = {}
 
@@ -171,6 +174,16 @@ class CompletionPlan(_Choices):
     def stream_state(self) -> "StreamText":
         return StreamText(self, len(self.prompts) * self.n)
 
+    def stream_chunks(self, state: "StreamText", event: tuple) -> list[dict]:
+        """The chunks an engine event streams: each token its text (maybe empty), the end the rest."""
+        if event[0] == "token":
+            _, index, token, logprob = event
+            return [self.chunk(index, state.advance(index, token), logprob, token)]
+        if event[0] == "end":
+            _, index, reason = event
+            return [self.chunk(index, state.advance(index, None, final=True), finish_reason=reason)]
+        return []
+
     def chunk(self, index: int, delta: str, logprob=None, token: int | None = None, finish_reason=None) -> dict:
         logprobs = None
         if logprob is not None and token is not None:
@@ -209,26 +222,22 @@ class StreamText:
 class ChatPlan(_Choices):
     """A ``/v1/chat/completions`` request."""
 
-    object = "chat.completion"
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, served: ServedModel, body: dict):
-        params.model_name(body, served.name)
+    def __init__(self, served: ServedModel, body: dict | ChatRequest):
+        request = ChatRequest.parse(body)
+        params.check_model(request, served.name)
         self.chat = served.require_chat()
-        messages, tools = body.get("messages"), params.chat_tools(body)
-        if body.get("tool_choice") not in (None, "auto", "none"):
-            raise params.bad("tool_choice", "only 'auto' and 'none' are supported")
-        if body.get("tool_choice") == "none":
-            tools = None
+        tools = None if request.tool_choice == "none" else request.tools or None
         try:
-            prompt = served.chat_prompt(messages, tools)
+            prompt = served.chat_prompt(request.messages, tools)
         except DataError as error:
             raise ServeError(400, str(error), param="messages") from None
-        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        super().__init__(served, body, [prompt.tolist()], None, name)
-        self.logprobs = params.flag(body, "logprobs")
-        self.top_logprobs = params.integer(body, "top_logprobs", 0, 0, params.MAX_TOP_LOGPROBS)
+        max_tokens = request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens
+        super().__init__(served, request, [prompt.tolist()], None, max_tokens)
+        self.logprobs, self.top_logprobs = request.logprobs, request.top_logprobs
         if self.top_logprobs and not self.logprobs:
-            raise params.bad("top_logprobs", "needs logprobs: true")
+            raise bad("top_logprobs", "needs logprobs: true")
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
 
     def job(self, notify, deadline) -> Job:
@@ -290,6 +299,26 @@ class ChatPlan(_Choices):
     # ---------------------------------------------------------------- streaming
     def stream_state(self) -> "StreamReply":
         return StreamReply(self)
+
+    def opening_chunks(self) -> list[dict]:
+        return [self.chunk(index, {"role": "assistant", "content": ""}) for index in range(self.n)]
+
+    def stream_chunks(self, state: "StreamReply", event: tuple) -> list[dict]:
+        """The chunks an engine event streams: a token's new reasoning or content (or log-prob);
+        the end the rest, the tool calls and the finish reason."""
+        if event[0] == "token":
+            _, index, token, logprob = event
+            delta = state.advance(index, token)
+            logprobs = {"content": self.logprob_entries([token], [logprob])} if logprob else None
+            return [self.chunk(index, delta, logprobs)] if delta or logprobs else []
+        if event[0] == "end":
+            _, index, reason = event
+            delta = state.advance(index, None, final=True)
+            message, reason = self.message(state.tokens[index], reason)
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+            return [self.chunk(index, delta, None, reason)]
+        return []
 
     def chunk(self, index: int, delta: dict, logprobs=None, finish_reason=None) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.served.name,

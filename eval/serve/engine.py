@@ -38,18 +38,9 @@ import numpy as np
 
 from k3jax.sampling import log_softmax
 from k3jax.sessions import Sampling, SessionStore
+from .errors import ServeError      # raised here; callers of the engine catch it from either module
 
 log = logging.getLogger("k3jax.serve")
-
-
-class ServeError(Exception):
-    """A request the server answers with an OpenAI-style error: HTTP ``status``, ``kind`` (the
-    error body's ``type``), optional ``param`` and extra response ``headers``."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers or {}
 
 
 class TokenLogprob(NamedTuple):

@@ -15,7 +15,7 @@ import numpy as np
 from k3jax.data import load_tokenizer
 from k3jax.data.chat_format import generation_prompt, render_conversation
 from k3jax.inference.chat import chat_turns_for
-from .engine import ServeError
+from .errors import ServeError
 
 
 class ServedModel:

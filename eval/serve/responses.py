@@ -31,8 +31,10 @@ from k3jax.data import DataError
 from k3jax.data.chat_format import reply_segments
 from k3jax.sessions import SessionStore
 from .completions import tool_calls
-from .engine import Job, Sequence, ServeError
+from .engine import Job, Sequence
+from .errors import ServeError
 from .model import ServedModel
+from .protocol import FunctionCallOutputItem, MessageItem, ReasoningItem, ResponseRequest
 from . import params
 
 RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
@@ -123,77 +125,44 @@ def new_response_id() -> str:
 
 
 # -------------------------------------------------------------------- input items -> chat messages
-def _text_of(content, param: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text")
-                                         and isinstance(part.get("text"), str) for part in content):
-        return "".join(part["text"] for part in content)
-    raise params.bad(param, "content must be a string or a list of input_text / output_text parts")
-
-
-def input_messages(items) -> list[dict]:
-    """Responses ``input`` (a string, or a list of items) -> chat messages. An assistant's reasoning,
-    message and function calls that follow each other are one assistant message, as its output
-    listed them; a ``function_call_output`` is a tool message answering its call id."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise params.bad("input", "must be a string or a non-empty list of items")
+def input_messages(items: list) -> list[dict]:
+    """Responses ``input`` items (checked: `eval.serve.protocol.ResponseRequest`) -> chat messages.
+    An assistant's reasoning, message and function calls that follow each other are one assistant
+    message, as its output listed them; a ``function_call_output`` is a tool message answering its
+    call id."""
     messages = []
-
-    def assistant() -> dict:
-        if not messages or messages[-1]["role"] != "assistant":
-            messages.append({"role": "assistant", "content": ""})
-        return messages[-1]
-
-    for number, item in enumerate(items):
-        where = f"input[{number}]"
-        if not isinstance(item, dict):
-            raise params.bad(where, "must be an object")
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
-            if role not in ("user", "system", "assistant"):
-                raise params.bad(where, f"role must be user, system, developer or assistant, got {item.get('role')!r}")
-            text = _text_of(item.get("content"), where)
-            if role == "assistant":
-                message = assistant()
-                message["content"] += text
-            else:
-                messages.append({"role": role, "content": text})
-        elif kind == "reasoning":
-            parts = item.get("content") or []
-            if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
-                raise params.bad(where, "reasoning content must be a list of reasoning_text parts")
-            message = assistant()
-            message["reasoning_content"] = message.get("reasoning_content", "") + "".join(p["text"] for p in parts)
-        elif kind == "function_call":
-            if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str) \
-                    or not isinstance(item.get("call_id"), str):
-                raise params.bad(where, "a function_call needs string call_id, name and arguments")
-            assistant().setdefault("tool_calls", []).append(
-                {"id": item["call_id"], "type": "function",
-                 "function": {"name": item["name"], "arguments": item.get("arguments", "")}})
-        elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str):
-                raise params.bad(where, "a function_call_output needs a string call_id")
-            output = item.get("output")
-            messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": output if isinstance(output, str) else json.dumps(output, ensure_ascii=False)})
+    for item in items:
+        if isinstance(item, FunctionCallOutputItem):
+            output = item.output if isinstance(item.output, str) else json.dumps(item.output, ensure_ascii=False)
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+        elif isinstance(item, MessageItem) and item.role != "assistant":
+            messages.append({"role": {"developer": "system"}.get(item.role, item.role),
+                             "content": "".join(part.text for part in item.content)})
         else:
-            raise params.bad(where, f"unsupported item type {kind!r}")
+            _add_to_assistant(messages, item)
     return messages
 
 
-def chat_tools(tools) -> list | None:
-    """Responses tools (``{"type": "function", "name", "description", "parameters"}``) -> the chat
-    completions form the chat format declares."""
-    if tools is None or tools == []:
+def _add_to_assistant(messages: list[dict], item) -> None:
+    """An assistant's message, reasoning or function call, added to the assistant message that ends
+    ``messages`` (a new one when the last message is not the assistant's)."""
+    if not messages or messages[-1]["role"] != "assistant":
+        messages.append({"role": "assistant", "content": ""})
+    message = messages[-1]
+    if isinstance(item, MessageItem):
+        message["content"] += "".join(part.text for part in item.content)
+    elif isinstance(item, ReasoningItem):
+        message["reasoning_content"] = message.get("reasoning_content", "") + "".join(p.text for p in item.content)
+    else:
+        message.setdefault("tool_calls", []).append(
+            {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}})
+
+
+def chat_tools(tools: list[dict] | None) -> list | None:
+    """Checked responses tools (``{"type": "function", "name", "description", "parameters"}``) -> the
+    chat completions form the chat format declares."""
+    if not tools:
         return None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) and t.get("type") == "function"
-                                              and isinstance(t.get("name"), str) and t["name"] for t in tools):
-        raise params.bad("tools", 'must be a list of {"type": "function", "name": ...} objects')
     return [{"type": "function", "function": {key: value for key, value in tool.items() if key != "type"}}
             for tool in tools]
 
@@ -202,24 +171,17 @@ class ResponsePlan:
     """A ``POST /v1/responses`` request (checked on the HTTP side; the stored state is read on the
     engine thread, where `prepare` resolves ``previous_response_id``)."""
 
-    def __init__(self, served: ServedModel, body: dict, responses: ResponseStore):
-        params.model_name(body, served.name)
+    def __init__(self, served: ServedModel, body: dict | ResponseRequest, responses: ResponseStore):
+        request = ResponseRequest.parse(body)
+        params.check_model(request, served.name)
         self.served, self.responses, self.chat = served, responses, served.require_chat()
-        if params.flag(body, "stream"):
-            raise params.bad("stream", "streaming is offered on /v1/chat/completions and /v1/completions")
-        self.new_messages = input_messages(body.get("input"))
-        instructions = body.get("instructions")
-        if instructions is not None:
-            if not isinstance(instructions, str):
-                raise params.bad("instructions", "must be a string")
-            self.new_messages.insert(0, {"role": "system", "content": instructions})
-        self.tools = chat_tools(body.get("tools"))
-        self.previous_id = body.get("previous_response_id")
-        if self.previous_id is not None and not isinstance(self.previous_id, str):
-            raise params.bad("previous_response_id", "must be a string")
-        self.keep = params.flag(body, "store", True)
-        self.temperature, self.top_p, self.seed = params.sampling(body)
-        self.max_tokens = params.integer(body, "max_output_tokens", None, 1)
+        self.new_messages = input_messages(request.input)
+        if request.instructions is not None:
+            self.new_messages.insert(0, {"role": "system", "content": request.instructions})
+        self.tools = chat_tools(request.tools)
+        self.previous_id, self.keep, self.metadata = request.previous_response_id, request.store, request.metadata
+        self.temperature, self.top_p, self.seed = params.sampling(request)
+        self.max_tokens = request.max_output_tokens
         self.id, self.created = new_response_id(), int(time.time())
         self.prompt: list[int] = []
         self.messages: list[dict] = []
@@ -288,7 +250,8 @@ class ResponsePlan:
             "previous_response_id": self.previous_id, "output": output, "store": self.keep,
             "temperature": self.temperature, "top_p": 1.0 if self.top_p is None else self.top_p,
             "tools": [{"type": "function", **tool["function"]} for tool in self.tools or []],
-            "parallel_tool_calls": True, "tool_choice": "auto", "error": None, "instructions": None, "metadata": {},
+            "parallel_tool_calls": True, "tool_choice": "auto", "error": None, "instructions": None,
+            "metadata": self.metadata or {},
             "usage": {"input_tokens": len(self.prompt), "output_tokens": len(sequence.tokens),
                       "total_tokens": len(self.prompt) + len(sequence.tokens),
                       "input_tokens_details": {"cached_tokens": 0},

@@ -1,0 +1,439 @@
+"""The request bodies of the OpenAI-compatible routes as pydantic models, one per endpoint.
+
+    POST /v1/completions        CompletionRequest       POST /tokenize      TokenizeRequest
+    POST /v1/chat/completions   ChatRequest             POST /detokenize    DetokenizeRequest
+    POST /v1/responses          ResponseRequest
+
+Every model refuses a field it does not know: a 400 naming it, never a field silently dropped.
+Fields that OpenAI (or vLLM) defines but this server does not implement are declared with
+`unsupported`: null and the value that asks for nothing pass, any other value is a 400 saying it is
+not supported. A few fields are read although they change nothing in the output (``user``, chat's
+``metadata``): the comment beside each says why. `Request.parse` turns pydantic's
+`ValidationError` into the project's one-line 400 (`validation_error`), whose ``param`` is the
+field's path (``stream_options.include_usage``, ``messages[2].tool_calls``) -- never FastAPI's 422.
+
+JSON null reads as the field's default, as OpenAI's API does. Numbers are strict: ``true`` is not
+1, ``4.0`` is not an integer, NaN and infinities are refused. What needs the model -- its name (a
+404 when another is asked for), vocabulary, context length, chat format -- is checked by the plans
+(`eval.serve.completions`, `eval.serve.responses`); the values inside chat messages (roles, content
+parts, tool calls) by the chat format (`k3jax.data.chat_format`), the one place that knows them.
+"""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PlainSerializer,
+                      Strict, Tag, ValidationError, WrapValidator)
+from pydantic_core import PydanticCustomError
+
+from .errors import ServeError
+
+MAX_N = 64              # choices per request
+MAX_TOP_LOGPROBS = 20   # as OpenAI
+MAX_STOP = 8            # stop strings per request
+MAX_PROMPTS = 1024      # prompts in one completions request
+_NULL_REFUSED = object()
+
+
+# -------------------------------------------------------------------- field types
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _described(text: str, null: Any = None, *, whole: bool = False) -> WrapValidator:
+    """A validator around a field's type: JSON null reads as ``null`` (a 400 when `_NULL_REFUSED`);
+    a value the type refuses is one error ``"{text}, got {value}"``. Errors inside the value (a
+    list's items, an object's fields) pass through with their own paths, unless ``whole`` (a union
+    of plain types, whose errors pydantic files under each member's name)."""
+    def validate(value, handler):
+        if value is None and null is not _NULL_REFUSED:
+            return null
+        try:
+            return handler(value)
+        except ValidationError as error:
+            if not whole and all(detail["loc"] for detail in error.errors()):
+                raise
+            raise PydanticCustomError("invalid_value", "{text}", {"text": f"{text}, got {_shown(value)}"}) from None
+    return WrapValidator(validate)
+
+
+def _keep_sent(value, handler):
+    handler(value)
+    return value
+
+
+# Checked by the field's type, kept (and dumped) as the client sent it: tools and chat messages reach
+# the chat format, and tool declarations the prompt, with their keys in the client's order.
+AS_SENT = (WrapValidator(_keep_sent), PlainSerializer(lambda value: value))
+
+
+def integer(low: int, high: int | None = None, null: int | None = None):
+    interval = f"[{low}, {'inf' if high is None else high}]"
+    return Annotated[int, Strict(), Field(ge=low, le=high), _described(f"must be an integer in {interval}", null)]
+
+
+def number(low: float, high: float, null: float, *, open_low: bool = False):
+    interval = f"{'(' if open_low else '['}{float(low)}, {float(high)}]"
+    bounds = {"gt": low} if open_low else {"ge": low}
+    return Annotated[float, Strict(), Field(le=high, allow_inf_nan=False, **bounds),
+                     _described(f"must be a number in {interval}", null)]
+
+
+def flag(null: bool):
+    return Annotated[bool, Strict(), _described("must be true or false", null)]
+
+
+Text = Annotated[str, Strict(), _described("must be a string")]
+Name = Annotated[str, Strict(), Field(min_length=1), _described("must be a non-empty string", _NULL_REFUSED)]
+
+
+def _same(value: Any, expected: Any) -> bool:
+    numbers = (int, float)
+    if type(value) in numbers and type(expected) in numbers:      # 0 is 0.0, but false is not 0
+        return value == expected
+    return type(value) is type(expected) and value == expected
+
+
+def unsupported(*no_ops: Any, why: str):
+    """A field OpenAI (or vLLM) defines that this server does not implement: null and ``no_ops``
+    (the values that ask for nothing) pass; any other value is a 400 saying it is not supported."""
+    allowed = " or ".join(json.dumps(value) for value in no_ops)
+    advice = f"leave it out or send {allowed}" if no_ops else "leave it out"
+
+    def check(value):
+        if value is None or any(_same(value, expected) for expected in no_ops):
+            return value
+        raise PydanticCustomError("unsupported", "{text}", {
+            "text": f"is not supported by this server ({why}); {advice}, got {_shown(value)}"})
+    return Annotated[Any, AfterValidator(check)]
+
+
+def _one_or_list(value):
+    return [value] if isinstance(value, str) else value
+
+
+Stop = Annotated[list[Annotated[str, Strict(), Field(min_length=1)]], Field(max_length=MAX_STOP),
+                 BeforeValidator(_one_or_list),
+                 _described(f"must be a non-empty string or a list of at most {MAX_STOP} of them", [])]
+TokenIds = Annotated[list[Annotated[int, Strict()]], Field(min_length=1)]
+Prompt = Annotated[Union[Annotated[str, Strict()], TokenIds,
+                         Annotated[list[Union[Annotated[str, Strict()], TokenIds]], Field(min_length=1, max_length=MAX_PROMPTS)]],
+                   _described(f"must be a string, a list of token ids, or a list of 1 to {MAX_PROMPTS} of either",
+                              _NULL_REFUSED, whole=True)]
+
+
+# -------------------------------------------------------------------- the models
+class Request(BaseModel):
+    """What every request body has: no unknown field, and ``model``, the served model's name (the
+    plan answers another name with a 404)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Annotated[str, Strict(), _described("must be a string", _NULL_REFUSED)] = None
+
+    @classmethod
+    def parse(cls, body: Any):
+        """``body`` (a decoded JSON object, or already a ``cls``) read into ``cls``, or a `ServeError` 400."""
+        if isinstance(body, cls):
+            return body
+        try:
+            return cls.model_validate(body)
+        except ValidationError as error:
+            raise validation_error(error.errors(include_url=False)) from None
+
+
+class Sampled(Request):
+    """Sampling that every generating route reads: OpenAI's defaults, temperature 1 and top_p 1; no
+    seed draws one."""
+
+    temperature: number(0, 2, 1.0) = 1.0
+    top_p: number(0, 1, 1.0, open_low=True) = 1.0
+    seed: Annotated[int, Strict(), _described("must be an integer")] | None = None
+    user: Text | None = None     # read, never used: an end user's id for the provider's abuse monitoring
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: flag(False) = False
+    include_obfuscation: unsupported(False, why="stream chunks carry no obfuscation padding") = None
+
+
+class Choices(Sampled):
+    """What completions and chat completions share: n choices, stop strings, streaming, the length."""
+
+    n: integer(1, MAX_N, 1) = 1
+    stop: Stop = []
+    stream: flag(False) = False
+    stream_options: Annotated[StreamOptions, _described("must be an object")] | None = None
+    max_tokens: integer(0) | None = None        # None: up to the context's end (completions: 16)
+    ignore_eos: flag(False) = False             # vLLM's: keep generating past the end-of-text token
+    presence_penalty: unsupported(0, why="no penalties are applied") = None
+    frequency_penalty: unsupported(0, why="no penalties are applied") = None
+    logit_bias: unsupported({}, why="logits are not biased") = None
+    top_k: unsupported(-1, 0, why="sampling filters by top_p only") = None                   # vLLM's
+    min_p: unsupported(0, why="sampling filters by top_p only") = None                       # vLLM's
+    repetition_penalty: unsupported(1, why="no penalties are applied") = None                # vLLM's
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(Choices):
+    """``POST /v1/completions``: one prompt (text or token ids) or a list of them."""
+
+    prompt: Prompt
+    echo: flag(False) = False
+    logprobs: integer(0, MAX_TOP_LOGPROBS) | None = None
+    best_of: unsupported(1, why="each choice is returned; none is picked among several") = None
+    suffix: unsupported("", why="no insertion after the completion") = None
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Name
+    description: Any = None
+    parameters: Any = None
+    strict: unsupported(False, why="arguments are not constrained to the parameters' schema") = None
+
+
+class ChatTool(BaseModel):
+    """A chat completions tool: ``{"type": "function", "function": {"name", "description", "parameters"}}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: Annotated[FunctionSpec, _described("must be an object", _NULL_REFUSED)]
+
+
+ChatTools = Annotated[list[ChatTool], _described('must be a list of {"type": "function", "function": {"name": ...}} '
+                                                 'objects'), *AS_SENT]
+
+
+class ChatMessage(BaseModel):
+    """A chat message's keys; their values are the chat format's to check (it names the message)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Any
+    content: Any = None
+    name: Any = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    reasoning_content: Any = None   # an assistant's thinking, as this server returns it
+    reasoning: Any = None           # the same under vLLM's name (the chat format reads either)
+    tools: Any = None               # K3's chat format: a system message declaring tools mid-conversation
+    tool: Any = None                # K3's chat format: the tool a tool result comes from
+    annotations: Any = None         # read, not rendered: an earlier reply's citations, sent back with it
+    refusal: unsupported("", why="a refusal is not rendered; put it in content") = None
+    audio: unsupported(why="no audio") = None
+    function_call: unsupported(why="the deprecated function_call; use tool_calls") = None
+
+
+Messages = Annotated[list[ChatMessage], Field(min_length=1),
+                     _described("must be a non-empty list of message objects", _NULL_REFUSED), *AS_SENT]
+
+
+class ChatRequest(Choices):
+    """``POST /v1/chat/completions``: messages (and tools) in K3's chat format."""
+
+    messages: Messages
+    tools: ChatTools | None = None
+    tool_choice: Annotated[Literal["auto", "none"], _described("only 'auto' and 'none' are supported")] | None = None
+    max_completion_tokens: integer(0) | None = None      # OpenAI's newer name for max_tokens (wins over it)
+    logprobs: flag(False) = False
+    top_logprobs: integer(0, MAX_TOP_LOGPROBS, 0) = 0
+    # read, never used: tags OpenAI keeps with a stored completion (store: true is refused below)
+    metadata: Annotated[dict[str, Any], _described("must be an object")] | None = None
+    parallel_tool_calls: unsupported(True, why="a reply may call several tools; it cannot be held to one") = None
+    response_format: unsupported({"type": "text"}, why="output is not constrained to a format") = None
+    reasoning_effort: unsupported(why="the thinking effort is the run's: data.chat_thinking_effort") = None
+    store: unsupported(False, why="chat completions are not stored; /v1/responses stores responses") = None
+
+
+# -------------------------------------------------------------------- /v1/responses
+class Part(BaseModel):
+    """A text part of a responses message's content."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["input_text", "output_text", "text"]
+    text: Annotated[str, Strict()]
+    annotations: Any = None     # read, not rendered: an earlier output's citations, sent back with it
+    logprobs: Any = None        # read, not rendered: an earlier output's log-probs, sent back with it
+
+
+def _text_parts(value):
+    return [{"type": "input_text", "text": value}] if isinstance(value, str) else value
+
+
+class MessageItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["message"] = "message"
+    role: Annotated[Literal["user", "system", "developer", "assistant"],
+                    _described("must be user, system, developer or assistant", _NULL_REFUSED)]
+    content: Annotated[list[Part], BeforeValidator(_text_parts),
+                       _described("must be a string or a list of input_text / output_text parts", _NULL_REFUSED)]
+    id: Any = None              # an earlier output item's id and status, sent back with it: not rendered
+    status: Any = None
+
+
+class ReasoningText(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: Annotated[str, Strict()]
+
+
+class ReasoningItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["reasoning"]
+    content: Annotated[list[ReasoningText], _described("must be a list of reasoning_text parts", [])] = []
+    summary: Any = None         # not rendered (this server's summaries are empty)
+    id: Any = None
+    status: Any = None
+    encrypted_content: unsupported(why="reasoning is sent back as text") = None
+
+
+class FunctionCallItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function_call"]
+    call_id: Annotated[str, Strict()]
+    name: Annotated[str, Strict()]
+    arguments: Annotated[str, Strict()] = ""
+    id: Any = None
+    status: Any = None
+
+
+class FunctionCallOutputItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function_call_output"]
+    call_id: Annotated[str, Strict()]
+    output: Any = None          # a string, or any JSON (rendered as its JSON text)
+    id: Any = None
+    status: Any = None
+
+
+ITEM_TYPES = {"message": MessageItem, "reasoning": ReasoningItem, "function_call": FunctionCallItem,
+              "function_call_output": FunctionCallOutputItem}
+
+
+ITEM_TAG = "item:"      # an input item's tag: pydantic puts it in an error's location, `field_path` leaves it out
+
+
+def _item_type(item) -> str | None:
+    if isinstance(item, dict):
+        return f"{ITEM_TAG}{item.get('type', 'message')}"
+    return None if getattr(item, "type", None) is None else f"{ITEM_TAG}{item.type}"
+
+
+InputItem = Annotated[Union[tuple(Annotated[model, Tag(f"{ITEM_TAG}{name}")] for name, model in ITEM_TYPES.items())],
+                      Discriminator(_item_type)]
+
+
+def _user_text(value):
+    return [{"role": "user", "content": value}] if isinstance(value, str) else value
+
+
+class ResponseTool(BaseModel):
+    """A responses tool: ``{"type": "function", "name", "description", "parameters"}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    name: Name
+    description: Any = None
+    parameters: Any = None
+    strict: unsupported(False, why="arguments are not constrained to the parameters' schema") = None
+
+
+class ResponseRequest(Sampled):
+    """``POST /v1/responses``: a turn of a stored conversation."""
+
+    input: Annotated[list[InputItem], Field(min_length=1), BeforeValidator(_user_text),
+                     _described("must be a string or a non-empty list of items", _NULL_REFUSED)]
+    instructions: Text | None = None
+    tools: Annotated[list[ResponseTool], _described('must be a list of {"type": "function", "name": ...} objects'),
+                     *AS_SENT] | None = None
+    previous_response_id: Text | None = None
+    store: flag(True) = True
+    max_output_tokens: integer(1) | None = None
+    metadata: Annotated[dict[str, Any], _described("must be an object")] | None = None   # echoed in the response
+    stream: unsupported(False, why="streaming is offered on /v1/chat/completions and /v1/completions") = None
+    tool_choice: unsupported("auto", why="tools are the model's to call or not") = None
+    parallel_tool_calls: unsupported(True, why="a reply may call several tools; it cannot be held to one") = None
+    truncation: unsupported("disabled", why="a conversation past the context is refused, not cut") = None
+    reasoning: unsupported(why="the thinking effort is the run's: data.chat_thinking_effort") = None
+    text: unsupported({"format": {"type": "text"}}, why="output is not constrained to a format") = None
+    include: unsupported([], why="the response carries no extra data") = None
+    background: unsupported(False, why="each response is answered while the client waits") = None
+    top_logprobs: unsupported(0, why="log-probs are offered on /v1/chat/completions") = None
+
+
+# -------------------------------------------------------------------- /tokenize, /detokenize
+class TokenizeRequest(Request):
+    """vLLM's ``POST /tokenize``: a text prompt, or chat messages (and tools) rendered with the
+    assistant's generation prompt."""
+
+    prompt: Annotated[str, Strict(), _described("give a string prompt or messages")] | None = None
+    messages: Messages = None     # (absent: a text prompt)
+    tools: ChatTools | None = None
+    add_special_tokens: unsupported(False, why="no special token is added; name one in the text to have it") = None
+    add_generation_prompt: unsupported(True, why="messages are always rendered with the generation prompt") = None
+    return_token_strs: unsupported(False, why="only token ids are returned") = None
+
+
+class DetokenizeRequest(Request):
+    """vLLM's ``POST /detokenize``."""
+
+    tokens: Annotated[list[Annotated[int, Strict()]], _described("must be a list of token ids", _NULL_REFUSED)]
+
+
+# -------------------------------------------------------------------- pydantic's errors -> a 400
+ERROR_PHRASES = {"bool_type": "must be true or false", "string_type": "must be a string", "int_type": "must be an integer",
+                 "float_type": "must be a number", "list_type": "must be a list", "dict_type": "must be an object",
+                 "model_type": "must be an object", "model_attributes_type": "must be an object",
+                 "union_tag_not_found": "must be an object", "string_too_short": "must not be empty"}
+
+
+def field_path(loc) -> str:
+    """A pydantic error location as the request's field path: ``input[2].content`` (the tag of a
+    responses input item's type, which pydantic puts after the item's index, left out)."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not part.startswith(ITEM_TAG):
+            path += f".{part}" if path else part
+    return path
+
+
+def validation_error(details: list[dict]) -> ServeError:
+    """Pydantic's error details (of a `ValidationError`, or FastAPI's) -> one 400 for the first,
+    its ``param`` the field's path."""
+    detail = details[0]
+    path, kind = field_path(detail["loc"]), detail["type"]
+    if kind == "extra_forbidden":
+        return ServeError(400, f"unknown field {path!r}: this server does not read it; leave it out", param=path)
+    if kind in ("invalid_value", "unsupported"):
+        text = detail["msg"]
+    elif kind == "missing":
+        text = "is required"
+    elif kind == "union_tag_invalid":
+        expected = ", ".join(map(repr, ITEM_TYPES))
+        text = f"unsupported item type {detail['ctx']['tag'].removeprefix(ITEM_TAG)!r} (expected {expected})"
+    elif kind in ERROR_PHRASES:
+        text = f"{ERROR_PHRASES[kind]}, got {_shown(detail.get('input'))}"
+    else:
+        text = detail["msg"][:1].lower() + detail["msg"][1:]
+    if not path:
+        return ServeError(400, f"the request body {text}")
+    return ServeError(400, f"{path}: {text}", param=path)

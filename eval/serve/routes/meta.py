@@ -1,0 +1,77 @@
+"""``GET /health``, ``GET /v1/models`` and ``GET /metrics`` (Prometheus's text format: requests by
+route and status, tokens in and out, decode steps, batch size, queue depth, prefix-cache hits and
+hit rate, bytes per tier, and ``k3jax_speculation_*`` when the engine speculates)."""
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
+
+from ..server import Server
+
+
+def register(app: FastAPI, server: Server) -> None:
+    served = server.served
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": int(server.started),
+                                            "owned_by": "k3jax", "max_model_len": served.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        stats, speculation = await server.on_engine(lambda store: (store.stats(), server.engine.speculation()))
+        return PlainTextResponse(prometheus_text(server, stats, speculation), media_type="text/plain; version=0.0.4")
+
+
+def prometheus_text(server: Server, stats: dict, speculation: dict | None = None) -> str:
+    """The server's counters and gauges in Prometheus's text format; ``speculation`` (the engine's
+    `Engine.speculation`) adds the ``k3jax_speculation_*`` ones, which a server without
+    speculative decoding leaves out."""
+    engine = server.engine
+    lines = []
+
+    def metric(name, kind, help_text, samples):
+        lines.append(f"# HELP k3jax_{name} {help_text}")
+        lines.append(f"# TYPE k3jax_{name} {kind}")
+        for labels, value in samples:
+            label_text = ",".join(f'{key}="{value_}"' for key, value_ in labels.items())
+            lines.append(f"k3jax_{name}{{{label_text}}} {value}" if label_text else f"k3jax_{name} {value}")
+
+    metric("requests_total", "counter", "HTTP requests by route and status",
+           [({"route": route, "status": status}, count) for (route, status), count in sorted(server.requests.items())])
+    metric("prompt_tokens_total", "counter", "prompt tokens of admitted requests", [({}, engine.counters["prompt_tokens"])])
+    metric("generation_tokens_total", "counter", "tokens generated (/ decode steps: the mean tokens per step)", [({}, engine.counters["generation_tokens"])])
+    metric("decode_steps_total", "counter", "engine steps (a batched decode step or speculative round)", [({}, engine.counters["decode_steps"])])
+    metric("request_timeouts_total", "counter", "requests past their deadline", [({}, engine.counters["timeouts"])])
+    metric("batch_size", "gauge", "sequences in the latest decode step", [({}, engine.last_batch)])
+    metric("queue_depth", "gauge", "requests waiting to be admitted", [({}, engine.queue_depth)])
+    hits, misses = stats["prefix_hits"], stats["prefix_misses"]
+    metric("prefix_cache_hits_total", "counter", "prefills that resumed from a cached prefix", [({}, hits)])
+    metric("prefix_cache_misses_total", "counter", "prefills that found no cached prefix", [({}, misses)])
+    metric("prefix_cache_hit_rate", "gauge", "hits / (hits + misses)", [({}, hits / (hits + misses) if hits + misses else 0.0)])
+    metric("prefill_tokens_total", "counter", "prompt tokens prefilled", [({}, stats["prefill_tokens"])])
+    metric("prefix_tokens_reused_total", "counter", "prompt tokens not prefilled thanks to the cache",
+           [({}, stats["prefix_tokens_reused"])])
+    metric("tier_bytes", "gauge", "bytes of session state per tier",
+           [({"tier": tier}, stats[f"{tier}_bytes"]) for tier in ("device", "host", "disk")])
+    metric("sessions", "gauge", "open sessions (running requests and stored responses)", [({}, stats["sessions"])])
+    metric("stored_responses", "gauge", "responses kept for previous_response_id", [({}, len(server.responses.items))])
+    if speculation is not None:
+        for name, kind, key, help_text in SPECULATION_METRICS:
+            metric(f"speculation_{name}", kind, help_text, [({}, speculation[key])])
+    return "\n".join(lines) + "\n"
+
+
+SPECULATION_METRICS = [      # (name after k3jax_speculation_, kind, `SpeculationStats.as_dict` key, help)
+    ("rounds_total", "counter", "rounds", "speculative rounds, one per sequence and engine step"),
+    ("drafted_tokens_total", "counter", "drafted", "draft tokens proposed"),
+    ("accepted_tokens_total", "counter", "accepted", "draft tokens accepted"),
+    ("acceptance_rate", "gauge", "acceptance_rate", "accepted / drafted"),
+    ("mean_accepted_length", "gauge", "mean_accepted_length", "accepted draft tokens per round"),
+    ("draft_seconds_total", "counter", "draft_seconds", "seconds spent drafting"),
+    ("verify_seconds_total", "counter", "verify_seconds", "seconds spent verifying, rolling back and replaying"),
+]

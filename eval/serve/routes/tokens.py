@@ -1,0 +1,50 @@
+"""vLLM's tokenizer routes, which lm-evaluation-harness's remote tokenizer reads: ``GET
+/tokenizer_info``, ``POST /tokenize`` (a text prompt, or chat messages rendered in K3's chat format
+with the generation prompt) and ``POST /detokenize``."""
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+
+from k3jax.data import DataError
+from ..errors import ServeError, bad
+from ..model import ServedModel
+from ..params import check_model
+from ..protocol import DetokenizeRequest, TokenizeRequest
+from ..server import Server, read_body
+
+
+def tokenize(served: ServedModel, request: TokenizeRequest) -> list[int]:
+    if request.messages is not None:
+        try:
+            return served.chat_prompt(request.messages, request.tools or None).tolist()
+        except DataError as error:
+            raise ServeError(400, str(error), param="messages") from None
+    if request.prompt is None:
+        raise bad("prompt", "give a string prompt or messages")
+    return served.encode(request.prompt) if request.prompt else []
+
+
+def register(app: FastAPI, server: Server) -> None:
+    served = server.served
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        names, tokenizer = served.special_names, served.tokenizer
+        return {"tokenizer_class": type(tokenizer).__name__ if tokenizer is not None else "TokenIds",
+                "eos_token": names.get(served.eos_id), "bos_token": names.get(getattr(tokenizer, "bos_id", None)),
+                "pad_token": None, "model_max_length": served.max_model_len, "vocab_size": served.vocab_size}
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        body = TokenizeRequest.parse(await read_body(request))
+        check_model(body, served.name)
+        tokens = tokenize(served, body)
+        return {"count": len(tokens), "max_model_len": served.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = DetokenizeRequest.parse(await read_body(request))
+        check_model(body, served.name)
+        if body.tokens:
+            served.check_ids(body.tokens, "tokens")
+        return {"prompt": served.decode(body.tokens)}

@@ -1,0 +1,145 @@
+"""The HTTP side's state and its waiting: `Server` submits a plan's job to the engine and waits for
+its events, answering with the result (`Server.run`) or streaming its chunks as server-sent events
+(`Server.stream`); `read_body` reads a request's JSON body (at most `MAX_BODY_BYTES`).
+
+A client that disconnects cancels its request, freeing its sessions: a plain request looks for its
+client every `DISCONNECT_POLL_SECONDS`, a stream notices when it can no longer send.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from .engine import Engine
+from .errors import ServeError, error_body
+from .model import ServedModel
+from .responses import ResponseStore
+
+MAX_BODY_BYTES = 32 * 2**20
+DISCONNECT_POLL_SECONDS = 0.1      # how often a waiting plain request checks that its client is still there
+
+
+async def read_body(request: Request) -> dict:
+    """The request's JSON object: a 413 past `MAX_BODY_BYTES`, a 400 for malformed or too deeply
+    nested JSON, or a body that is not an object."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ServeError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    raw = b""
+    async for piece in request.stream():
+        raw += piece
+        if len(raw) > MAX_BODY_BYTES:
+            raise ServeError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ServeError(400, f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise ServeError(400, "the request body nests too deeply") from None
+    if not isinstance(body, dict):
+        raise ServeError(400, "the request body must be a JSON object")
+    return body
+
+
+async def off_loop(function, *args):
+    """``function(*args)`` on a worker thread: tokenizing a long prompt must not stall other clients."""
+    return await asyncio.get_running_loop().run_in_executor(None, function, *args)
+
+
+def event_queue():
+    """An asyncio queue and a thread-safe ``notify`` that puts into it (dropped once the loop is gone)."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+
+    def notify(event) -> None:
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:          # the event loop has closed (shutdown)
+            pass
+    return events, notify
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class Server:
+    """The app's state: the model, the engine, stored responses, counters."""
+
+    def __init__(self, served: ServedModel, engine: Engine, responses: ResponseStore, *, api_key: str | None,
+                 request_timeout: float):
+        self.served, self.engine, self.responses = served, engine, responses
+        self.api_key, self.request_timeout = api_key, request_timeout
+        self.requests: dict[tuple[str, int], int] = {}
+        self.started = time.time()
+
+    def deadline(self) -> float:
+        return time.monotonic() + self.request_timeout
+
+    async def on_engine(self, function):
+        """``function(store)`` on the engine thread, awaited."""
+        return await asyncio.wrap_future(self.engine.call(function))
+
+    async def run(self, plan, request: Request) -> Any:
+        """Submit ``plan``'s job and wait for its result, cancelling it if the client goes away."""
+        events, notify = event_queue()
+        job = plan.job(notify, self.deadline())
+        self.engine.submit(job)
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + DISCONNECT_POLL_SECONDS
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(events.get(), timeout=max(0.0, next_check - loop.time()))
+                except asyncio.TimeoutError:
+                    event = ("waiting",)
+                if loop.time() >= next_check:         # on time even while token events keep coming
+                    if await request.is_disconnected():
+                        self.engine.cancel(job)
+                        raise ServeError(499, "the client closed the connection") from None
+                    next_check = loop.time() + DISCONNECT_POLL_SECONDS
+                if event[0] == "result":
+                    return event[1]
+                if event[0] == "error":
+                    raise event[1]
+        except asyncio.CancelledError:
+            self.engine.cancel(job)
+            raise
+
+    def stream(self, plan, include_usage: bool) -> StreamingResponse:
+        """Submit ``plan``'s job and answer with server-sent events of its chunks, then ``[DONE]``."""
+        events, notify = event_queue()
+        job = plan.job(notify, self.deadline())
+        self.engine.submit(job)          # a full queue is still a plain 429
+        return StreamingResponse(self.chunks(plan, job, events, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def chunks(self, plan, job, events: asyncio.Queue, include_usage: bool):
+        """The events of ``plan``'s submitted ``job`` as server-sent events (`plan.stream_chunks`);
+        the result (its usage when asked for) or an error ends the stream. A stream left before its
+        end (the client went away) cancels the job."""
+        finished = False
+        state = plan.stream_state()
+        try:
+            for chunk in plan.opening_chunks():
+                yield sse(chunk)
+            while True:
+                event = await events.get()
+                if event[0] in ("result", "error"):
+                    finished = True
+                    if event[0] == "error":
+                        yield sse(error_body(event[1]))
+                    elif include_usage:
+                        yield sse(plan.usage_chunk(event[1]["usage"]))
+                    yield "data: [DONE]\n\n"
+                    return
+                for chunk in plan.stream_chunks(state, event):
+                    yield sse(chunk)
+        finally:
+            if not finished:
+                self.engine.cancel(job)
