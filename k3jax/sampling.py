@@ -5,33 +5,94 @@ the server, RL rollouts, speculative rounds):
     temperature   logits / temperature
     top-k         keep the k largest logits
     top-p         keep the smallest set of most likely tokens whose probability reaches p
+
+The rules are written once, in `filtered_ranking`, over an array namespace: the compiled sampler
+`sample_logits` runs them in jax.numpy (float32, traced settings) and draws a token; the host's
+`sampling_probs` runs them in NumPy (float64) and returns the distribution that draw follows (what
+speculative decoding's acceptance test needs, `k3jax.speculative`). A later rule (penalties, logit
+biases, a grammar's allowed tokens) is a further step of `filtered_ranking`, so both samplers apply it.
 """
 from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
+class Ranking(NamedTuple):
+    """Logits ranked and filtered by the sampling rules (`filtered_ranking`), along the last axis:
+    ``order`` the token ids by rank, ``ranked`` their temperature-scaled logits, ``keep`` which
+    ranks may be sampled, ``top_k_probs`` the softmax of ``ranked`` over the top-k ranks (the mass
+    top-p cuts)."""
+
+    order: object
+    ranked: object
+    keep: object
+    top_k_probs: object
+
+
+def filtered_ranking(logits, temperature, top_k, top_p, xp=np) -> Ranking:
+    """The sampling rules over ``logits [..., V]`` in the array namespace ``xp`` (jax.numpy, traced
+    or not, or numpy), in order:
+
+        rank          order = stable argsort(-logits): ties go to the lower id
+        temperature   ranked = logits[order] / temperature   (> 0: greedy is the caller's)
+        top-k         keep rank < top_k                       (top_k <= 0: every rank)
+        top-p         keep the ranks whose preceding top-k mass is below top_p (top_p >= 1: all);
+                      the top token always stays
+
+    ``temperature``, ``top_k`` and ``top_p`` are scalars (traced ones too) of the namespace or Python's.
+    """
+    order = xp.argsort(-logits, axis=-1, stable=True)
+    ranked = xp.take_along_axis(logits, order, axis=-1) / temperature
+    rank = xp.arange(logits.shape[-1])
+    keep = (rank < top_k) | (top_k <= 0)
+    softmax = jax.nn.softmax if xp is jnp else _ranked_softmax
+    probs = softmax(xp.where(keep, ranked, -xp.inf), axis=-1)
+    keep = keep & ((xp.cumsum(probs, axis=-1) - probs < top_p) | (top_p >= 1))
+    return Ranking(order, ranked, keep, probs)
+
+
+def _ranked_softmax(ranked: np.ndarray, axis: int = -1) -> np.ndarray:
+    """NumPy's softmax of ranked logits over the last axis (their first entry is their largest)."""
+    assert axis == -1
+    weights = np.exp(ranked - ranked[..., :1])
+    return weights / weights.sum(axis=-1, keepdims=True)
+
+
 def sample_logits(logits: jax.Array, key: jax.Array, temperature, top_k, top_p) -> jax.Array:
-    """One token per row of ``logits [B, V]`` -> ``[B]`` int32.
+    """One token per row of ``logits [B, V]`` -> ``[B]`` int32, drawn from `filtered_ranking`'s kept ranks.
 
     ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 switch those filters off. All three
-    may be traced scalars, so one compiled program serves every sampling setting.
+    may be traced scalars, so one compiled program serves every sampling setting (a temperature
+    below 1e-6 scales as 1e-6, which also keeps the greedy rows' discarded draw finite).
     """
-    logits = logits.astype(jnp.float32)
-    order = jnp.argsort(-logits, axis=-1)
-    ranked = jnp.take_along_axis(logits, order, axis=-1) / jnp.maximum(temperature, 1e-6)
-    rank = jnp.arange(logits.shape[-1])
-    keep = (rank < top_k) | (top_k <= 0)
-    probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf), axis=-1)
-    keep = keep & ((jnp.cumsum(probs, axis=-1) - probs < top_p) | (top_p >= 1))   # the top token always stays
-    choice = jax.random.categorical(key, jnp.where(keep, ranked, -jnp.inf), axis=-1)
+    ranking = filtered_ranking(logits.astype(jnp.float32), jnp.maximum(temperature, 1e-6), top_k, top_p, xp=jnp)
+    choice = jax.random.categorical(key, jnp.where(ranking.keep, ranking.ranked, -jnp.inf), axis=-1)
     choice = jnp.where(temperature > 0, choice, 0)
-    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.take_along_axis(ranking.order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def sampling_probs(logits, temperature: float, top_k: int | None, top_p: float | None) -> np.ndarray:
+    """The distribution `sample_logits` draws from, in float64, for one row of host ``logits [V]``:
+    `filtered_ranking` in NumPy, its top-k softmax renormalised over the ranks top-p keeps
+    (``top_k`` / ``top_p`` None: no such filter); temperature 0 puts all mass on the first argmax."""
+    logits = np.asarray(logits, np.float64)
+    probs = np.zeros_like(logits)
+    if temperature == 0:
+        probs[int(np.argmax(logits))] = 1.0
+        return probs
+    ranking = filtered_ranking(logits, temperature, top_k or 0, 1.0 if top_p is None else top_p)
+    ranked_probs = ranking.top_k_probs
+    if top_p is not None and top_p < 1:
+        ranked_probs = np.where(ranking.keep, ranked_probs, 0.0)
+        ranked_probs /= ranked_probs.sum()
+    probs[ranking.order] = ranked_probs
+    return probs
 
 
 def log_softmax(logits) -> np.ndarray:

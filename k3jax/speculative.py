@@ -11,7 +11,8 @@ A round of one sequence whose fed history is x_1..x_n and whose logits z_n predi
 
 p(z) is the target's sampling distribution: softmax(z / temperature) restricted to the top-k tokens
 and then to the smallest most likely set whose mass reaches top-p (the top token always stays), as
-`k3jax.sampling.sample_logits`; temperature 0 puts all mass on argmax z. With j drafts accepted
+`k3jax.sampling.sample_logits` (the rules' one definition: `k3jax.sampling.filtered_ranking`;
+p is `k3jax.sampling.sampling_probs`); temperature 0 puts all mass on argmax z. With j drafts accepted
 the round emits t_0, d_1..d_j and the sequence is left as if only those had been fed. After a
 rejection of d at z'_j, the next round's t_0 is drawn from the residual r = p(z'_j) with d's mass
 removed and renormalised. Every emitted token is then distributed exactly as p: P(d) =
@@ -28,29 +29,6 @@ from typing import Sequence
 import numpy as np
 
 UNIFORM, DRAW = 0, 1        # the two uses of a position's random numbers
-
-
-def sampling_probs(logits, temperature: float, top_k: int | None, top_p: float | None) -> np.ndarray:
-    """p(z) of the module docstring in float64 for one row of ``logits [V]``: the distribution
-    `k3jax.sampling.sample_logits` draws from (ties in the ranking go to the lower id)."""
-    logits = np.asarray(logits, np.float64)
-    if temperature == 0:
-        probs = np.zeros_like(logits)
-        probs[int(np.argmax(logits))] = 1.0
-        return probs
-    order = np.argsort(-logits, kind="stable")
-    ranked = logits[order] / temperature
-    keep = np.ones(ranked.shape, bool) if not top_k else np.arange(ranked.size) < top_k
-    shifted = np.where(keep, ranked - ranked[0], -np.inf)
-    ranked_probs = np.exp(shifted)
-    ranked_probs /= ranked_probs.sum()
-    if top_p is not None and top_p < 1:
-        keep &= np.cumsum(ranked_probs) - ranked_probs < top_p
-        ranked_probs = np.where(keep, ranked_probs, 0.0)
-        ranked_probs /= ranked_probs.sum()
-    probs = np.zeros_like(logits)
-    probs[order] = ranked_probs
-    return probs
 
 
 def residual(probs: np.ndarray, rejected: int) -> np.ndarray:

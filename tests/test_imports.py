@@ -7,7 +7,10 @@
 - running a model has one home, `k3jax.inference`: it takes from `k3jax.training` only the model's
   parts (`state`, `finetune`); the server needs nothing of training and nothing of the eval
   program's CLI; no evaluation program imports the trainers;
-- benchmarks use the library, never the eval programs (they start those as subprocesses).
+- benchmarks use the library, never the eval programs (they start those as subprocesses);
+- the server's request checking (its request models, parameters and error type) does not depend on
+  its engine;
+- the speculator drives the session store through its public API only (no ``store._name``).
 """
 import ast
 import pathlib
@@ -145,3 +148,30 @@ def test_no_evaluation_program_imports_a_trainer():
 
 def test_benchmarks_use_the_library_not_the_eval_programs():
     assert offenders("bench", ["eval"]) == {}
+
+
+def test_request_checking_does_not_depend_on_the_engine():
+    for module in ("eval.serve.protocol", "eval.serve.params", "eval.serve.errors"):
+        assert offenders(module, ["eval.serve.engine", "eval.serve.server", "eval.serve.app"]) == {}, module
+
+
+def private_store_uses(path: pathlib.Path) -> list[str]:
+    """``store._name`` (or ``self.store._name``) attribute reads in ``path``, as ``line: name``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if name == "store":
+                found.append(f"{node.lineno}: {node.attr}")
+    return found
+
+
+def test_private_store_use_finder_finds_a_planted_use(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("def f(store, self):\n    store._device\n    self.store._counters\n    store.feeder\n")
+    assert private_store_uses(planted) == ["2: _device", "3: _counters"]
+
+
+def test_the_speculator_uses_only_the_stores_public_api():
+    assert private_store_uses(ROOT / "k3jax/sessions/speculate.py") == []

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from k3jax.config import ConfigError, SpeculationConfig
-from k3jax.speculative import (DRAW, UNIFORM, AdaptiveK, accepted_drafts, draw, position_rng,
-                               prompt_lookup, residual, sampling_probs)
+from k3jax.sampling import sampling_probs
+from k3jax.speculative import DRAW, UNIFORM, AdaptiveK, accepted_drafts, draw, position_rng, prompt_lookup, residual
 
 
 def ranked_reference(logits, temperature, top_k, top_p):

@@ -10,15 +10,15 @@ roll back the rejected drafts, exactly (the rules: `k3jax.speculative`).
 One round of B sessions:
   1. each session's first token t_0 is drawn from its logits (`k3jax.speculative`) and the drafts
      d_1..d_k proposed after it;
-  2. verify: one `paged.feed_rows` call feeds [t_0, d_1..d_k] to every session (rows padded to the
-     round's longest drafts rounded up to a power of two, at most 1 + k, so a few widths compile;
-     batch to a power of two); it returns the logits of every position;
+  2. verify: one `paged.feed_rows` call (`Feeder.feed`) feeds [t_0, d_1..d_k] to every session
+     (rows padded to the round's longest drafts rounded up to a power of two, at most 1 + k, so a
+     few widths compile; batch to a power of two); it returns the logits of every position;
   3. each session accepts a prefix of its drafts and keeps [t_0, d_1..d_j]; its next logits are
      the verify's at d_j. A session that kept fewer tokens than were fed is rolled back, by
      ``rollback``:
        "states" (default): the verify fed the tokens one at a time and saved the KDA state and
           conv tail after every position (`k3jax.memory.KDAPositions`); one small call
-          (`paged.keep_positions`) sets every such slot to its position j. Memory: 1 + k states
+          (`Feeder.keep_positions`) sets every such slot to its position j. Memory: 1 + k states
           per session during the round.
        "replay": the verify saved the states from before it; a `feed_rows` call per kept length
           writes them back into the slots and feeds [t_0, d_1..d_j] again (the logits are the
@@ -27,7 +27,8 @@ One round of B sessions:
      restoring.
 After the round every session's KDA state, conv tails, MLA rows and logits are those of feeding
 exactly its emitted tokens, and its history holds them. Pages a verify took beyond that are given
-back (a fork must never share a page it may write).
+back (a fork must never share a page it may write). The store is used through its public
+``feeder`` only (`k3jax.sessions.feeding`).
 """
 from __future__ import annotations
 
@@ -37,14 +38,14 @@ from typing import Mapping, NamedTuple, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.sampling import log_softmax
+from k3jax.config import SpeculationConfig
+from k3jax.sampling import log_softmax, sampling_probs
 from k3jax.sessions import paged
 from k3jax.sessions.batching import Sampling
 from k3jax.sessions.store import SessionStore
-from k3jax.sessions.tiers import NoRoom, Value
-from k3jax.config import SpeculationConfig
+from k3jax.sessions.tiers import Value
 from k3jax.speculative import (DRAW, UNIFORM, AdaptiveK, SpeculationStats, accepted_drafts, draw, position_rng,
-                               prompt_lookup, residual, sampling_probs)
+                               prompt_lookup, residual)
 
 
 class RoundResult(NamedTuple):
@@ -100,7 +101,7 @@ class DraftModel:
             elif len(held) < len(history):
                 missing[draft] = history[len(held):]
         if missing:
-            append_together(self.store, missing)
+            self.store.feeder.append(missing)
         return [self._sessions[sid] for sid in histories]
 
     def propose(self, histories: Mapping[int, list[int]], lengths: Mapping[int, int]) -> dict[int, list[int]]:
@@ -167,166 +168,91 @@ class Speculator:
         least one and at most ``limits[sid]`` tokens (default 1 + k), none after one of its
         ``stop_ids`` (the same for all, or {session id: its ids}) -> {session id: `RoundResult`}.
         ValueError, with every session as it was, when the device budget cannot hold the round."""
-        store = self.store
-        store._collect()
+        feeder = self.store.feeder
         sids = list(sampling)
-        values = [store._session(sid) for sid in sids]
+        values = feeder.values(sids)
         limits = {sid: (1 + self.k) if limits is None else int(limits[sid]) for sid in sids}
         if any(limit < 1 for limit in limits.values()):
             raise ValueError(f"every session must be allowed at least one token, got limits {limits}")
         stops = {sid: frozenset(int(t) for t in (stop_ids.get(sid, ()) if isinstance(stop_ids, Mapping) else stop_ids))
                  for sid in sids}
         room = 1 + min(self.k, max(limits.values()) - 1)
-        make_room(store, values, [room] * len(values))                          # before any change
-        first, first_logprob = {}, {}
-        for sid, value in zip(sids, values):
-            rule = sampling[sid]
-            probs = sampling_probs(value.logits, rule.temperature, rule.top_k, rule.top_p)
-            if sid in self._rejected and rule.temperature > 0:
-                probs = residual(probs, self._rejected[sid])
-            stream = sid if rule.stream is None else rule.stream
-            token = int(np.argmax(probs)) if rule.temperature == 0 else \
-                draw(probs, position_rng(rule.seed, stream, value.length, DRAW))
-            first[sid], first_logprob[sid] = token, float(log_softmax(value.logits)[token])
-            self._rejected.pop(sid, None)
-
-        started = time.perf_counter()
-        lengths = {sid: 0 if first[sid] in stops[sid] else min(self._adaptive(sid).next(), limits[sid] - 1)
-                   for sid in sids}
-        drafts = self.drafter.propose({sid: value.tokens + [first[sid]] for sid, value in zip(sids, values)}, lengths)
-        drafts = {sid: drafts.get(sid, [])[: lengths[sid]] for sid in sids}
-        self.stats.draft_seconds += time.perf_counter() - started
+        feeder.make_room(values, [room] * len(values))                          # before any change
+        first = {sid: self._first_token(sid, value, sampling[sid]) for sid, value in zip(sids, values)}
+        drafts = self._drafts(sids, values, [token for token, _ in first.values()], limits, stops)
 
         started = time.perf_counter()
         width = min(paged.next_power_of_two(1 + max(len(d) for d in drafts.values())), room)
-        fed = {sid: [first[sid], *drafts[sid]] for sid in sids}
-        logits, saved = feed(store, values, [fed[sid] for sid in sids], width,
-                             every_position=self.rollback == "states")
-        kept, results = {}, {}
-        for row, (sid, value) in enumerate(zip(sids, values)):
-            rule, stream = sampling[sid], sid if sampling[sid].stream is None else sampling[sid].stream
-            probs = [sampling_probs(logits[row, i], rule.temperature, rule.top_k, rule.top_p)
-                     for i in range(len(drafts[sid]))]
-            uniforms = [position_rng(rule.seed, stream, value.length + 1 + i, UNIFORM).random()
-                        for i in range(len(drafts[sid]))]
-            accepted = accepted_drafts(probs, drafts[sid], uniforms, stops[sid])
-            stopped = accepted > 0 and drafts[sid][accepted - 1] in stops[sid]
-            if accepted < len(drafts[sid]) and not stopped:
-                self._rejected[sid] = drafts[sid][accepted]
-            kept[sid] = fed[sid][: 1 + accepted]
-            accepted_logprobs = log_softmax(logits[row, :accepted])[np.arange(accepted), drafts[sid][:accepted]]
-            logprobs = [first_logprob[sid], *map(float, accepted_logprobs)]
-            results[sid] = RoundResult(kept[sid], logprobs)
-            self._adaptive(sid).update(len(drafts[sid]), accepted)
-            self.stats.rounds += 1
-            self.stats.drafted += len(drafts[sid])
-            self.stats.accepted += accepted
-            self.stats.emitted += 1 + accepted
-        last = {sid: logits[row, len(kept[sid]) - 1] for row, sid in enumerate(sids)}
-        rolled = [row for row, sid in enumerate(sids) if len(kept[sid]) < width]
-        if rolled and self.rollback == "states":
-            keep_positions(store, values, saved, [len(kept[sid]) - 1 for sid in sids])
-        elif rolled:
-            restore = tuple(array[jnp.asarray(rolled)] for array in saved)
-            replays = feed_by_length(store, [values[row] for row in rolled], [kept[sids[row]] for row in rolled],
-                                     restore)
-            last.update({sids[row]: logits for row, logits in zip(rolled, replays)})
+        fed = {sid: [first[sid][0], *drafts[sid]] for sid in sids}
+        logits, saved = feeder.feed(values, [fed[sid] for sid in sids], width, every_position=self.rollback == "states")
+        results = {sid: self._verified(sid, value, sampling[sid], logits[row], fed[sid], first[sid][1], stops[sid])
+                   for row, (sid, value) in enumerate(zip(sids, values))}
+        last = self._rolled_back(sids, values, [results[sid].tokens for sid in sids], logits, saved, width)
         for sid, value in zip(sids, values):
-            value.tokens.extend(kept[sid])
-            value.logits = last[sid]
-            give_back_pages(store, value)
+            feeder.extend(value, results[sid].tokens, last[sid])
             self.drafter.keep(sid, value.tokens)
         self.stats.verify_seconds += time.perf_counter() - started
         self.stats.batched_rounds += 1
-        store._counters["decode_steps"] += 1
-        store._counters["decode_tokens"] += sum(len(r.tokens) for r in results.values())
+        feeder.count_round(sum(len(r.tokens) for r in results.values()))
         return results
+
+    # ------------------------------------------------------------------ a round's steps
+    def _first_token(self, sid: int, value: Value, rule: Sampling) -> tuple[int, float]:
+        """t_0 from the session's logits (from the residual after a rejected sampled draft) -> (t_0, its log-prob)."""
+        probs = sampling_probs(value.logits, rule.temperature, rule.top_k, rule.top_p)
+        if sid in self._rejected and rule.temperature > 0:
+            probs = residual(probs, self._rejected[sid])
+        stream = sid if rule.stream is None else rule.stream
+        token = int(np.argmax(probs)) if rule.temperature == 0 else \
+            draw(probs, position_rng(rule.seed, stream, value.length, DRAW))
+        self._rejected.pop(sid, None)
+        return token, float(log_softmax(value.logits)[token])
+
+    def _drafts(self, sids, values, first: list[int], limits, stops) -> dict[int, list[int]]:
+        """Each session's drafts after its t_0 (none after a stop id; at most its limit - 1)."""
+        started = time.perf_counter()
+        lengths = {sid: 0 if token in stops[sid] else min(self._adaptive(sid).next(), limits[sid] - 1)
+                   for sid, token in zip(sids, first)}
+        drafts = self.drafter.propose({sid: value.tokens + [token] for sid, value, token in zip(sids, values, first)},
+                                      lengths)
+        self.stats.draft_seconds += time.perf_counter() - started
+        return {sid: drafts.get(sid, [])[: lengths[sid]] for sid in sids}
+
+    def _verified(self, sid: int, value: Value, rule: Sampling, logits: np.ndarray, fed: list[int],
+                  first_logprob: float, stops: frozenset) -> RoundResult:
+        """The acceptance test of the drafts ``fed[1:]`` against the verify's ``logits`` [width, vocab]
+        -> the tokens the session keeps, [t_0, d_1..d_j], and their log-probs."""
+        drafts, stream = fed[1:], sid if rule.stream is None else rule.stream
+        probs = [sampling_probs(logits[i], rule.temperature, rule.top_k, rule.top_p) for i in range(len(drafts))]
+        uniforms = [position_rng(rule.seed, stream, value.length + 1 + i, UNIFORM).random() for i in range(len(drafts))]
+        accepted = accepted_drafts(probs, drafts, uniforms, stops)
+        stopped = accepted > 0 and drafts[accepted - 1] in stops
+        if accepted < len(drafts) and not stopped:
+            self._rejected[sid] = drafts[accepted]
+        accepted_logprobs = log_softmax(logits[:accepted])[np.arange(accepted), drafts[:accepted]]
+        self._adaptive(sid).update(len(drafts), accepted)
+        self.stats.rounds += 1
+        self.stats.drafted += len(drafts)
+        self.stats.accepted += accepted
+        self.stats.emitted += 1 + accepted
+        return RoundResult(fed[: 1 + accepted], [first_logprob, *map(float, accepted_logprobs)])
+
+    def _rolled_back(self, sids, values, kept: list[list[int]], logits, saved, width: int) -> dict[int, np.ndarray]:
+        """Every session that kept fewer than the ``width`` tokens fed set back to feeding only its
+        ``kept[i]`` (by ``rollback``) -> each session's logits after its last kept token."""
+        feeder = self.store.feeder
+        last = {sid: logits[row, len(kept[row]) - 1] for row, sid in enumerate(sids)}
+        rolled = [row for row in range(len(sids)) if len(kept[row]) < width]
+        if rolled and self.rollback == "states":
+            feeder.keep_positions(values, saved, [len(tokens) - 1 for tokens in kept])
+        elif rolled:
+            restore = tuple(array[jnp.asarray(rolled)] for array in saved)
+            replays = feeder.feed_by_length([values[row] for row in rolled], [kept[row] for row in rolled], restore)
+            last.update({sids[row]: row_logits for row, row_logits in zip(rolled, replays)})
+        return last
 
     # ------------------------------------------------------------------ internals
     def _adaptive(self, sid: int) -> AdaptiveK:
         if sid not in self._k:
             self._k[sid] = AdaptiveK(self.k, floor=0.1 if self.adaptive else 0.0)
         return self._k[sid]
-
-
-# ---------------------------------------------------------------------- sessions fed together
-def make_room(store, values: list[Value], widths: list[int]) -> None:
-    """Every value on device with pages for ``widths[i]`` more tokens (shared pages copied);
-    where there is no room, the pages taken are given back before the ValueError."""
-    for index, (value, width) in enumerate(zip(values, widths)):
-        try:
-            store._tiers.writable(value, width, pinned=values[:index])
-        except NoRoom:
-            for taken in values[:index]:
-                give_back_pages(store, taken)
-            raise ValueError(f"the device budget cannot hold a speculative round of {len(values)} "
-                             f"session(s) of up to {max(widths)} tokens each") from None
-
-
-def feed(store, values: list[Value], tokens: list[list[int]], width: int, restore=None, every_position=False):
-    """`paged.feed_rows` over ``values`` (on device with room; each fed its ``tokens`` after its
-    history, padded to ``width``) -> (logits [B, width, vocab] on host, the saved KDA states and
-    conv tails on device: from before the call, or after every token with ``every_position``).
-    Histories and logits are the caller's to update."""
-    device = store._device
-    batch = paged.next_power_of_two(len(values))
-    pad = batch - len(values)
-    pages = paged.next_power_of_two(max(len(v.pages) for v in values))
-    slots = np.asarray([v.slot for v in values] + device.scratch_slots(pad), np.int32)
-    tables = np.stack([device.table(v.pages, pages) for v in values] + [device.table([], pages)] * pad)
-    lengths = np.asarray([v.length for v in values] + [0] * pad, np.int32)
-    rows = np.zeros((batch, width), np.int32)
-    for index, row in enumerate(tokens):
-        rows[index, : len(row)] = row
-    if restore is not None:
-        restore = tuple(jnp.concatenate([a, jnp.zeros((pad, *a.shape[1:]), a.dtype)]) for a in restore)
-    logits, device.arrays, saved = paged.feed_rows(
-        store._graph, store._params, device.arrays, slots, tables, lengths, rows, restore,
-        every_position=every_position)
-    return np.asarray(logits)[: len(values)], saved
-
-
-def keep_positions(store, values: list[Value], saved, positions: list[int]) -> None:
-    """Each value's slot := its KDA state and conv tail after token ``positions[i]`` of the
-    `feed` (``every_position``) that returned ``saved`` for ``values`` in this order."""
-    device = store._device
-    batch = saved[0].shape[0]
-    outside = device.arrays.state.shape[0]                    # padding rows write nowhere
-    slots = np.asarray([v.slot for v in values] + [outside] * (batch - len(values)), np.int32)
-    positions = np.asarray(list(positions) + [0] * (batch - len(values)), np.int32)
-    device.arrays = paged.keep_positions(device.arrays, slots, saved, positions)
-
-
-def feed_by_length(store, values: list[Value], tokens: list[list[int]], restore=None) -> list[np.ndarray]:
-    """Feed each value its ``tokens`` (lengths >= 1), one `feed` per distinct length; with
-    ``restore`` (state and conv tails, row i for value i) each slot is first set back to its row
-    -> the logits after each value's last token."""
-    last = [None] * len(values)
-    for length in sorted({len(row) for row in tokens}):
-        group = [index for index, row in enumerate(tokens) if len(row) == length]
-        rows = None if restore is None else tuple(array[jnp.asarray(group)] for array in restore)
-        logits, _ = feed(store, [values[i] for i in group], [tokens[i] for i in group], length, rows)
-        for position, index in enumerate(group):
-            last[index] = logits[position, -1]
-    return last
-
-
-def append_together(store, tokens: Mapping[int, list[int]]) -> None:
-    """`SessionStore.append` of many sessions at once ({session id: tokens}), batched by length."""
-    sids = list(tokens)
-    values = [store._session(sid) for sid in sids]
-    make_room(store, values, [len(tokens[sid]) for sid in sids])
-    for sid, value, logits in zip(sids, values, feed_by_length(store, values, [tokens[sid] for sid in sids])):
-        value.tokens.extend(tokens[sid])
-        value.logits = logits
-        give_back_pages(store, value)
-    store._counters["prefill_tokens"] += sum(len(row) for row in tokens.values())
-
-
-def give_back_pages(store, value: Value) -> None:
-    """Release the pages past the ones ``value``'s tokens fill."""
-    device = store._device
-    spare = value.pages[device.pages_for(value.length):]
-    if spare:
-        del value.pages[device.pages_for(value.length):]
-        device.pages.release(spare)
