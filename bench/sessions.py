@@ -4,7 +4,7 @@
              vs the same 64 sessions decoded one at a time: tokens/s of each and their ratio; and
              the batched step over the pools (the kernels of ``model.kda.implementation``, in
              place) vs the baseline step that gathers a contiguous bank, decodes and scatters it
-             back (the store's private ``_gathered_decode``, `k3jax.sessions.paged.decode_step`)
+             back (``store.feeder.gathered_decode``, `k3jax.sessions.paged.decode_step`)
     prefix   opening a session whose prompt starts with a cached 4K-token prefix (prefill only
              the suffix) vs a cold prefill of the same prompt in a store without the cache
 
@@ -48,11 +48,11 @@ def decode_trials(store: SessionStore, sids, handles, new_tokens: int, trials: i
         order = list(modes) if trial % 2 == 0 else list(modes)[::-1]
         for name in order:
             reset()
-            store._gathered_decode = modes[name][0]
+            store.feeder.gathered_decode = modes[name][0]
             elapsed = seconds(modes[name][1])
             if trial >= WARMUP_TRIALS:
                 trial_seconds[name].append(elapsed)
-    store._gathered_decode = False
+    store.feeder.gathered_decode = False
     return trial_seconds
 
 

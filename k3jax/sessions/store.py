@@ -27,7 +27,7 @@ This module is the public API; each job lives in its own module:
     recency    least-recently-used order
 
 The batched decode runs the KDA kernels the model's config names (``model.kda.implementation``);
-``_gathered_decode`` (`Feeder.gathered_decode`) switches it to the gather / decode / scatter baseline
+``store.feeder.gathered_decode`` switches it to the gather / decode / scatter baseline that
 `bench.sessions` compares.
 """
 from __future__ import annotations
@@ -168,15 +168,8 @@ class SessionStore:
         while pending or running:
             running = batching.admit(running, pending,
                                      lambda sid, admitted: self.feeder.room_to_decode(sid, admitted, width))
-            if speculator is None:
-                tokens = self.feeder.decode(running, [sampling] * len(running))
-                emitted = {sid: [token] for sid, token in tokens.items()}
-            else:
-                rounds = speculator.round({sid: sampling for sid in running},
-                                          limits={sid: max_new_tokens - len(new[sid]) for sid in running},
-                                          stop_ids=() if eos_id is None else (eos_id,))
-                emitted = {sid: result.tokens for sid, result in rounds.items()}
-            for sid, tokens in emitted.items():
+            remaining = {sid: max_new_tokens - len(new[sid]) for sid in running}
+            for sid, tokens in self._next_tokens(running, sampling, remaining, eos_id, speculator).items():
                 new[sid].extend(tokens)
             finished = [sid for sid in running if len(new[sid]) == max_new_tokens
                         or (eos_id is not None and new[sid][-1] == eos_id)]
@@ -186,6 +179,16 @@ class SessionStore:
                 if speculator is not None:
                     speculator.leave(sid)
         return [np.asarray(new[sid], np.int32) for sid in sids]
+
+    def _next_tokens(self, running: list[int], sampling: Sampling, remaining: dict, eos_id: int | None,
+                     speculator) -> dict[int, list[int]]:
+        """One decode step of the ``running`` sessions, or one speculative round (each emitting at
+        most ``remaining[sid]`` tokens, none past ``eos_id``) -> {session id: its new tokens}."""
+        if speculator is None:
+            return {sid: [token] for sid, token in self.feeder.decode(running, [sampling] * len(running)).items()}
+        rounds = speculator.round({sid: sampling for sid in running}, limits=remaining,
+                                  stop_ids=() if eos_id is None else (eos_id,))
+        return {sid: result.tokens for sid, result in rounds.items()}
 
     def step(self, sampling: dict) -> dict[int, int]:
         """One token for each session of ``sampling`` ({session id: `Sampling`}), sampled from
@@ -347,12 +350,3 @@ class SessionStore:
     @_host_tier.setter
     def _host_tier(self, host: HostTier) -> None:
         self._tiers.host = host
-
-    @property
-    def _gathered_decode(self) -> bool:
-        """bench.sessions's baseline: paged.decode_step(gathered=True) (`Feeder.gathered_decode`)."""
-        return self.feeder.gathered_decode
-
-    @_gathered_decode.setter
-    def _gathered_decode(self, gathered: bool) -> None:
-        self.feeder.gathered_decode = gathered

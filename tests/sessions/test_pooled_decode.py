@@ -83,7 +83,7 @@ def test_generate_is_the_same_on_either_decode_path(model):
     for gathered in (True, False):
         for sid, handle in zip(sids, handles):
             store.rollback(sid, handle)
-        store._gathered_decode = gathered
+        store.feeder.gathered_decode = gathered
         outputs.append((store.generate(sids, 3), np.stack([store.logits(sid) for sid in sids])))
     (new_ref, logits_ref), (new, logits) = outputs
     for a, b in zip(new, new_ref):
