@@ -88,7 +88,7 @@ class DraftModel:
 
     def _synced(self, histories: Mapping[int, list[int]]) -> list[int]:
         """The draft sessions of the target sessions of ``histories``, each holding exactly its
-        history: new ones prefilled, the others fed what they lack (`append_together`)."""
+        history: new ones prefilled, the others fed what they lack (`Feeder.append`)."""
         missing = {}
         for sid, history in histories.items():
             draft = self._sessions.get(sid)

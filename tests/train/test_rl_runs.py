@@ -14,8 +14,9 @@ from flax import nnx
 
 from k3jax.checkpoint import RunCheckpoints
 from k3jax.config import load_config
+from k3jax.inference import restore_model
 from k3jax.sampling import log_softmax
-from k3jax.training import RLTrainer, Trainer, restore_model
+from k3jax.training import RLTrainer, Trainer
 from tests.helpers import MICRO
 from tests.train.test_heldout_eval import write_corpus
 

@@ -9,8 +9,9 @@ import tempfile
 import numpy as np
 from flax import nnx
 
+from k3jax.inference import restore_model
 from k3jax.sampling import log_softmax
-from k3jax.training import RLTrainer, Trainer, restore_model
+from k3jax.training import RLTrainer, Trainer
 from tests.sharding.programs.common import emit, small_k3_config
 from tests.train.test_heldout_eval import write_corpus
 
