@@ -26,9 +26,13 @@ _forward = nnx.jit(lambda model, tokens, memory: model(tokens, memory=memory))
 
 
 def contiguous_logits(model, tokens, capacity: int = 64) -> np.ndarray:
-    """``[T, vocab]``: one prefill of ``tokens`` over an empty contiguous bank (`k3jax.memory`)."""
-    out = _forward(model, jnp.asarray(tokens, jnp.int32)[None], init_memory(model.config, 1, capacity))
-    return np.asarray(out.logits[0])
+    """``[T, vocab]``: one prefill of ``tokens`` over an empty contiguous bank (`k3jax.memory`). The
+    prefill runs over ``tokens`` padded to the bank's capacity -- by causality the first T logits are
+    those of ``tokens`` alone -- so one compiled program serves every length of a capacity."""
+    padded = np.zeros(capacity, np.int32)
+    padded[: len(tokens)] = tokens
+    out = _forward(model, jnp.asarray(padded)[None], init_memory(model.config, 1, capacity))
+    return np.asarray(out.logits[0, : len(tokens)])
 
 
 def contiguous_bank(model, tokens, capacity: int = 64):

@@ -29,9 +29,12 @@ def model():
     return K3Model(load_config(MICRO).model, rngs=nnx.Rngs(0))
 
 
+_logits = nnx.jit(lambda m, tokens: m(tokens).logits)   # one jitted function: models of one graph share its programs
+
+
 def forward_of(model):
     """The model's logits over ``tokens``, padded to a power of two (a few compiled programs serve all)."""
-    call = nnx.jit(lambda m, tokens: m(tokens).logits)
+    call = _logits
     padded = lambda tokens: np.pad(np.asarray(tokens, np.int32), (0, (1 << (len(tokens) - 1).bit_length()) - len(tokens)))  # noqa: E731
     return lambda tokens: np.asarray(call(model, padded(tokens)[None])[0])
 
@@ -63,12 +66,28 @@ def recorded(completion) -> np.ndarray:
 
 
 SAMPLING = SamplingSettings(temperature=1.0, top_k=None, top_p=1.0, max_new_tokens=8)
+LARGEST = 3 * 4   # sessions of this file's largest rollout (3 prompts, 4 samples each)
 
 
-def test_group_log_probs_are_the_full_forwards_and_one_prefill_per_prompt(model, forward, text_data):
-    rollout = Rollout(model, text_data, SAMPLING, reward=lambda p, c, r: float(len(c)))
+def rollout_of(model, data, settings=SAMPLING, **options) -> Rollout:
+    """A rollout whose pools start at the largest rollout's capacity: every program is compiled for
+    the pools' shape, so the fast tests' rollouts then share their prefill and decode programs
+    instead of each compiling its own at its own pool size."""
+    rollout = Rollout(model, data, settings, **options)
+    rollout.store.reserve(*rollout._capacity(LARGEST))
+    return rollout
+
+
+@pytest.fixture(scope="module")
+def sampled(model, text_data):
+    """``(rollout, prompts, groups)``: 4 completions of each of prompts 0-2 (seed 7), rewarded by length."""
+    rollout = rollout_of(model, text_data, reward=lambda p, c, r: float(len(c)))
     prompts = text_data.prompts(0, 3)
-    groups = rollout.sample(prompts, 4, seed=7)
+    return rollout, prompts, rollout.sample(prompts, 4, seed=7)
+
+
+def test_group_log_probs_are_the_full_forwards_and_one_prefill_per_prompt(forward, text_data, sampled):
+    rollout, prompts, groups = sampled
     assert rollout.store.stats()["prefill_tokens"] == sum(p.tokens.size for _, p in prompts)
     assert rollout.store.sessions() == []
     worst = 0.0
@@ -82,10 +101,8 @@ def test_group_log_probs_are_the_full_forwards_and_one_prefill_per_prompt(model,
     assert worst <= 1e-5
 
 
-def test_a_replay_gives_the_recorded_log_probs_bit_for_bit_and_another_policy_its_own(model, text_data):
-    prompts = text_data.prompts(0, 3)
-    rollout = Rollout(model, text_data, SAMPLING, reward=lambda *a: 0.0)
-    groups = rollout.sample(prompts, 4, seed=7)
+def test_a_replay_gives_the_recorded_log_probs_bit_for_bit_and_another_policy_its_own(model, sampled):
+    rollout, prompts, groups = sampled
     store = SessionStore(model, prefix_cache=False)
     stats = rollout.store.stats()
     store.reserve(stats["slot_capacity"], stats["page_capacity"])          # as the trainer does
@@ -98,7 +115,9 @@ def test_a_replay_gives_the_recorded_log_probs_bit_for_bit_and_another_policy_it
     graph, params = nnx.split(model)                                       # the update's next parameters
     other = nnx.merge(graph, jax.tree.map(lambda x: x * 1.05, params))
     other_forward = forward_of(other)
-    for group, values in zip(groups, replay(SessionStore(other, prefix_cache=False), groups)):
+    other_store = SessionStore(other, prefix_cache=False)
+    other_store.reserve(stats["slot_capacity"], stats["page_capacity"])   # the same programs, other parameters
+    for group, values in zip(groups, replay(other_store, groups)):
         for c, v in zip(group, values):
             assert np.abs(v - full_forward_logprobs(other_forward, c)).max() <= 1e-5
             assert np.abs(v - recorded(c)).max() > 1e-4                   # recomputed, not copied
@@ -106,9 +125,9 @@ def test_a_replay_gives_the_recorded_log_probs_bit_for_bit_and_another_policy_it
 
 def test_forked_groups_equal_groups_prefilled_once_per_sample(model, text_data):
     prompts = text_data.prompts(2, 2)
-    forked = Rollout(model, text_data, SAMPLING, reward=lambda *a: 0.0)
+    forked = rollout_of(model, text_data, reward=lambda *a: 0.0)
     groups = forked.sample(prompts, 3, seed=5)
-    separate = Rollout(model, text_data, SAMPLING, reward=lambda *a: 0.0)
+    separate = rollout_of(model, text_data, reward=lambda *a: 0.0)
     expected = separate.sample(prompts, 3, seed=5, fork=False)
     assert [[(c.tokens, c.logprobs) for c in g] for g in groups] == [[(c.tokens, c.logprobs) for c in g] for g in expected]
     assert separate.store.stats()["prefill_tokens"] == 3 * forked.store.stats()["prefill_tokens"]
@@ -116,9 +135,9 @@ def test_forked_groups_equal_groups_prefilled_once_per_sample(model, text_data):
 
 def test_samples_depend_on_seed_slot_and_sample_only(model, text_data):
     prompts = text_data.prompts(0, 3)
-    together = Rollout(model, text_data, SAMPLING, reward=lambda *a: 0.0).sample(prompts, 3, seed=7)
-    alone = Rollout(model, text_data, SAMPLING, reward=lambda *a: 0.0).sample(prompts[:1], 3, seed=7)
-    other_seed = Rollout(model, text_data, SAMPLING, reward=lambda *a: 0.0).sample(prompts[:1], 3, seed=8)
+    together = rollout_of(model, text_data, reward=lambda *a: 0.0).sample(prompts, 3, seed=7)
+    alone = rollout_of(model, text_data, reward=lambda *a: 0.0).sample(prompts[:1], 3, seed=7)
+    other_seed = rollout_of(model, text_data, reward=lambda *a: 0.0).sample(prompts[:1], 3, seed=8)
     assert [c.tokens for c in alone[0]] == [c.tokens for c in together[0]]
     # another batch size is another compiled program: the log-probs may differ in the last bits
     np.testing.assert_allclose(np.concatenate([c.logprobs for c in alone[0]]),
@@ -128,7 +147,7 @@ def test_samples_depend_on_seed_slot_and_sample_only(model, text_data):
 
 def test_a_greedy_group_is_generate_for_every_sample(model, text_data):
     prompts = text_data.prompts(1, 2)
-    groups = Rollout(model, text_data, SAMPLING, reward=lambda *a: 0.0).sample(prompts, 3, seed=0, greedy=True)
+    groups = rollout_of(model, text_data, reward=lambda *a: 0.0).sample(prompts, 3, seed=0, greedy=True)
     for (_, prompt), group in zip(prompts, groups):
         expected = generate(model, prompt.tokens, max_new_tokens=8, eos_id=text_data.stop_id)
         for c in group:
