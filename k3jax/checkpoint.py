@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import json
 import logging
 import pathlib
@@ -153,8 +154,12 @@ def verify_arrays(tree: dict, meta: dict, where: str) -> None:
 
 
 def _is_late_io_callback(report) -> bool:
-    return (report.object is None and isinstance(report.exc_value, RuntimeError)
-            and str(report.exc_value) == "Event loop is closed")
+    """A late result posted to a closed loop, or an Orbax coroutine closed mid-read that raised on
+    its way out (both `sys.unraisablehook` reports of I/O abandoned after a failure)."""
+    if report.object is None:
+        return isinstance(report.exc_value, RuntimeError) and str(report.exc_value) == "Event loop is closed"
+    code = getattr(report.object, "cr_code", None)
+    return inspect.iscoroutine(report.object) and code is not None and "/orbax/checkpoint/" in code.co_filename
 
 
 def _is_abandoned_orbax_task(record: logging.LogRecord) -> bool:
@@ -180,7 +185,10 @@ def quiet_checkpoint_io(absl_level: int = logging.ERROR) -> None:
       ``RuntimeError: Event loop is closed`` through `sys.unraisablehook` (no object);
     - Orbax gathers the arrays' coroutines without collecting the exceptions after the first; when
       the other failed tasks are collected, asyncio logs "Task exception was never retrieved" for
-      each (logger ``asyncio``, an Orbax coroutine named in the message).
+      each (logger ``asyncio``, an Orbax coroutine named in the message);
+    - an array read still suspended when its coroutine is collected is closed, and Orbax's read
+      raises its own error on the way out: "Exception ignored in: <coroutine object
+      _read_array_index_and_device_put>" through `sys.unraisablehook` (the coroutine as object).
     Those reports are dropped; every other one reaches the hook and the handlers installed before."""
     logging.getLogger("absl").setLevel(absl_level)
     asyncio_logger = logging.getLogger("asyncio")

@@ -113,9 +113,21 @@ def test_quiet_checkpoint_io_drops_only_late_io_callbacks(monkeypatch):
     other_message = types.SimpleNamespace(object=None, exc_value=RuntimeError("disk on fire"))
     with_object = types.SimpleNamespace(object=print, exc_value=RuntimeError("Event loop is closed"))
     other_type = types.SimpleNamespace(object=None, exc_value=ValueError("Event loop is closed"))
-    for report in (late, other_message, with_object, other_type):
+    closed_read, closed_other = orbax_like_coroutine("/orbax/checkpoint/_src/serialization/serialization.py"), \
+        orbax_like_coroutine("/site-packages/mylib/io.py")
+    in_orbax = types.SimpleNamespace(object=closed_read, exc_value=Exception("Encountered error while reading"))
+    elsewhere = types.SimpleNamespace(object=closed_other, exc_value=Exception("Encountered error while reading"))
+    for report in (late, other_message, with_object, other_type, in_orbax, elsewhere):
         sys.unraisablehook(report)
-    assert seen == [other_message, with_object, other_type]
+    closed_read.close(), closed_other.close()
+    assert seen == [other_message, with_object, other_type, elsewhere]
+
+
+def orbax_like_coroutine(filename: str):
+    """A coroutine whose code is defined in ``filename`` (as Orbax's array reads are)."""
+    namespace = {}
+    exec(compile("async def read():\n    pass\n", filename, "exec"), namespace)
+    return namespace["read"]()
 
 
 def abandon_failed_task(filename: str) -> None:
