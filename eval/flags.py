@@ -32,7 +32,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 def _argument(field: dataclasses.Field, hint) -> dict:
     """argparse keywords for one `SpeculationConfig` field of type ``hint`` (default None: unset)."""
-    options = {"dest": f"speculation_{field.name}", "default": None, "help": field.metadata["help"]}
+    shown = "" if field.default is None else f" (default {field.default})"
+    options = {"dest": f"speculation_{field.name}", "default": None, "help": field.metadata["help"] + shown}
     choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
     if hint is bool:
         return {**options, "action": argparse.BooleanOptionalAction}
