@@ -38,7 +38,7 @@ import numpy as np
 
 from k3jax.sampling import log_softmax
 from k3jax.sessions import Sampling, SessionStore
-from .errors import ServeError      # raised here; callers of the engine catch it from either module
+from .errors import ServeError
 
 log = logging.getLogger("k3jax.serve")
 

@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from eval.serve.engine import Engine, Job, Sequence, ServeError, close_sessions, token_logprobs
+from eval.serve.engine import Engine, Job, Sequence, close_sessions, token_logprobs
+from eval.serve.errors import ServeError
 from k3jax.sessions import Sampling, SessionStore
 from tests.sessions.conftest import random_tokens
 
