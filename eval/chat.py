@@ -33,12 +33,12 @@ import numpy as np
 
 from k3jax.checkpoint import quiet_checkpoint_io
 from k3jax.data import DataError
-from k3jax.inference import InputError, load_run
+from k3jax.inference import InputError
 from k3jax.inference.chat import ChatTurns, chat_turns_for
 from k3jax.sampling import check_sampling
 from k3jax.sessions import SessionStore, Speculator
 
-from .flags import OneLineParser, add_speculation_flags, speculation_from
+from .flags import OneLineParser, add_placement_flags, add_speculation_flags, load_model, speculation_from
 from .generate import Codec
 
 
@@ -57,6 +57,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sessions-dir", default=None, help="where /save and /load keep stores (default RUN_DIR/sessions)")
     parser.add_argument("--raw", action="store_true", help="on a chat run: plain-text turns, no chat format")
+    add_placement_flags(parser)
     add_speculation_flags(parser)
     args = parser.parse_args(argv)
     try:
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None) -> int:
     quiet_checkpoint_io()
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        run = load_run(args.run, args.step)
+        run = load_model(args)
         turns = None if args.raw else chat_turns_for(run.config)
         codec = Codec(run.config, raw=True) if turns is None else None
         speculation, draft = speculation_from(args, run.config)

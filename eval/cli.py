@@ -23,10 +23,10 @@ from tqdm import tqdm
 from k3jax.checkpoint import quiet_checkpoint_io
 from k3jax.data import DataError
 from k3jax.host import keep_freed_memory
-from k3jax.inference import InputError, LoadedRun, load_run
+from k3jax.inference import InputError, LoadedRun
 from k3jax.model import param_counts
 from k3jax.training import read_metrics
-from .flags import OneLineParser
+from .flags import OneLineParser, add_placement_flags, load_model
 from .report import build_report, markdown_table, write_report
 from .tasks import TASKS, EvalContext, run_task
 from .tasks.perplexity import open_text_dataset
@@ -56,6 +56,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="output directory (default: <run>/eval)")
     parser.add_argument("--text", default=None, help="held-out text file or directory for perplexity / bits per byte")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_placement_flags(parser)
     return parser.parse_args(argv)
 
 
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         task_names = parse_tasks(args.tasks)
-        run = load_run(args.run, args.step)
+        run = load_model(args)
         text = open_text(args.text, run.config) if args.text else None
         out_dir = prepare_out_dir(pathlib.Path(args.out) if args.out else run.run_dir / "eval")
     except InputError as error:

@@ -1,6 +1,10 @@
 """Command-line pieces the evaluation programs share (``eval``, ``eval.generate``, ``eval.chat``,
-``eval.serve``): one-line argument errors, and speculative decoding's flags, made from the one
-declaration of its settings (`k3jax.config.SpeculationConfig`, each field's ``flag``):
+``eval.serve``): one-line argument errors, where the model runs, and speculative decoding's
+flags, made from the one declaration of its settings (`k3jax.config.SpeculationConfig`, each
+field's ``flag``):
+
+    --mesh AXIS=N,...|auto  the device mesh the model is loaded onto (`k3jax.inference.layout`)
+    --dtype float32|bfloat16  the weights' dtype (default: as stored)
 
     --prompt-lookup N      drafts copied from the sequence itself (n-grams of up to N tokens)
     --draft RUN_DIR        drafts from a smaller model: a k3jax run with the same tokenizer
@@ -18,7 +22,8 @@ import dataclasses
 import typing
 
 from k3jax.config import ConfigError, SpeculationConfig
-from k3jax.inference import InputError, load_draft
+from k3jax.inference import InputError, LoadedRun, load_draft, load_run
+from k3jax.inference.layout import INFERENCE_AXES
 
 SOURCES = ("prompt_lookup", "draft")      # the fields that choose a draft source
 
@@ -41,6 +46,23 @@ def _argument(field: dataclasses.Field, hint) -> dict:
         return {**options, "choices": choices}
     kind = next((t for t in (int, str) if t in (hint, *typing.get_args(hint))), str)
     return {**options, "type": kind, "metavar": field.metadata.get("metavar")}
+
+
+def add_placement_flags(parser: argparse.ArgumentParser) -> None:
+    """``--mesh`` and ``--dtype``: where the model runs and in what precision."""
+    group = parser.add_argument_group("where the model runs")
+    group.add_argument("--mesh", default=None, metavar="AXIS=N,...|auto",
+                       help=f"shard the model over a mesh of every device: axes {', '.join(INFERENCE_AXES)} "
+                            "(e.g. expert=4,tensor=2; data takes the devices left over), or auto (tensor over the "
+                            "heads, then expert over the experts); default: this process's first device")
+    group.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                       help="the weights' and computation's dtype, converted shard by shard after loading "
+                            "(default: as stored; KDA states stay float32)")
+
+
+def load_model(args: argparse.Namespace) -> LoadedRun:
+    """The run ``args.run`` at ``args.step``, placed and cast as ``--mesh`` and ``--dtype`` say."""
+    return load_run(args.run, args.step, mesh=args.mesh, dtype=args.dtype)
 
 
 def add_speculation_flags(parser: argparse.ArgumentParser) -> None:

@@ -27,10 +27,10 @@ import numpy as np
 
 from k3jax.checkpoint import quiet_checkpoint_io
 from k3jax.data import DataError, load_tokenizer
-from k3jax.inference import InputError, load_run
+from k3jax.inference import InputError
 from k3jax.inference.chat import chat_turns_for
 
-from .flags import OneLineParser, add_speculation_flags, speculation_from
+from .flags import OneLineParser, add_placement_flags, add_speculation_flags, load_model, speculation_from
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -47,6 +47,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--raw", action="store_true",
                         help="on a chat run: plain-text prompts and continuations, no chat format")
+    add_placement_flags(parser)
     add_speculation_flags(parser)
     return parser.parse_args(argv)
 
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         prompts = read_prompts(args)
-        run = load_run(args.run, args.step)
+        run = load_model(args)
         codec = Codec(run.config, raw=args.raw)
         ids = [codec.encode(prompt) for prompt in prompts]
         speculation, draft = speculation_from(args, run.config)

@@ -26,9 +26,9 @@ import pathlib
 import sys
 
 from k3jax.checkpoint import quiet_checkpoint_io
-from k3jax.inference import InputError, load_draft, load_run
+from k3jax.inference import InputError, load_draft
 
-from ..flags import OneLineParser, add_speculation_flags, speculation_settings
+from ..flags import OneLineParser, add_placement_flags, add_speculation_flags, load_model, speculation_settings
 
 DEFAULT_COMPILATION_CACHE = "~/.cache/k3jax/xla"    # `train.compilation_cache`'s default
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -81,6 +81,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              f"(default {DEFAULT_COMPILATION_CACHE}, as training's; 'none': off)")
     parser.add_argument("--drain-seconds", type=_positive(float), default=30.0,
                         help="on SIGTERM, seconds running requests get to finish (default 30)")
+    add_placement_flags(parser)
     add_speculation_flags(parser)
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
@@ -110,7 +111,7 @@ def build(args: argparse.Namespace):
     from .responses import ResponseStore
     from k3jax.sessions.speculate import Speculator
 
-    run = load_run(args.run, args.step)
+    run = load_model(args)
     name = args.model_name or run.run_dir.name
     served = ServedModel(run, name, args.max_model_len)
     draft = load_draft_model(args, run.config)

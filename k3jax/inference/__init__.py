@@ -1,8 +1,10 @@
 """Running a trained model: the library under ``eval``, ``eval.generate``, ``eval.chat``,
 ``eval.serve``, RL's rollouts and the benchmarks.
 
-    load       a model back from its checkpoints (`load_run`, `restore_model`: one device for
-               now), a draft model checked against its target (`load_draft`, `draft_mismatch`),
+    layout     the inference mesh and where weights and session pools lie on it
+               (`inference_placement`, `Placement`, `INFERENCE_RULES`)
+    load       a model back from its checkpoints onto one device or a mesh, in its stored
+               precision or cast (`load_run`, `restore_model`), a draft model checked against its target (`load_draft`, `draft_mismatch`),
                `InputError` for every bad input on the way
     generation batched generation in one compiled loop (`generate`), or by speculative rounds
                over a session store
@@ -13,7 +15,8 @@ The pieces it runs on have their own homes: the memory bank (`k3jax.memory`), th
 (`k3jax.config.SpeculationConfig`) and rules (`k3jax.speculative`).
 """
 from .generation import Generation, generate
+from .layout import INFERENCE_RULES, MeshError, Placement, inference_placement
 from .load import InputError, LoadedRun, RestoredModel, draft_mismatch, load_draft, load_run, restore_model
 
-__all__ = ["Generation", "InputError", "LoadedRun", "RestoredModel", "draft_mismatch", "generate", "load_draft",
+__all__ = ["INFERENCE_RULES", "MeshError", "Placement", "inference_placement", "Generation", "InputError", "LoadedRun", "RestoredModel", "draft_mismatch", "generate", "load_draft",
            "load_run", "restore_model"]

@@ -2,17 +2,22 @@
 policy, reference and draft, export.
 
     run = load_run("runs/chat")                 # a run, its checkpoints/ or one step directory
-    run.model, run.config, run.step, run.run_dir
-    restored = restore_model("runs/chat", step=None)   # the library call under it
+    run = load_run("runs/chat", mesh="expert=4,tensor=2", dtype="bfloat16")   # sharded, cast
+    run.model, run.config, run.step, run.run_dir, run.placement
+    restored = restore_model("runs/chat", step=None, placement=None)   # the library call under it
     draft = load_draft("runs/small", run.config)       # a draft model for speculative decoding
 
-The model is rebuilt from the config saved in the checkpoint, on this process's first device
-(whatever devices wrote it); parameters and router biases only (no optimizer state), each array
-verified against its saved checksum. Every failure of `load_run` and `load_draft` is one
+The model is rebuilt from the config saved in the checkpoint: on this process's first device
+(whatever devices wrote it), or on a mesh (`k3jax.inference.layout`), each array restored by Orbax
+straight into the shards the inference layout gives it (the abstract arrays carry their
+shardings, so nothing lands in the saved layout first). Parameters and router biases only (no
+optimizer state), each array verified against its saved checksum, then cast shard by shard if a
+dtype is asked for; MXFP4 experts stay packed. Every failure of `load_run` and `load_draft` is one
 `InputError` line.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import pathlib
@@ -20,13 +25,18 @@ import sys
 import warnings
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.checkpoint import (CheckpointError, RunCheckpoints, checkpoint_directory, restore_newest_good,
-                              restore_subtree)
+from k3jax.checkpoint import (CheckpointError, RunCheckpoints, checkpoint_directory,
+                              restore_newest_good, restore_subtree)
 from k3jax.config import Config, ConfigError, config_from_dict
 from k3jax.data import DataError
 from k3jax.data.tokenizers import same_tokenizer
+from k3jax.inference.layout import MeshError, Placement, inference_placement
+from k3jax.layers.lora import LoRA
+from k3jax.sharding import abstract
 from k3jax.training.finetune import restore_lora_model
 from k3jax.training.state import abstract_model
 
@@ -38,8 +48,10 @@ class RestoredModel(NamedTuple):
     step: int
 
 
-def _restore_model_at(directory, step: int) -> tuple[nnx.Module, Any, dict]:
-    """``(model, config, meta)`` of checkpoint ``step``, its arrays verified."""
+def _restore_model_at(directory, step: int, placement: Placement | None,
+                      dtype: str | None) -> tuple[nnx.Module, Any, dict]:
+    """``(model, config, meta)`` of checkpoint ``step``, its arrays verified, placed by ``placement``
+    and cast to ``dtype``."""
     checkpoints = RunCheckpoints(checkpoint_directory(directory), read_only=True)
     try:
         meta = checkpoints.meta(step)
@@ -48,22 +60,50 @@ def _restore_model_at(directory, step: int) -> tuple[nnx.Module, Any, dict]:
     if not isinstance(meta.get("config"), dict):
         raise CheckpointError(f"checkpoint {step} in {checkpoints.directory} has no saved config")
     config = config_from_dict(meta["config"])
+    if dtype is not None:
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, compute_dtype=dtype))
+    mesh, mesh_config = (None, None) if placement is None else (placement.mesh, placement.mesh_config)
     if config.finetune.lora:
-        return restore_lora_model(directory, step, config, meta), config, meta
-    parts, params, buffers = abstract_model(config.model)
+        model = restore_lora_model(directory, step, config, meta, placement)
+        return cast_weights(model, dtype), config, meta
+    parts, params, buffers = abstract_model(config.model, mesh, mesh_config)
+    if placement is not None:
+        params = abstract(params, placement.shardings(parts.params.axes(), params))
+        buffers = abstract(buffers, placement.shardings(parts.buffers.axes(), buffers))
     params, _ = restore_subtree(directory, "params", params, step)
     buffers, _ = restore_subtree(directory, "buffers", buffers, step)
-    return parts.merge(params, buffers), config, meta
+    return cast_weights(parts.merge(params, buffers), dtype), config, meta
 
 
-def restore_model(directory, step: int | None = None, report=None) -> RestoredModel:
+def cast_weights(model: nnx.Module, dtype: str | None) -> nnx.Module:
+    """``model`` with its floating-point parameters (`nnx.Param`, LoRA adapters) in ``dtype`` (None:
+    as stored), one array at a time where it lies: each device converts its own shards, and each
+    stored array is freed once converted. Router biases and MXFP4 codes and scales are kept."""
+    if dtype is None:
+        return model
+    target = jnp.dtype(dtype)
+    for _, variable in nnx.iter_graph(model):
+        if isinstance(variable, (nnx.Param, LoRA)) and jnp.issubdtype(variable.dtype, jnp.floating) \
+                and variable.dtype != target:
+            stored = variable.get_value()
+            variable.set_value(jax.jit(lambda a: a.astype(target), out_shardings=stored.sharding)(stored))
+            stored.delete()
+    return model
+
+
+def restore_model(directory, step: int | None = None, report=None, placement: Placement | None = None,
+                  dtype: str | None = None) -> RestoredModel:
     """The model of a trainer checkpoint (a run directory or its ``checkpoints/``), built from the
-    config saved with it, on this process's first device (whatever devices wrote it). ``step`` None
-    picks the newest checkpoint that restores: each newer one that is corrupted or unreadable is
-    reported through ``report`` (default: a logging warning) and skipped. Only parameters and router
-    biases are read (not the optimizer state), each verified against its saved checksum; a LoRA
-    run's model is its base (from the run it names) with the adapters it trained. Raises
-    `k3jax.checkpoint.CheckpointError` when there is none."""
+    config saved with it. ``placement`` (`k3jax.inference.layout.inference_placement`) puts it on a
+    mesh: every array is restored straight into its shards there (no host or device holds the
+    whole model) and the model is `parallelize`d for the mesh; None: on this process's first
+    device (whatever devices wrote it). ``dtype`` ("bfloat16", "float32"; None: as stored) converts
+    the floating-point weights shard by shard after they are verified, and sets the model's
+    ``compute_dtype``. ``step`` None picks the newest checkpoint that restores: each newer one that
+    is corrupted or unreadable is reported through ``report`` (default: a logging warning) and
+    skipped. Only parameters and router biases are read (not the optimizer state), each verified
+    against its saved checksum; a LoRA run's model is its base (from the run it names) with the
+    adapters it trained. Raises `k3jax.checkpoint.CheckpointError` when there is none."""
     checkpoints = RunCheckpoints(checkpoint_directory(directory), read_only=True)
     try:
         steps = [checkpoints.require_step(step)] if step is not None else checkpoints.steps()
@@ -71,7 +111,8 @@ def restore_model(directory, step: int | None = None, report=None) -> RestoredMo
     finally:
         checkpoints.close()
     report = report or logging.getLogger(__name__).warning
-    step, (model, config, meta) = restore_newest_good(steps, functools.partial(_restore_model_at, directory), report)
+    restore = functools.partial(_restore_model_at, directory, placement=placement, dtype=dtype)
+    step, (model, config, meta) = restore_newest_good(steps, restore, report)
     return RestoredModel(model, config, meta, step)
 
 
@@ -87,6 +128,7 @@ class LoadedRun(NamedTuple):
     step: int
     checkpoints: pathlib.Path     # the directory holding the step directories
     run_dir: pathlib.Path         # where the run's metrics.jsonl and summary.json are
+    placement: Placement | None = None   # the mesh it runs on (None: this process's first device)
 
 
 def locate_checkpoint(path: str, step: int | None) -> tuple[pathlib.Path, int | None]:
@@ -105,21 +147,42 @@ def _warn(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def load_run(path: str, step: int | None = None) -> LoadedRun:
+def load_run(path: str, step: int | None = None, mesh: str | dict | None = None,
+             dtype: str | None = None) -> LoadedRun:
     """Restore the model of the checkpoint at ``path`` (a run directory, its ``checkpoints/`` or one
     step directory ``<run>/checkpoints/<step>``): ``step``, or else the newest one that restores
-    (each newer, corrupted one reported on stderr)."""
+    (each newer, corrupted one reported on stderr); on ``mesh`` (``"expert=4,tensor=2"``, ``"auto"``
+    or ``{axis: size}``; None: one device) over every device of every process, its floating-point
+    weights in ``dtype`` (None: as stored). A mesh that cannot hold the model is refused before
+    any weight is read."""
     checkpoints, step = locate_checkpoint(path, step)
+    placement = None
     try:
+        if mesh is not None:
+            placement = inference_placement(saved_config(checkpoints, step).model, mesh)
         with warnings.catch_warnings():   # the trainer's checkpoints hold single-device arrays
             warnings.filterwarnings("ignore", message="Sharding info not provided when restoring")
-            restored = restore_model(checkpoints, step, report=_warn)
+            restored = restore_model(checkpoints, step, report=_warn, placement=placement, dtype=dtype)
+    except MeshError as error:
+        raise InputError(str(error)) from None
     except (CheckpointError, ConfigError) as error:
         raise InputError(f"cannot load the checkpoint in {checkpoints}: {error}") from None
     except (KeyError, TypeError, ValueError) as error:   # metadata without a usable config
         raise InputError(f"checkpoint in {checkpoints} has unusable metadata: {type(error).__name__}: {error}") from None
     run_dir = checkpoints.parent if checkpoints.name == "checkpoints" else checkpoints
-    return LoadedRun(restored.model, restored.config, restored.meta, restored.step, checkpoints, run_dir)
+    return LoadedRun(restored.model, restored.config, restored.meta, restored.step, checkpoints, run_dir, placement)
+
+
+def saved_config(directory, step: int | None) -> Config:
+    """The config saved with checkpoint ``step`` (None: the newest) of a run, without its arrays."""
+    checkpoints = RunCheckpoints(checkpoint_directory(directory), read_only=True)
+    try:
+        meta = checkpoints.meta(checkpoints.require_step(step))
+    finally:
+        checkpoints.close()
+    if not isinstance(meta.get("config"), dict):
+        raise CheckpointError(f"a checkpoint in {checkpoints.directory} has no saved config")
+    return config_from_dict(meta["config"])
 
 
 def draft_mismatch(target: Config, draft: Config) -> str | None:
@@ -140,10 +203,11 @@ def draft_mismatch(target: Config, draft: Config) -> str | None:
     return None
 
 
-def load_draft(path: str, target: Config) -> nnx.Module:
+def load_draft(path: str, target: Config, mesh: str | dict | None = None, dtype: str | None = None) -> nnx.Module:
     """The model of run ``path`` (its newest good checkpoint) as a draft for a model trained with
-    ``target``: `InputError` when it does not load or reads other token ids (`draft_mismatch`)."""
-    run = load_run(path)
+    ``target``, on ``mesh`` in ``dtype`` (`load_run`): `InputError` when it does not load or reads
+    other token ids (`draft_mismatch`)."""
+    run = load_run(path, mesh=mesh, dtype=dtype)
     problem = draft_mismatch(target, run.config)
     if problem is not None:
         raise InputError(f"draft {path}: {problem}")

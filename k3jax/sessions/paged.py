@@ -78,26 +78,57 @@ def piece_lengths(start: int, stop: int, chunk: int) -> list[int]:
     return pieces
 
 
+# Logical axes of the pools' dimensions (`k3jax.layers.params` names): on a mesh the KDA states
+# split over the value heads as the model's KDA weights do; conv tails and the MLA latent (one
+# compressed row per token, shared by every head) are small and replicated.
+POOL_AXES = Pools(state=(None, None, "value_heads", "head_dim", "head_dim"), conv=(None, None, None, "conv"),
+                  latent=(None, None, None, "kv_lora"))
+
+
+def pool_shardings(model, pools: Pools) -> Pools | None:
+    """The shardings of ``pools`` for a model `k3jax.sharding.parallelize`d on a mesh (the mesh and
+    rules of its ``activation_layout``; `POOL_AXES`); None for a model on one device."""
+    from k3jax.sharding.mesh import partition_spec   # the sharding package imports the model
+    layout = getattr(model, "activation_layout", None)
+    mesh = getattr(layout, "mesh", None)
+    if mesh is None or mesh.size == 1:
+        return None
+    return Pools(*(jax.sharding.NamedSharding(mesh, partition_spec(axes, array.shape, layout.rules, mesh))
+                   for axes, array in zip(POOL_AXES, pools)))
+
+
 def empty_pools(config, slots: int, pages: int, page_size: int) -> Pools:
-    """Zero pools for ``slots`` KDA slots and ``pages`` MLA pages."""
+    """Zero pools for ``slots`` KDA slots and ``pages`` MLA pages (shapes only: ``jax.ShapeDtypeStruct``s
+    through `placed`)."""
     kda, mla = config.kda, config.mla
     num_mla = len(config.mla_layer_indices)
     num_kda = config.num_layers - num_mla
     dtype = jnp.dtype(config.compute_dtype)
     return Pools(
-        state=jnp.zeros((slots, num_kda, kda.num_value_heads, kda.head_dim, kda.head_dim), jnp.float32),
-        conv=jnp.zeros((slots, num_kda, kda.conv_size - 1, kda.conv_width), dtype),
-        latent=jnp.zeros((num_mla, pages, page_size, mla.latent_width), dtype),
+        state=jax.ShapeDtypeStruct((slots, num_kda, kda.num_value_heads, kda.head_dim, kda.head_dim), jnp.float32),
+        conv=jax.ShapeDtypeStruct((slots, num_kda, kda.conv_size - 1, kda.conv_width), dtype),
+        latent=jax.ShapeDtypeStruct((num_mla, pages, page_size, mla.latent_width), dtype),
     )
 
 
-def grown(pools: Pools, slots: int, pages: int) -> Pools:
-    """``pools`` with capacity raised to ``slots`` and ``pages`` (contents kept, new entries zero)."""
+def placed(shapes: Pools, shardings: Pools | None) -> Pools:
+    """Zero pools of these shapes, created where ``shardings`` put them (None: the default device)."""
+    def zeros():
+        return Pools(*(jnp.zeros(shape.shape, shape.dtype) for shape in shapes))
+    return jax.jit(zeros, out_shardings=shardings)()
+
+
+def grown(pools: Pools, slots: int, pages: int, shardings: Pools | None = None) -> Pools:
+    """``pools`` with capacity raised to ``slots`` and ``pages`` (contents kept, new entries zero),
+    laid out by ``shardings`` (None: where XLA puts them)."""
     def pad(array, axis, size):
         widths = [(0, 0)] * array.ndim
         widths[axis] = (0, size - array.shape[axis])
         return jnp.pad(array, widths)
-    return Pools(pad(pools.state, 0, slots), pad(pools.conv, 0, slots), pad(pools.latent, 1, pages))
+
+    def grow(pools):
+        return Pools(pad(pools.state, 0, slots), pad(pools.conv, 0, slots), pad(pools.latent, 1, pages))
+    return jax.jit(grow, out_shardings=shardings)(pools)
 
 
 def gather_bank(pools: Pools, slots: jax.Array, tables: jax.Array, lengths: jax.Array) -> Memory:

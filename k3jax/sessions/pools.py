@@ -58,10 +58,11 @@ class RefCounts:
 
 class DevicePools:
     """The device pools ``arrays`` (programs that donate them assign their result back), the
-    holders of their slots and pages, and the bytes those take."""
+    holders of their slots and pages, and the bytes those take. ``shardings`` (`paged.pool_shardings`;
+    None on one device) is where the pools live on a mesh; they keep it when they grow."""
 
-    def __init__(self, arrays: Pools):
-        self.arrays = arrays
+    def __init__(self, arrays: Pools, shardings: Pools | None = None):
+        self.arrays, self.shardings = arrays, shardings
         self.slots, self.pages = RefCounts(arrays.state.shape[0]), RefCounts(arrays.latent.shape[1])
         self.page_size = arrays.latent.shape[2]
         self.slot_bytes = sum(a.nbytes // a.shape[0] for a in (arrays.state, arrays.conv))   # a KDA slot
@@ -70,7 +71,7 @@ class DevicePools:
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of the slots and pages someone holds."""
+        """Bytes of the slots and pages someone holds (whole arrays: on a mesh, summed over devices)."""
         return self.slots.in_use * self.slot_bytes + self.pages.in_use * self.page_bytes
 
     @property
@@ -96,7 +97,7 @@ class DevicePools:
         while len(self.pages.free) + (page_capacity - self.pages.capacity) < pages:
             page_capacity *= 2
         if (slot_capacity, page_capacity) != (self.slots.capacity, self.pages.capacity):
-            self.arrays = paged.grown(self.arrays, slot_capacity, page_capacity)
+            self.arrays = paged.grown(self.arrays, slot_capacity, page_capacity, self.shardings)
             self.slots.grow(slot_capacity)
             self.pages.grow(page_capacity)
 

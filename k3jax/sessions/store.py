@@ -83,13 +83,15 @@ class SessionStore:
         self.model, self.config = model, config
         self.page_size = config.kda.chunk_size
         self.fingerprint = fingerprint or model_fingerprint(model)
-        self._device = DevicePools(paged.empty_pools(config, _INITIAL_SLOTS, _INITIAL_PAGES, self.page_size))
+        shapes = paged.empty_pools(config, _INITIAL_SLOTS, _INITIAL_PAGES, self.page_size)
+        shardings = paged.pool_shardings(model, shapes)
+        self._device = DevicePools(paged.placed(shapes, shardings), shardings)
         self.slot_bytes, self.page_bytes = self._device.slot_bytes, self._device.page_bytes
         self.device_budget, self.host_budget = device_bytes, host_bytes
         self.disk_dir = None if disk_dir is None else pathlib.Path(disk_dir)
         self._clock = Clock()
         self._prefix = PrefixCache(self.fingerprint, self._device.pages, self._clock)
-        host = HostTier(next(iter(self._device.arrays.state.devices())))
+        host = HostTier(self._device.arrays.state.devices())
         self._tiers = Tiers(self._device, self._prefix, host, self._clock, self._values, self.device_budget,
                             self.host_budget, self.disk_dir)
         self._registry = Registry(self._tiers)

@@ -57,11 +57,13 @@ def pinned_host_available(device) -> bool:
 class HostTier:
     """Puts host values into the device's ``pinned_host`` memory when it has one (transfers to
     and from the device are then direct copies), into host numpy arrays otherwise; ``kind`` says
-    which ("pinned_host" or "numpy")."""
+    which ("pinned_host" or "numpy"). ``devices``: those the pools live on; pools split over
+    several devices (a mesh) keep host values as numpy arrays."""
 
-    def __init__(self, device):
-        self.device = device
-        self.kind = "pinned_host" if pinned_host_available(device) else "numpy"
+    def __init__(self, devices):
+        devices = list(devices) if isinstance(devices, (set, frozenset, list, tuple)) else [devices]
+        self.device = devices[0]
+        self.kind = "pinned_host" if len(devices) == 1 and pinned_host_available(self.device) else "numpy"
 
     def put(self, value: HostValue) -> HostValue:
         """``value`` (device, pinned or numpy arrays) held in this tier."""

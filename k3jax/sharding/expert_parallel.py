@@ -258,10 +258,24 @@ class ExpertDispatch:
     config: MeshConfig
 
     def __call__(self, x, indices, weights, w_gate, w_up, w_down, activation: GLUActivation):
-        """`expert_parallel_experts` of these arrays on the placement their shapes allow."""
-        hidden_block = BLOCK if isinstance(w_gate, Mxfp4Experts) else 1
-        placement = expert_placement(self.mesh, self.config, x.shape[0], w_gate.shape[-1], hidden_block)
-        return expert_parallel_experts(x, indices, weights, w_gate, w_up, w_down, activation, placement)
+        """`expert_parallel_experts` of these arrays on the placement their shapes allow. A dropless
+        dispatch (`is_dropless`) takes any number of token rows: it pads them with rows of routing
+        weight 0 to a multiple of the expert devices (decoding a few sessions), which can displace
+        no real row since nothing is dropped, and returns the real rows' outputs."""
+        rows, hidden_block = x.shape[0], BLOCK if isinstance(w_gate, Mxfp4Experts) else 1
+        ep = axes_size(self.mesh, tuple(axis for axis in self.config.rules.experts if self.mesh.shape[axis] > 1))
+        padding = -rows % ep if is_dropless(self.config, w_gate.shape[0], indices.shape[-1]) else 0
+        if padding:
+            x, indices, weights = (jnp.pad(a, [(0, padding)] + [(0, 0)] * (a.ndim - 1)) for a in (x, indices, weights))
+        placement = expert_placement(self.mesh, self.config, rows + padding, w_gate.shape[-1], hidden_block)
+        out, dropped = expert_parallel_experts(x, indices, weights, w_gate, w_up, w_down, activation, placement)
+        return out[:rows], dropped
+
+
+def is_dropless(config: MeshConfig, num_experts: int, top_k: int) -> bool:
+    """Whether ``config``'s dispatch never drops an assignment: ragged, or capacity with
+    capacity_factor >= E / k (then C >= n, `expert_capacity`)."""
+    return config.moe_dispatch == "ragged" or config.capacity_factor * top_k >= num_experts
 
 
 def expert_dispatch(mesh: Mesh, config: MeshConfig) -> ExpertDispatch | None:

@@ -30,6 +30,7 @@ import jax
 from flax import nnx
 
 from k3jax.checkpoint import CheckpointError, restore_subtree, tree_checksums
+from k3jax.sharding import abstract
 from k3jax.config import ConfigError, FinetuneConfig, ModelConfig
 from k3jax.layers.lora import LoRA, LoRADropoutSeed, attach_adapters, select_weights, set_adapter_dropout
 from k3jax.layers.moe import ExpertCodes, RouterBias
@@ -140,13 +141,22 @@ def restored_base(meta: dict, parts: ModelParts, abstract_frozen: dict, where: s
     return frozen
 
 
-def restore_lora_model(directory, step: int, config, meta: dict) -> nnx.Module:
+def restore_lora_model(directory, step: int, config, meta: dict, placement=None) -> nnx.Module:
     """The fine-tuned model of LoRA checkpoint ``step``: its base (verified) with the adapters and
-    router biases of the checkpoint, dropout off, on this process's first device."""
-    lora = abstract_lora_model(config.model, config.finetune, config.train.seed)
-    frozen = restored_base(meta, lora.parts, lora.frozen, f"checkpoint {step} in {directory}")
-    adapters, _ = restore_subtree(directory, "params", lora.adapters, step)
-    buffers, _ = restore_subtree(directory, "buffers", lora.buffers, step)
+    router biases of the checkpoint, dropout off; on this process's first device, or restored
+    straight into its shards on ``placement``'s mesh (`k3jax.inference.layout.Placement`), the
+    adapters beside the weights they adapt."""
+    mesh = None if placement is None else placement.mesh
+    lora = abstract_lora_model(config.model, config.finetune, config.train.seed, mesh,
+                               None if placement is None else placement.mesh_config)
+    frozen, adapters, buffers = lora.frozen, lora.adapters, lora.buffers
+    if placement is not None:
+        frozen = abstract(frozen, placement.shardings(lora.parts.frozen.axes(), frozen))
+        adapters = abstract(adapters, placement.shardings(lora.parts.params.axes(), adapters))
+        buffers = abstract(buffers, placement.shardings(lora.parts.buffers.axes(), buffers))
+    frozen = restored_base(meta, lora.parts, frozen, f"checkpoint {step} in {directory}")
+    adapters, _ = restore_subtree(directory, "params", adapters, step)
+    buffers, _ = restore_subtree(directory, "buffers", buffers, step)
     model = lora.parts.merge(adapters, buffers, frozen)
     set_adapter_dropout(model, 0.0)
     return model
