@@ -122,31 +122,42 @@ class Placement:
         return " x ".join(f"{name}={size}" for name, size in self.mesh.shape.items() if size > 1) or "1 device"
 
 
-def inference_placement(config: ModelConfig, mesh: str | Mapping[str, int],
-                        devices: Sequence[jax.Device] | None = None) -> Placement:
-    """The `Placement` of a model of ``config`` on ``mesh`` (``"auto"``, ``"expert=4,tensor=2"`` or
-    ``{axis: size}``; axes left out are 1, except ``data``, which takes the devices left over) over
-    ``devices`` (default: every device of every process). `MeshError` when it cannot hold it."""
-    devices = list(jax.devices() if devices is None else devices)
+def mesh_sizes(config: ModelConfig, mesh: str | Mapping[str, int], device_count: int) -> dict[str, int]:
+    """``{axis: size}`` of ``mesh`` (``"auto"``, ``"expert=4,tensor=2"`` or ``{axis: size}``; axes
+    left out are 1, except ``data``, which takes the devices left over) over ``device_count``
+    devices, checked against the model (`MeshError` when it cannot hold it)."""
     sizes = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh)
     if sizes == "auto":
-        sizes = auto_mesh(config, len(devices))
+        sizes = auto_mesh(config, device_count)
     if "data" not in sizes:
         given = math.prod(sizes.values())
-        if len(devices) % given:
+        if device_count % given:
             raise MeshError(f"--mesh {_describe(sizes)} is {given} devices, which do not split the "
-                            f"{len(devices)} devices there are")
-        sizes = {"data": len(devices) // given, **sizes}
-    if math.prod(sizes.values()) != len(devices):
+                            f"{device_count} devices there are")
+        sizes = {"data": device_count // given, **sizes}
+    if math.prod(sizes.values()) != device_count:
         raise MeshError(f"--mesh {_describe(sizes)} is {math.prod(sizes.values())} devices, but there are "
-                        f"{len(devices)}")
+                        f"{device_count}")
     check_mesh_fits(config, sizes)
-    moe = config.moe
-    mesh_config = MeshConfig(
-        data=sizes.get("data", 1), fsdp=sizes.get("fsdp", 1), expert=sizes.get("expert", 1), context=1,
-        tensor=sizes.get("tensor", 1), rules=INFERENCE_RULES,
-        moe_dispatch="capacity" if sizes.get("expert", 1) > 1 else "local",
-        capacity_factor=moe.num_experts / moe.top_k)
+    return sizes
+
+
+def inference_mesh_config(config: ModelConfig, sizes: Mapping[str, int]) -> MeshConfig:
+    """The `MeshConfig` of running a model of ``config`` on a mesh of these axis sizes: the
+    inference rules, and the routed experts expert-parallel without drops when split."""
+    moe, expert = config.moe, sizes.get("expert", 1)
+    return MeshConfig(data=sizes.get("data", 1), fsdp=sizes.get("fsdp", 1), expert=expert, context=1,
+                      tensor=sizes.get("tensor", 1), rules=INFERENCE_RULES,
+                      moe_dispatch="capacity" if expert > 1 else "local",
+                      capacity_factor=moe.num_experts / moe.top_k)
+
+
+def inference_placement(config: ModelConfig, mesh: str | Mapping[str, int],
+                        devices: Sequence[jax.Device] | None = None) -> Placement:
+    """The `Placement` of a model of ``config`` on ``mesh`` (`mesh_sizes`) over ``devices``
+    (default: every device of every process). `MeshError` when it cannot hold it."""
+    devices = list(jax.devices() if devices is None else devices)
+    mesh_config = inference_mesh_config(config, mesh_sizes(config, mesh, len(devices)))
     return Placement(make_mesh(mesh_config, devices), mesh_config)
 
 
