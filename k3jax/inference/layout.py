@@ -8,14 +8,14 @@ The inference layout (`INFERENCE_RULES`) differs from training's where decoding 
 
     KDA heads, MLA heads, FFN and expert hidden width, vocabulary   over ``tensor``
     routed experts                                                  over ``expert``
-    model width of the dense weights, the MoE latent                over ``fsdp`` (weight sharding;
-                                                                    gathered per layer, for models
-                                                                    that do not fit otherwise)
+    model width of the dense weights, the MoE latent                over ``fsdp`` x ``expert``
+                                                                    (weight sharding, as training)
     batch rows (sessions decoded together)                          over ``data``
 
-Training's default also shards the model width over ``expert`` (FSDP over fsdp x expert), which
-would all-gather every dense weight at every decoded token. ``context`` does not exist here: a
-prefill piece is at most one KDA chunk. The routed experts go expert-parallel with the capacity
+so every weight but the norms, gates and routers splits over ``expert`` x ``tensor``: memory first
+(a model that fits), at the price of gathering each dense weight over the expert axis when a
+layer runs (GSPMD). ``data`` copies the model; ``context`` does not exist here: a prefill piece
+is at most one KDA chunk. The routed experts go expert-parallel with the capacity
 dispatch at capacity factor E / k, where no (token, expert) assignment is ever dropped
 (`k3jax.sharding.expert_parallel`): decoding then gives one device's tokens. A mesh whose
 ``tensor`` size does not divide the KDA or MLA heads, or whose ``expert`` size does not divide the
@@ -34,7 +34,7 @@ from k3jax.config import AxisRules, MeshConfig, ModelConfig
 from k3jax.sharding import make_mesh, named_shardings, partition_spec
 
 INFERENCE_AXES = ("data", "fsdp", "expert", "tensor")
-INFERENCE_RULES = AxisRules(batch=("data",), sequence=(), embed=("fsdp",), latent=("fsdp",))
+INFERENCE_RULES = AxisRules(batch=("data",), sequence=())
 
 
 class MeshError(ValueError):

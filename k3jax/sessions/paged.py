@@ -79,9 +79,11 @@ def piece_lengths(start: int, stop: int, chunk: int) -> list[int]:
 
 
 # Logical axes of the pools' dimensions (`k3jax.layers.params` names): on a mesh the KDA states
-# split over the value heads as the model's KDA weights do; conv tails and the MLA latent (one
-# compressed row per token, shared by every head) are small and replicated.
-POOL_AXES = Pools(state=(None, None, "value_heads", "head_dim", "head_dim"), conv=(None, None, None, "conv"),
+# split over the value heads as the model's KDA weights do, and the conv tails' channels (q, k
+# and v of every head) as the projections that write them; the MLA latent (one compressed row per
+# token, shared by every head) is replicated. These are the layouts the decode step's outputs take,
+# so the pools keep one layout (and the programs one compilation) from step to step.
+POOL_AXES = Pools(state=(None, None, "value_heads", "head_dim", "head_dim"), conv=(None, None, None, "heads"),
                   latent=(None, None, None, "kv_lora"))
 
 

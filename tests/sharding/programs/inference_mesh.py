@@ -1,0 +1,188 @@
+"""A model restored onto 8 devices (expert=4 x tensor=2) runs as it does on one device.
+
+The weights: the micro K3 at d = 256 with 8 experts and two heads per mixer, saved at
+initialisation, loaded on the mesh: the per-device bytes. The runs: the same at the micro width,
+trained a few steps on MQAR, loaded on one device and on the mesh: how the mesh compares with one
+device on: the full forward's logits;
+eval's MQAR recall and perplexity; `generate` (greedy and sampled); the session store's batched
+decode with fork, snapshot and rollback, and its pools' shardings; speculative decoding by prompt
+lookup; the model in bfloat16 (``--dtype``) on both. On an untrained chat run of the same shape
+(K3's chat format): ``eval.chat`` with /fork and /rollback, and ``eval.serve`` driven by the
+``openai`` client (chat, stream, a tool round trip, ``previous_response_id``), ``--mesh`` against none.
+"""
+import io
+import pathlib
+import sys
+import tempfile
+
+import jax
+import numpy as np
+from flax import nnx
+
+from eval import chat as chat_program
+from eval.cli import evaluate
+from eval.serve.cli import build, parse_args
+from eval.tasks import MQARLengthTask, PerplexityTask
+from k3jax.config import SpeculationConfig
+from k3jax.inference import generate, load_run
+from k3jax.sessions import SessionStore, Speculator
+from k3jax.training import Trainer
+from tests.helpers import rel_err
+from tests.serve.conftest import CHAT
+from tests.sharding.programs.common import emit, small_k3_config
+
+MESH = "expert=4,tensor=2"
+EXPERTS = "model.moe.num_experts=8"
+WIDE = ("model.d_model=256", "model.moe.expert_width=64", "model.moe.latent_dim=64", "model.dense_width=256")
+TASKS = [PerplexityTask(batches_per_seed=1, batch_size=8),
+         MQARLengthTask(length_multipliers=(1,), rows_per_seed=16, batch_size=8)]
+PROMPTS = [[5, 9, 12, 5, 9], [7, 3, 3, 8, 1, 4, 4, 2, 9, 9, 11, 30, 2], [100, 101]]
+
+
+def weight_bytes(model) -> dict:
+    """Total bytes of the weights, the largest per-device share and the fully replicated bytes."""
+    per_device: dict = {}
+    total = replicated = 0
+    for leaf in jax.tree.leaves(nnx.state(model)):
+        total += leaf.nbytes
+        replicated += leaf.nbytes if leaf.sharding.is_fully_replicated else 0
+        for shard in leaf.addressable_shards:
+            per_device[shard.device.id] = per_device.get(shard.device.id, 0) + shard.data.nbytes
+    return {"total": total, "largest_device": max(per_device.values()), "replicated": replicated,
+            "devices": len(per_device)}
+
+
+def report_values(report: dict) -> dict:
+    """``{task/metric: value}`` of a report's numbers."""
+    values = {}
+
+    def walk(prefix, node):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(f"{prefix}/{key}", value)
+        elif isinstance(node, list):
+            for index, value in enumerate(node):
+                walk(f"{prefix}/{index}", value)
+        elif isinstance(node, float) and "seconds" not in prefix and "per_s" not in prefix:
+            values[prefix] = node
+    walk("", report.get("tasks", report))
+    return values
+
+
+def session_work(model, speculate: bool) -> dict:
+    """Tokens of a store's work: batched greedy and sampled decode, fork, snapshot and rollback
+    (and the pools' shardings after it)."""
+    store = SessionStore(model)
+    sids = [store.open(prompt) for prompt in PROMPTS]
+    out = {"greedy": [t.tolist() for t in store.generate(sids, 6)]}
+    out["sampled"] = [t.tolist() for t in store.generate(sids, 6, temperature=1.0, top_p=0.9, seed=3)]
+    fork = store.fork(sids[1])
+    handle = store.snapshot(sids[1])
+    out["fork"] = [t.tolist() for t in store.generate([fork, sids[1]], 5)]
+    store.rollback(sids[1], handle)
+    out["after_rollback"] = store.generate([sids[1]], 5)[0].tolist()
+    out["logits"] = np.asarray(store.logits(sids[0])).tolist()
+    out["pool_specs"] = [str(getattr(array.sharding, "spec", None)) for array in store._device.arrays]
+    if speculate:
+        speculator = Speculator.of(store, SpeculationConfig(prompt_lookup=3, k=3))
+        sid = store.open(PROMPTS[0] * 3)
+        out["speculative"] = store.generate([sid], 8, speculator=speculator)[0].tolist()
+    return out
+
+
+CHAT_SCRIPT = "3 QWERTY\nand again\n/fork\nsomething else\n/rollback\n/sessions\nlast one\n"
+
+
+def chat_transcript(run_dir, *flags) -> str:
+    """What ``python -m eval.chat RUN`` prints for `CHAT_SCRIPT`."""
+    out = io.StringIO()
+    assert chat_program.main([str(run_dir), "--max-new-tokens", "6", *flags], stdin=io.StringIO(CHAT_SCRIPT),
+                             stdout=out) == 0
+    return out.getvalue()
+
+
+def served_replies(run_dir, *flags) -> list:
+    """The replies of ``eval.serve RUN`` to the ``openai`` client: chat, stream, a tool round trip,
+    a response continued by ``previous_response_id``."""
+    import openai
+    from fastapi.testclient import TestClient
+    app, _, served = build(parse_args([str(run_dir), "--max-model-len", "1024", *flags]))
+    with TestClient(app) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        name = served.name
+        messages = [{"role": "user", "content": "3 QWERTY"}]
+        plain = client.chat.completions.create(model=name, messages=messages, max_tokens=8, temperature=0)
+        stream = client.chat.completions.create(model=name, messages=messages, max_tokens=8, temperature=0,
+                                                stream=True, logprobs=True)
+        chunks = [(chunk.choices[0].delta.content, [t.logprob for t in chunk.choices[0].logprobs.content])
+                  for chunk in stream if chunk.choices and chunk.choices[0].logprobs]
+        tools = [{"type": "function", "function": {"name": "add", "parameters": {
+            "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
+        history = messages + [
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 3, "b": 4}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "7"}]
+        tool = client.chat.completions.create(model=name, messages=history, tools=tools, max_tokens=8, temperature=0)
+        first = client.responses.create(model=name, input="3 QWERTY", max_output_tokens=6, temperature=0)
+        second = client.responses.create(model=name, input="again", previous_response_id=first.id,
+                                         max_output_tokens=6, temperature=0)
+        return [plain.choices[0].message.content, chunks, tool.choices[0].message.content, first.output_text,
+                second.output_text]
+
+
+def same_replies(a: list, b: list) -> bool:
+    """The same texts, and the streamed log-probs within 1e-5."""
+    texts = [a[0], [c for c, _ in a[1]], *a[2:]] == [b[0], [c for c, _ in b[1]], *b[2:]]
+    logprobs = all(np.allclose(x, y, atol=1e-5, rtol=0) for (_, x), (_, y) in zip(a[1], b[1]))
+    return texts and logprobs
+
+
+def largest_difference(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+def main() -> None:
+    root = pathlib.Path(tempfile.mkdtemp())
+    Trainer(small_k3_config(f"run_dir={root / 'wide'}", EXPERTS, *WIDE)).save(force=True)
+    wide = load_run(str(root / "wide"), mesh=MESH)
+    Trainer(small_k3_config(f"run_dir={root / 'run'}", "train.steps=6", "train.eval_batches=0", EXPERTS)).run()
+    one, sharded = load_run(str(root / "run")), load_run(str(root / "run"), mesh=MESH)
+    tokens = np.asarray([PROMPTS[1] * 4], np.int32)
+    forward = jax.jit(lambda model, t: model(t).logits)
+    for name in ("one", "mesh"):
+        (root / f"eval-{name}").mkdir()
+    reports = [evaluate(run, TASKS, 1, root / f"eval-{name}", show_progress=False)
+               for name, run in (("one", one), ("mesh", sharded))]
+    values = [report_values(report) for report in reports]
+    generated = [generate(run.model, np.asarray(PROMPTS[:1] * 2), max_new_tokens=6).tokens.tolist() for run in (one, sharded)]
+    sampled = [generate(run.model, np.asarray(PROMPTS[:1] * 2), max_new_tokens=6, temperature=1.0, seed=5).tokens.tolist()
+               for run in (one, sharded)]
+    work = [session_work(run.model, speculate=True) for run in (one, sharded)]
+    halves = [load_run(str(root / "run"), dtype="bfloat16"), load_run(str(root / "run"), mesh=MESH, dtype="bfloat16")]
+    half_work = [session_work(run.model, speculate=False) for run in halves]
+    chat_run = root / "chat"
+    Trainer(small_k3_config(f"run_dir={chat_run}", *CHAT, "data.chat_thinking=false", EXPERTS)).save(force=True)
+    transcripts = [chat_transcript(chat_run), chat_transcript(chat_run, "--mesh", MESH)]
+    replies = [served_replies(chat_run), served_replies(chat_run, "--mesh", MESH)]
+    emit({
+        "chat": transcripts[0] == transcripts[1], "chat_forked": "forked" in transcripts[1],
+        "serve": same_replies(*replies), "served": replies[1][0],
+        "bytes": weight_bytes(wide.model),
+        "mesh": sharded.placement.describe(),
+        "logits": largest_difference(forward(one.model, tokens), forward(sharded.model, tokens)),
+        "eval_keys": sorted(values[0]) == sorted(values[1]) and len(values[0]) > 0,
+        "eval": max(abs(values[0][key] - values[1][key]) / max(abs(values[0][key]), 1e-30) for key in values[0]),
+        "generate": generated[0] == generated[1], "sampled": sampled[0] == sampled[1],
+        "store": {key: work[0][key] == work[1][key] for key in ("greedy", "sampled", "fork", "after_rollback",
+                                                                 "speculative")},
+        "store_logits": largest_difference(work[0]["logits"], work[1]["logits"]),
+        "pool_specs": work[1]["pool_specs"],
+        "bf16_dtypes": sorted({str(leaf.dtype) for leaf in jax.tree.leaves(nnx.state(halves[1].model))}),
+        "bf16_greedy": half_work[0]["greedy"] == half_work[1]["greedy"],
+        "bf16_logits": rel_err(half_work[1]["logits"], half_work[0]["logits"]),
+        "devices": len(jax.devices()),
+    })
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Running a model on a mesh of 8 fake CPU devices (expert=4 x tensor=2) equals running it on one:
+``tests/sharding/programs/inference_mesh.py`` in a subprocess (the device count is fixed when JAX
+starts)."""
+import pytest
+
+from tests.sharding.test_multi_device import program, program_result
+
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
+
+
+@pytest.fixture(scope="module")
+def result():
+    return program_result(program("inference_mesh"))
+
+
+def test_weights_split_over_every_device(result):
+    sizes = result["bytes"]
+    assert result["mesh"] == "expert=4 x tensor=2" and sizes["devices"] == 8
+    assert sizes["largest_device"] <= 1.15 * sizes["total"] / 8 + sizes["replicated"], sizes
+    assert sizes["replicated"] < 0.01 * sizes["total"], sizes      # norms, gates, routers only
+
+
+def test_eval_generate_and_sessions_equal_one_device(result):
+    assert result["logits"] <= 1e-5 and result["store_logits"] <= 1e-5
+    assert result["eval_keys"] and result["eval"] <= 1e-5, result["eval"]     # MQAR recall, perplexity
+    assert result["generate"] and result["sampled"]
+    assert result["store"] == {key: True for key in ("greedy", "sampled", "fork", "after_rollback", "speculative")}
+    # KDA states and conv tails over the heads, as created: no program moved them
+    assert result["pool_specs"] == ["P(None, None, 'tensor')", "P(None, None, None, 'tensor')", "P()"]
+
+
+def test_bfloat16_weights(result):
+    assert result["bf16_dtypes"] == ["bfloat16", "float32"]     # router biases stay float32
+    assert result["bf16_greedy"] and result["bf16_logits"] <= 0.05, result["bf16_logits"]
+
+
+def test_chat_and_server_equal_one_device(result):
+    assert result["chat"] and result["chat_forked"]
+    assert result["serve"] and result["served"]
