@@ -82,7 +82,10 @@ def session_work(model, speculate: bool) -> dict:
     store.rollback(sids[1], handle)
     out["after_rollback"] = store.generate([sids[1]], 5)[0].tolist()
     out["logits"] = np.asarray(store.logits(sids[0])).tolist()
-    out["pool_specs"] = [str(getattr(array.sharding, "spec", None)) for array in store._device.arrays]
+    pools, shardings = store._device.arrays, store._device.shardings
+    out["pool_specs"] = None if shardings is None else [str(sharding.spec) for sharding in shardings]
+    out["pools_kept"] = shardings is None or all(array.sharding.is_equivalent_to(sharding, array.ndim)
+                                                 for array, sharding in zip(pools, shardings))
     if speculate:
         speculator = Speculator.of(store, SpeculationConfig(prompt_lookup=3, k=3))
         sid = store.open(PROMPTS[0] * 3)
@@ -176,7 +179,7 @@ def main() -> None:
         "store": {key: work[0][key] == work[1][key] for key in ("greedy", "sampled", "fork", "after_rollback",
                                                                  "speculative")},
         "store_logits": largest_difference(work[0]["logits"], work[1]["logits"]),
-        "pool_specs": work[1]["pool_specs"],
+        "pool_specs": work[1]["pool_specs"], "pools_kept": work[1]["pools_kept"],
         "bf16_dtypes": sorted({str(leaf.dtype) for leaf in jax.tree.leaves(nnx.state(halves[1].model))}),
         "bf16_greedy": half_work[0]["greedy"] == half_work[1]["greedy"],
         "bf16_logits": rel_err(half_work[1]["logits"], half_work[0]["logits"]),
