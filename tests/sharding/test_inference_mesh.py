@@ -26,8 +26,8 @@ def test_eval_generate_and_sessions_equal_one_device(result):
     assert result["generate"] and result["sampled"]
     assert result["store"] == {key: True for key in ("greedy", "sampled", "fork", "after_rollback", "speculative")}
     # KDA states and conv tails over the heads, the MLA latent replicated; no program moved them
-    assert result["pool_specs"] == ["PartitionSpec(None, None, 'tensor', None, None)",
-                                    "PartitionSpec(None, None, None, 'tensor')", "PartitionSpec(None, None, None, None)"]
+    assert result["pool_specs"] == ["P(None, None, 'tensor', None, None)",
+                                    "P(None, None, None, 'tensor')", "P(None, None, None, None)"]
     assert result["pools_kept"]
 
 
