@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import eval.chat
+import eval.flags
 import eval.generate
 import k3jax.inference.generation
 from k3jax.config import load_config
@@ -103,7 +104,7 @@ def test_generate_renders_a_user_turn_stops_at_end_of_msg_and_prints_the_reply(t
     config = chat_config(tokenizer_dir)
     tokenizer = load_tokenizer(tokenizer_dir)
     fake = RecordingGenerate(reply_ids(tokenizer_dir, "three") + list(b"<after the end>"))
-    monkeypatch.setattr(eval.generate, "load_run", lambda path, step: loaded(config, tmp_path))
+    monkeypatch.setattr(eval.flags, "load_run", lambda path, step, mesh, dtype: loaded(config, tmp_path))
     monkeypatch.setattr(k3jax.inference.generation, "generate", fake)
     assert eval.generate.main(["run", "--prompt", "3 QWERTY", "--prompt", "1 ZX", "--max-new-tokens", "64"]) == 0
     assert capsys.readouterr().out.splitlines() == ["three", "three"]
@@ -154,7 +155,7 @@ def test_chat_session_holds_the_rendered_conversation(tokenizer_dir, tmp_path, m
     # and one the renderer would not write (it ends the message inside the think channel)
     RecordingStore.replies = [reply_ids(tokenizer_dir, "three") + [65], reply_ids(tokenizer_dir, "two")[:19],
                               list(b"hm") + [end]]
-    monkeypatch.setattr(eval.chat, "load_run", lambda path, step: loaded(chat_config(tokenizer_dir), tmp_path))
+    monkeypatch.setattr(eval.flags, "load_run", lambda path, step, mesh, dtype: loaded(chat_config(tokenizer_dir), tmp_path))
     monkeypatch.setattr(eval.chat, "SessionStore", RecordingStore)
     out = io.StringIO()
     assert eval.chat.main(["run", "--sessions-dir", str(tmp_path)], stdin=io.StringIO("3 QWERTY\n2 AS\n1 ZX\n"),

@@ -216,6 +216,6 @@ def test_a_draft_must_load_and_read_the_same_token_ids(chat_run, tmp_path, monke
     for section, fields, words in (("model", {"vocab_size": 640}, "its vocabulary has 640 tokens, the target's 512"),
                                    ("data", {"kind": "mqar", "tokenizer": None}, "it was trained with tokenizer bytes")):
         config = dataclasses.replace(run.config, **{section: dataclasses.replace(getattr(run.config, section), **fields)})
-        monkeypatch.setattr(k3jax.inference.load, "load_run", lambda path, step=None: run._replace(config=config))
+        monkeypatch.setattr(k3jax.inference.load, "load_run", lambda path, step=None, mesh=None, dtype=None: run._replace(config=config))
         with pytest.raises(InputError, match=words):
             cli.load_draft_model(cli.parse_args([str(chat_run), "--draft", "other-run"]), run.config)
