@@ -26,6 +26,7 @@ from k3jax.inference import InputError, LoadedRun, load_draft, load_run
 from k3jax.inference.layout import INFERENCE_AXES
 
 SOURCES = ("prompt_lookup", "draft")      # the fields that choose a draft source
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -33,6 +34,19 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message):
         raise InputError(f"{message} (see {self.prog} --help)")
+
+
+def byte_count(text: str) -> int:
+    """``123``, ``512M``, ``2GiB``, ``1.5g`` -> bytes (binary units)."""
+    cleaned = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = cleaned[-1:] if cleaned[-1:] in _UNITS and cleaned[-1:] else ""
+    try:
+        value = float(cleaned[: len(cleaned) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a byte count such as 512M or 2G, got {text!r}") from None
+    if not value >= 1 or value > 2**60:
+        raise argparse.ArgumentTypeError(f"expected a byte count of at least 1, got {text!r}")
+    return int(value)
 
 
 def _argument(field: dataclasses.Field, hint) -> dict:

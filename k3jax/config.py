@@ -843,6 +843,32 @@ def config_from_dict(data: dict, overrides: typing.Sequence[str] = ()) -> Config
     return _build(Config, _renamed(data), "")
 
 
+# The example configs (``configs/*.yaml`` in the repository) ship with the package: in the wheel as
+# ``k3jax/configs/``, in the repository beside ``k3jax/``.
+_PACKAGE = pathlib.Path(__file__).resolve().parent
+PACKAGED_CONFIGS = next((folder for folder in (_PACKAGE / "configs", _PACKAGE.parent / "configs") if folder.is_dir()),
+                        _PACKAGE / "configs")
+
+
+def packaged_config_names() -> list[str]:
+    """The shipped configs' names (file names without ``.yaml``), sorted."""
+    return sorted(path.stem for path in PACKAGED_CONFIGS.glob("*.yaml"))
+
+
+def resolve_config(argument: str) -> pathlib.Path:
+    """The config argument of the programs: ``argument`` when that file exists, else the shipped
+    config of that name (``tiny``, ``tiny.yaml`` and ``configs/tiny.yaml`` from a directory without
+    that file all name the shipped ``tiny.yaml``); a one-line `ConfigError` otherwise."""
+    path = pathlib.Path(argument).expanduser()
+    if path.is_file():
+        return path
+    name = path.name[:-len(".yaml")] if path.name.endswith(".yaml") else path.name
+    if name in packaged_config_names():
+        return PACKAGED_CONFIGS / f"{name}.yaml"
+    raise ConfigError("", f"config {argument!r}: no such file, and not a packaged config "
+                          f"(packaged: {', '.join(packaged_config_names()) or 'none'})")
+
+
 def load_config(path: str | pathlib.Path, overrides: typing.Sequence[str] = ()) -> Config:
     """Read ``path`` (following ``base:``), apply ``key=value`` overrides, validate."""
     return config_from_dict(_read_yaml(pathlib.Path(path)), overrides)

@@ -196,6 +196,13 @@ def _nbytes(tree) -> int:
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
 
+def format_bytes(value: float) -> str:
+    """``value`` bytes in the largest binary unit that keeps it at least 1, right-aligned (the
+    planners' tables: ``train.plan``, ``eval.plan``)."""
+    unit = max((u for u in range(5) if value >= 1024**u), default=0)
+    return f"{value / 1024**unit:10.3f} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[unit]}"
+
+
 def memory_bytes(config: ModelConfig, max_length: int) -> dict[str, int]:
     """Bytes of the bank per sequence at context ``max_length``, by part (from shapes only)."""
     shapes = jax.eval_shape(lambda: init_memory(config, 1, max_length))

@@ -64,9 +64,8 @@ def main(argv=None) -> int:
             keep_freed_memory()  # before JAX starts its threads
             from k3jax.checkpoint import quiet_checkpoint_io
             quiet_checkpoint_io(logging.CRITICAL)   # failures come as our one line
-            from k3jax.config import load_config
+            from k3jax.config import load_config, resolve_config
             from k3jax.sharding import initialize_distributed
-            from .configs import resolve_config
             from k3jax.training import RLTrainer, Trainer  # after argument parsing: --help stays instant
             from k3jax.training.metrics import jsonable
 

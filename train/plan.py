@@ -20,16 +20,11 @@ import json
 import math
 import sys
 
+from k3jax.memory import format_bytes
 from k3jax.training.plan import Plan, plan_train_step
 
 
 MAX_DEVICES = 16384   # fake CPU devices the planner creates (each costs host memory and start-up time)
-
-
-def _bytes(value: float) -> str:
-    """``value`` bytes in the largest binary unit that keeps it at least 1."""
-    unit = max((u for u in range(5) if value >= 1024**u), default=0)
-    return f"{value / 1024**unit:10.3f} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[unit]}"
 
 
 def report(plan: Plan, config) -> str:
@@ -49,23 +44,23 @@ def report(plan: Plan, config) -> str:
         f"top-{moe.top_k} ({moe.expert_format}), latent {moe.latent_dim or 'none (plain MoE)'}, "
         f"{config.model.compute_dtype} compute, {config.optimizer.name}; {tuning}",
         "per device:",
-        f"  {'parameters (adapters)' if finetune.lora else 'parameters':<32}{_bytes(plan.parameters)}",
+        f"  {'parameters (adapters)' if finetune.lora else 'parameters':<32}{format_bytes(plan.parameters)}",
         *([f"  {'frozen base (MXFP4 packed)' if moe.expert_format == 'mxfp4' else 'frozen base parameters':<32}"
-            f"{_bytes(plan.frozen_parameters)}"] if finetune.lora else []),
-        f"  optimizer state                 {_bytes(plan.optimizer_state)}",
-        f"  buffers (biases, MXFP4 experts) {_bytes(plan.buffers)}",
-        f"  resident (params + state)       {_bytes(plan.resident)}",
+            f"{format_bytes(plan.frozen_parameters)}"] if finetune.lora else []),
+        f"  optimizer state                 {format_bytes(plan.optimizer_state)}",
+        f"  buffers (biases, MXFP4 experts) {format_bytes(plan.buffers)}",
+        f"  resident (params + state)       {format_bytes(plan.resident)}",
     ]
     if math.isnan(plan.temporaries):
         return "\n".join(rows + ["(layout only: not compiled)"])
     rows += [
-        f"  arguments (state + batch)       {_bytes(plan.arguments)}",
-        f"  outputs (new state, donated)    {_bytes(plan.outputs)}",
-        f"  temporaries (activations, work) {_bytes(plan.temporaries)}",
-        f"  peak (args + outputs - aliased + temporaries) {_bytes(plan.peak).strip()}",
+        f"  arguments (state + batch)       {format_bytes(plan.arguments)}",
+        f"  outputs (new state, donated)    {format_bytes(plan.outputs)}",
+        f"  temporaries (activations, work) {format_bytes(plan.temporaries)}",
+        f"  peak (args + outputs - aliased + temporaries) {format_bytes(plan.peak).strip()}",
         f"  compute                         {plan.flops / 1e12:10.3f} TFLOP per step",
         "  collectives per step (result bytes):",
-        *(f"    {name:<30}{_bytes(value)}" for name, value in plan.collectives.items() if value),
+        *(f"    {name:<30}{format_bytes(value)}" for name, value in plan.collectives.items() if value),
         f"expert all-to-all bytes per token (all devices): {plan.all_to_all_bytes_per_token:,.0f}",
         f"context axis bytes per token (all devices): {plan.context_bytes_per_token:,.0f}",
         f"compiled in {plan.compile_seconds:.0f} s",
@@ -86,8 +81,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from k3jax.config import ConfigError, load_config
-    from .configs import resolve_config
+    from k3jax.config import ConfigError, load_config, resolve_config
 
     try:
         config = load_config(resolve_config(args.config), args.overrides)

@@ -28,23 +28,10 @@ import sys
 from k3jax.checkpoint import quiet_checkpoint_io
 from k3jax.inference import InputError, load_draft
 
-from ..flags import OneLineParser, add_placement_flags, add_speculation_flags, load_model, speculation_settings
+from ..flags import (OneLineParser, add_placement_flags, add_speculation_flags, byte_count, load_model,
+                     speculation_settings)
 
 DEFAULT_COMPILATION_CACHE = "~/.cache/k3jax/xla"    # `train.compilation_cache`'s default
-_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-def byte_count(text: str) -> int:
-    """``123``, ``512M``, ``2GiB``, ``1.5g`` -> bytes (binary units)."""
-    cleaned = text.strip().lower().removesuffix("ib").removesuffix("b")
-    unit = cleaned[-1:] if cleaned[-1:] in _UNITS and cleaned[-1:] else ""
-    try:
-        value = float(cleaned[: len(cleaned) - len(unit)]) * _UNITS[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a byte count such as 512M or 2G, got {text!r}") from None
-    if not value >= 1 or value > 2**60:
-        raise argparse.ArgumentTypeError(f"expected a byte count of at least 1, got {text!r}")
-    return int(value)
 
 
 def _positive(kind):

@@ -301,13 +301,18 @@ def read_hf_config(path: pathlib.Path) -> tuple[dict, str]:
         raise ConvertError(f"{path.name}: {error}") from None
 
 
+def hf_run_config(hf_config_path, run_dir, overrides: Sequence[str] = ()) -> Config:
+    """The k3jax config an import of ``hf_config_path`` (a config.json) into ``run_dir`` would use,
+    without reading any tensor (MXFP4 experts kept packed when the file declares them)."""
+    hf, _ = read_hf_config(pathlib.Path(hf_config_path))
+    return _resolved_config(hf, pathlib.Path(run_dir), False, overrides)[0]
+
+
 def write_run_config(hf_config_path, out_yaml, overrides: Sequence[str] = ()) -> None:
-    """The k3jax config an import of ``hf_config_path`` (a config.json) would use, as YAML at
-    ``out_yaml`` (for ``python -m train.plan`` or the trainer), without reading any tensor."""
+    """`hf_run_config` as YAML at ``out_yaml`` (for ``python -m train.plan`` or the trainer)."""
     out_yaml = pathlib.Path(out_yaml).expanduser().resolve()
     require_new(out_yaml)
-    hf, _ = read_hf_config(pathlib.Path(hf_config_path))
-    config, _ = _resolved_config(hf, out_yaml.parent / out_yaml.stem, False, overrides)
+    config = hf_run_config(hf_config_path, out_yaml.parent / out_yaml.stem, overrides)
     out_yaml.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
 
 

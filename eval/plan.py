@@ -1,0 +1,166 @@
+"""``python -m eval.plan MODEL [key=value ...] --devices N | --mesh AXIS=N,...``: the memory plan of
+running a model before booking the devices (layout only: no weights read, no device created).
+
+    python -m eval.plan configs/kimi-linear-48b.yaml --mesh tensor=8 --batch 64 --context 32768 \\
+        --dtype bfloat16 --device-memory 80GiB
+
+MODEL is a run directory (its saved config: a trained, fine-tuned or imported run), a YAML config
+or a packaged config's name (``k3``), or a Hugging Face ``config.json`` (read as an import of it
+would be: MXFP4 experts stay packed when the file declares them); ``key=value`` overrides use the
+trainer's keys. Prints, per device, what `k3jax.inference.plan.plan_running` computes (its
+docstring has the arithmetic): the weights (whole replicated arrays and the blocks of the split
+ones), the sessions' KDA states, conv tails and MLA pages, estimates of one batched decode step's
+and one prefill piece's activations and temporaries, and their total against ``--device-memory``.
+A layout that does not fit is refused (the table, then one line on stderr naming the knobs that
+would make it fit, status 1). ``--compile`` also compiles the real decode step and prefill piece
+for fake CPU devices and prints what XLA:CPU allocates (minutes for big models; an accelerator's
+compiler fuses and schedules differently). Bad input is one line on stderr and status 2.
+"""
+from __future__ import annotations
+
+import math
+import pathlib
+import sys
+
+import jax
+
+from k3jax.checkpoint import CheckpointError
+from k3jax.config import ConfigError, config_from_dict, load_config, resolve_config, to_dict
+from k3jax.convert.errors import ConvertError
+from k3jax.convert.importer import hf_run_config
+from k3jax.inference import InputError
+from k3jax.inference.layout import MeshError, mesh_sizes, parse_mesh
+from k3jax.inference.load import locate_checkpoint, saved_config
+from k3jax.inference.plan import (compiled_activations, describe_mesh, model_weights, plan_running,
+                                  refusal)
+from k3jax.memory import format_bytes
+
+from .flags import OneLineParser, byte_count
+
+# What each dimension of a session pool's block is (`k3jax.sessions.paged.Pools`).
+POOL_DIMENSIONS = (("sessions", "layers", "heads", "", ""), ("sessions", "layers", "taps", "channels"),
+                   ("layers", "pages", "tokens", ""))
+MAX_COMPILE_DEVICES = 512     # fake CPU devices --compile creates (each costs host memory and start-up time)
+
+
+def parse_args(argv):
+    parser = OneLineParser(prog="python -m eval.plan", description="Per-device memory of running a model on a "
+                           "mesh, from shapes alone: weights, sessions, activations, and whether it fits.")
+    parser.add_argument("model", help="a run directory, a YAML config or packaged config name (e.g. k3), or a "
+                                      "Hugging Face config.json")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value settings, e.g. model.moe.expert_format=mxfp4")
+    parser.add_argument("--devices", type=int, help="device count (default: the product of --mesh's sizes, else 1)")
+    parser.add_argument("--mesh", default=None, metavar="AXIS=N,...|auto",
+                        help="axes data, fsdp, expert, tensor (data takes the devices left over), or auto "
+                             "(default with --devices)")
+    parser.add_argument("--batch", type=int, default=1, help="sessions decoded together (default 1)")
+    parser.add_argument("--context", type=int, default=32768, help="tokens per session (default 32768)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="the weights' and computation's dtype after loading (default: as stored)")
+    parser.add_argument("--device-memory", type=byte_count, default=None, metavar="BYTES",
+                        help="memory of one device, e.g. 80GiB (binary units): refuse a layout that does not fit")
+    parser.add_argument("--step", type=int, default=None, help="a run directory's checkpoint (default: the newest)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also compile the decode step and a prefill piece for fake CPU devices")
+    return parser.parse_intermixed_args(argv)
+
+
+def load_model_config(args):
+    """``(Config, description)`` of the model argument: a run directory, a config.json or a YAML."""
+    path = pathlib.Path(args.model).expanduser()
+    if path.is_dir():
+        checkpoints, step = locate_checkpoint(str(path), args.step)
+        return config_from_dict(to_dict(saved_config(checkpoints, step)), args.overrides), f"run {path}"
+    if args.step is not None:
+        raise InputError("--step applies to a run directory only")
+    if path.suffix == ".json":
+        return hf_run_config(path, path.parent, args.overrides), f"{path} (as imported)"
+    return load_config(resolve_config(args.model), args.overrides), str(args.model)
+
+
+def check_counts(args) -> None:
+    """One-line `InputError` for a count below 1 (``--devices``, ``--batch``, ``--context``)."""
+    for flag, value in (("--devices", args.devices), ("--batch", args.batch), ("--context", args.context)):
+        if value is not None and value < 1:
+            raise InputError(f"{flag} must be at least 1, got {value}")
+
+
+def mesh_of(args, model) -> dict[str, int]:
+    """``{axis: size}`` of ``--mesh`` / ``--devices`` (`k3jax.inference.layout.mesh_sizes`)."""
+    if args.mesh is None:
+        return mesh_sizes(model, "auto" if args.devices else {}, args.devices or 1)
+    given = parse_mesh(args.mesh)
+    devices = args.devices or (math.prod(given.values()) if given != "auto" else None)
+    if devices is None:
+        raise InputError("--mesh auto needs --devices")
+    return mesh_sizes(model, given, devices)
+
+
+def report(plan, model, description: str, stored: str, compiled=None) -> str:
+    """The plan as a table, with each session pool's arithmetic (one device's block shape x bytes)."""
+    num_mla = len(model.mla_layer_indices)
+    moe = model.moe
+
+    def row(label: str, value: float, note: str = "") -> str:
+        return f"  {label:<32}{format_bytes(value)}   {note}".rstrip()
+
+    def arithmetic(block, names) -> str:
+        words = (f"{size} {name[:-1] if size == 1 and name else name}".strip() for size, name in zip(block.shape, names))
+        return "= " + " x ".join(words) + f" x {block.itemsize} B"
+
+    sessions = plan.sessions
+    rows = [
+        f"running {description} on {plan.devices} device{'s' * (plan.devices > 1)} "
+        f"(--mesh {describe_mesh(plan.sizes)}): {plan.batch} session{'s' * (plan.batch > 1)} x {plan.context} "
+        f"tokens, weights {plan.dtype or f'as stored ({stored})'}, compute {plan.compute_dtype}",
+        f"model: {model.num_layers} layers ({model.num_layers - num_mla} KDA, {num_mla} MLA), d {model.d_model}, "
+        f"{moe.num_experts} experts top-{moe.top_k} ({moe.expert_format}), vocabulary {model.vocab_size}",
+        "per device:",
+        row("weights, replicated", plan.weights.replicated, "whole arrays"),
+        row("weights, sharded", plan.weights.sharded, "this device's blocks of the others"),
+        row("KDA states (fp32)", sessions.kda_states.bytes, arithmetic(sessions.kda_states, POOL_DIMENSIONS[0])),
+        row("conv tails", sessions.conv_tails.bytes, arithmetic(sessions.conv_tails, POOL_DIMENSIONS[1])),
+        row("MLA pages", sessions.mla_pages.bytes, arithmetic(sessions.mla_pages, POOL_DIMENSIONS[2])),
+        row("decode step (estimate)", plan.decode, "activations and temporaries"),
+        row("prefill piece (estimate)", plan.prefill, f"{model.kda.chunk_size} tokens of one session"),
+        *([row("decode step (XLA:CPU compiled)", compiled[0]),
+           row("prefill piece (XLA:CPU compiled)", compiled[1])] if compiled else []),
+        row("total", plan.total, "weights + sessions + the larger step"),
+    ]
+    if plan.device_memory is not None:
+        rows.append(row("device memory", plan.device_memory,
+                        f"fits, {format_bytes(plan.device_memory - plan.total).strip()} to spare" if plan.fits
+                        else "does not fit"))
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        check_counts(args)
+        jax.config.update("jax_platforms", "cpu")
+        config, description = load_model_config(args)
+        sizes = mesh_of(args, config.model)
+        devices = math.prod(sizes.values())
+        if args.compile and devices > MAX_COMPILE_DEVICES:
+            raise InputError(f"--compile fakes at most {MAX_COMPILE_DEVICES} CPU devices, the mesh has {devices}")
+        if args.compile:
+            jax.config.update("jax_num_cpu_devices", devices)
+        weights = model_weights(config.model, config.finetune)
+        plan = plan_running(config.model, weights, sizes, args.batch, args.context, args.dtype, args.device_memory)
+        compiled = compiled_activations(config.model, sizes, args.batch, args.context, args.dtype,
+                                        config.finetune) if args.compile else None
+    except (InputError, ConfigError, ConvertError, MeshError, CheckpointError) as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+    stored = ", ".join(sorted({str(array.dtype) for array in weights if array.castable}))
+    print(report(plan, config.model, description, stored, compiled), flush=True)
+    refused = refusal(config.model, weights, plan)
+    if refused:
+        print(f"refused: {refused}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
