@@ -29,12 +29,18 @@ def micro():
     return config, model_weights(config)
 
 
-def hand_weight_bytes(weights, ways: dict[str, int], itemsize=None) -> tuple[int, int]:
-    """``(replicated, sharded)`` bytes on one device, each dimension divided by the devices its
-    logical axis takes (``ways``) when they divide it; floating weights in ``itemsize`` bytes."""
+def hand_weight_bytes(weights, ways: dict[str, tuple[str, int]], itemsize=None) -> tuple[int, int]:
+    """``(replicated, sharded)`` bytes on one device: each dimension divided by the devices of the
+    mesh axis its logical axis takes (``ways``: name -> (mesh axis, size)) when they divide it and
+    no earlier dimension of the array took that mesh axis; floating weights in ``itemsize`` bytes."""
     replicated = sharded = 0
     for array in weights:
-        split = [ways.get(axis, 1) if size % ways.get(axis, 1) == 0 else 1 for size, axis in zip(array.shape, array.axes)]
+        split, taken = [], set()
+        for size, axis in zip(array.shape, array.axes):
+            mesh_axis, count = ways.get(axis, (None, 1))
+            divides = count > 1 and size % count == 0 and mesh_axis not in taken
+            split.append(count if divides else 1)
+            taken.update([mesh_axis] if divides else [])
         held = itemsize if itemsize and array.castable else array.dtype.itemsize
         size = math.prod(array.shape) // math.prod(split) * held
         if math.prod(split) == 1:
@@ -49,14 +55,18 @@ def test_per_device_bytes_match_a_hand_computation(micro):
     sizes = mesh_sizes(config, "expert=4,tensor=2", 8)
     plan = plan_running(config, weights, sizes, batch=3, context=100)
     # tensor splits heads, value heads, FFN and expert hidden widths and the vocabulary; expert
-    # the experts; the model width and the MoE latent go over fsdp, which is 1 here
-    ways = {"heads": 2, "value_heads": 2, "mlp": 2, "expert_mlp": 2, "vocab": 2, "experts": 4}
+    # the experts and, where no expert dimension took it, the model width (the MoE latent goes
+    # over fsdp, which is 1 here)
+    tensor, expert = ("tensor", 2), ("expert", 4)
+    ways = {"heads": tensor, "value_heads": tensor, "mlp": tensor, "expert_mlp": tensor, "vocab": tensor,
+            "experts": expert, "embed": expert}
     assert (plan.weights.replicated, plan.weights.sharded) == hand_weight_bytes(weights, ways)
     assert plan.weights.sharded > 0 and plan.weights.replicated > 0
     # 3 sessions: KDA states of 3 layers x 1 of 2 heads x 16 x 16 fp32; conv tails of 3 taps x
-    # (2 x 2 x 16 + 2 x 16) channels, replicated; 2 pages of 64 tokens each x 1 MLA layer x 24, fp32
+    # (2 x 2 x 16 + 2 x 16) channels, half of them (over tensor); 2 pages of 64 tokens each x 1 MLA
+    # layer x 24, fp32
     assert plan.sessions.kda_states.bytes == 3 * 3 * 1 * 16 * 16 * 4
-    assert plan.sessions.conv_tails.bytes == 3 * 3 * 3 * 96 * 4
+    assert plan.sessions.conv_tails.bytes == 3 * 3 * 3 * 96 * 4 // 2
     assert plan.sessions.mla_pages.bytes == 1 * (3 * 2) * 64 * 24 * 4
     assert plan.total == plan.weights.total + plan.sessions.total + max(plan.decode, plan.prefill)
 
