@@ -15,7 +15,7 @@ t the mesh's tensor size, B sessions of T tokens and a the compute dtype's bytes
                   trained and imported runs); router biases fp32; MXFP4 routed experts as uint8
                   codes and E8M0 scales, 1/2 + 1/32 = 17/32 bytes per weight
     KDA states    B * N_kda * HV/t * K * V * 4            fp32, split over the KDA value heads
-    conv tails    B * N_kda * (W-1) * C * a               C = 2 H K + HV V; replicated
+    conv tails    B * N_kda * (W-1) * C * a               C = 2 H K + HV V; split over tensor like the heads
     MLA pages     B * ceil(T/page) * page * N_mla * L * a page = kda.chunk_size, L = kv_lora + rope;
                                                           replicated
     activations   one batched decode step of the B sessions and one prefill piece (estimates:

@@ -75,13 +75,13 @@ def session_work(model, speculate: bool) -> dict:
     store = SessionStore(model)
     sids = [store.open(prompt) for prompt in PROMPTS]
     out = {"greedy": [t.tolist() for t in store.generate(sids, 6)]}
+    out["logits"] = np.asarray(store.logits(sids[0])).tolist()     # after the same tokens on both
     out["sampled"] = [t.tolist() for t in store.generate(sids, 6, temperature=1.0, top_p=0.9, seed=3)]
     fork = store.fork(sids[1])
     handle = store.snapshot(sids[1])
     out["fork"] = [t.tolist() for t in store.generate([fork, sids[1]], 5)]
     store.rollback(sids[1], handle)
     out["after_rollback"] = store.generate([sids[1]], 5)[0].tolist()
-    out["logits"] = np.asarray(store.logits(sids[0])).tolist()
     pools, shardings = store._device.arrays, store._device.shardings
     out["pool_specs"] = None if shardings is None else [str(sharding.spec) for sharding in shardings]
     out["pools_kept"] = shardings is None or all(array.sharding.is_equivalent_to(sharding, array.ndim)
