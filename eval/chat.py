@@ -38,7 +38,8 @@ from k3jax.inference.chat import ChatTurns, chat_turns_for
 from k3jax.sampling import check_sampling
 from k3jax.sessions import SessionStore, Speculator
 
-from .flags import OneLineParser, add_placement_flags, add_speculation_flags, load_model, speculation_from
+from .flags import (OneLineParser, add_placement_flags, add_speculation_flags, is_reporter, load_model, shared_lines,
+                    speculation_from)
 from .generate import Codec
 
 
@@ -173,16 +174,16 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None) -> int:
     sessions_dir = pathlib.Path(args.sessions_dir) if args.sessions_dir else run.run_dir / "sessions"
     sessions_dir.mkdir(parents=True, exist_ok=True)
     chat = Chat(run.model, codec, args, sessions_dir, turns, speculation, draft)
-    for line in stdin:
+    for line in shared_lines(stdin):   # process 0 reads, every process of a mesh runs the turn
         line = line.strip()
         try:
             reply = chat.command(line) if line.startswith("/") else chat.turn(line)
         except (ChatInputError, InputError, ValueError, OSError) as error:   # one line; the chat goes on
-            print(f"error: {error}", file=stdout, flush=True)
-            continue
+            reply = f"error: {error}"
         if reply is None:
             break
-        print(reply, file=stdout, flush=True)
+        if is_reporter():
+            print(reply, file=stdout, flush=True)
     return 0
 
 

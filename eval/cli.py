@@ -26,7 +26,7 @@ from k3jax.host import keep_freed_memory
 from k3jax.inference import InputError, LoadedRun
 from k3jax.model import param_counts
 from k3jax.training import read_metrics
-from .flags import OneLineParser, add_placement_flags, load_model
+from .flags import OneLineParser, add_placement_flags, is_reporter, load_model
 from .report import build_report, markdown_table, write_report
 from .tasks import TASKS, EvalContext, run_task
 from .tasks.perplexity import open_text_dataset
@@ -111,8 +111,9 @@ def evaluate(run: LoadedRun, tasks: list, seeds: int, out_dir: pathlib.Path, *, 
             results.append(run_task(task, context, bar))
     training, records = training_record(run.run_dir)
     report = build_report(run, param_counts(run.config.model), context.seeds, results, training)
-    report["plots"] = write_plots(report["tasks"], records, run.step, out_dir)
-    write_report(report, out_dir)
+    report["plots"] = write_plots(report["tasks"], records, run.step, out_dir) if is_reporter() else []
+    if is_reporter():   # the other processes of a multi-process mesh ran the same tasks
+        write_report(report, out_dir)
     return report
 
 
@@ -143,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     tasks = [TASKS[name]() for name in task_names]
-    report = evaluate(run, tasks, args.seeds, out_dir, text=text, show_progress=not args.no_progress)
+    report = evaluate(run, tasks, args.seeds, out_dir, text=text, show_progress=not args.no_progress and is_reporter())
+    if not is_reporter():
+        return 0
     print(results_text(report, run.config))
     print(f"wrote {out_dir / 'report.json'}, {out_dir / 'report.md'} and {len(report['plots'])} plots")
     return 0

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import typing
 
 from k3jax.config import ConfigError, SpeculationConfig
+from k3jax.host import add_process_flags
 from k3jax.inference import InputError, LoadedRun, load_draft, load_run
 from k3jax.inference.layout import INFERENCE_AXES
+from k3jax.sharding import initialize_distributed
 
 SOURCES = ("prompt_lookup", "draft")      # the fields that choose a draft source
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -62,8 +65,9 @@ def _argument(field: dataclasses.Field, hint) -> dict:
     return {**options, "type": kind, "metavar": field.metadata.get("metavar")}
 
 
-def add_placement_flags(parser: argparse.ArgumentParser) -> None:
-    """``--mesh`` and ``--dtype``: where the model runs and in what precision."""
+def add_placement_flags(parser: argparse.ArgumentParser, processes: bool = True) -> None:
+    """``--mesh`` and ``--dtype``: where the model runs and in what precision; with ``processes``,
+    the flags of a mesh over several processes (`join_processes`), else this process's devices only."""
     group = parser.add_argument_group("where the model runs")
     group.add_argument("--mesh", default=None, metavar="AXIS=N,...|auto",
                        help=f"shard the model over a mesh of every device: axes {', '.join(INFERENCE_AXES)} "
@@ -72,11 +76,49 @@ def add_placement_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                        help="the weights' and computation's dtype, converted shard by shard after loading "
                             "(default: as stored; KDA states stay float32)")
+    if processes:
+        add_process_flags(group, "a mesh")
+    else:
+        parser.set_defaults(coordinator_address=None, num_processes=None, process_id=None, one_process=True)
+
+
+def join_processes(args: argparse.Namespace) -> bool:
+    """Join the other processes of a multi-process mesh (before any device is touched) when
+    ``--coordinator-address`` (or $JAX_COORDINATOR_ADDRESS) is given; True if joined. Every
+    process then loads its own shards and runs the same steps; process 0 prints."""
+    if getattr(args, "one_process", False):
+        return False
+    count = args.num_processes if args.num_processes is not None else os.environ.get("JAX_NUM_PROCESSES")
+    address = args.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if count is not None and int(count) < 1:
+        raise InputError(f"--num-processes must be at least 1, got {count}")
+    if args.process_id is not None and count is not None and not 0 <= args.process_id < int(count):
+        raise InputError(f"--process-id must be in [0, {count}), got {args.process_id}")
+    if address is None:
+        if args.num_processes is not None or args.process_id is not None:
+            raise InputError("--num-processes and --process-id need --coordinator-address (or "
+                             "$JAX_COORDINATOR_ADDRESS): run the same command on every process")
+        return False
+    if args.mesh is None:
+        raise InputError("several processes run one model on a mesh: give --mesh (e.g. --mesh auto)")
+    try:
+        return initialize_distributed(address, args.num_processes, args.process_id)
+    except Exception as error:  # noqa: BLE001 - JAX raises its own runtime errors
+        raise InputError(f"cannot join the processes at {address}: {' '.join(str(error).split())[:300]}") from None
 
 
 def load_model(args: argparse.Namespace) -> LoadedRun:
-    """The run ``args.run`` at ``args.step``, placed and cast as ``--mesh`` and ``--dtype`` say."""
+    """The run ``args.run`` at ``args.step``, placed and cast as ``--mesh`` and ``--dtype`` say,
+    after joining the other processes (`join_processes`)."""
+    join_processes(args)
     return load_run(args.run, args.step, mesh=args.mesh, dtype=args.dtype)
+
+
+def is_reporter() -> bool:
+    """Whether this process prints and writes what a program reports: process 0 of a
+    multi-process mesh (the others run the same steps silently), or the only one."""
+    import jax
+    return jax.process_index() == 0
 
 
 def add_speculation_flags(parser: argparse.ArgumentParser) -> None:
@@ -112,3 +154,25 @@ def speculation_from(args: argparse.Namespace, config) -> tuple[SpeculationConfi
     if settings is None or settings.draft is None:
         return settings, None
     return settings, load_draft(settings.draft, config)
+
+
+def shared_lines(stream):
+    """The lines of ``stream`` as process 0 reads them, on every process of a multi-process mesh
+    (broadcast one by one: each process then runs the same step for the same line); ``stream``
+    itself in one process."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        yield from stream
+        return
+    lines = iter(stream) if is_reporter() else None
+    while True:
+        data = (next(lines, None) or "").encode() if is_reporter() else b""
+        size = int(multihost_utils.broadcast_one_to_all(np.int32(len(data) if is_reporter() and data else -1)))
+        if size < 0:
+            return
+        buffer = np.frombuffer(data, np.uint8) if is_reporter() else np.zeros(size, np.uint8)
+        yield bytes(multihost_utils.broadcast_one_to_all(buffer)).decode()
+

@@ -30,7 +30,7 @@ from k3jax.data import DataError, load_tokenizer
 from k3jax.inference import InputError
 from k3jax.inference.chat import chat_turns_for
 
-from .flags import OneLineParser, add_placement_flags, add_speculation_flags, load_model, speculation_from
+from .flags import OneLineParser, add_placement_flags, add_speculation_flags, is_reporter, load_model, speculation_from
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
-    for row in range(len(prompts)):
+    for row in range(len(prompts) if is_reporter() else 0):
         print(codec.decode(tokens[row, : lengths[row]].tolist()), flush=True)
     return 0
 

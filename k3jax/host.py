@@ -92,3 +92,14 @@ def enable_compilation_cache(directory: str | None) -> None:
 
         jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(directory).expanduser()))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def add_process_flags(parser, joined: str) -> None:
+    """``--coordinator-address``, ``--num-processes`` and ``--process-id`` on ``parser`` (an
+    argparse parser or group): several processes (hosts) that form one JAX system
+    (`k3jax.sharding.initialize_distributed`), each started with the same flags but its own id.
+    ``joined``: what the processes share, for the help ("a training run", "an import", ...)."""
+    parser.add_argument("--coordinator-address", help=f"host:port of process 0, for {joined} shared by several "
+                                                      "processes / hosts (default: $JAX_COORDINATOR_ADDRESS)")
+    parser.add_argument("--num-processes", type=int, help="processes in all (default: $JAX_NUM_PROCESSES)")
+    parser.add_argument("--process-id", type=int, help="this process, 0 … N-1 (default: $JAX_PROCESS_ID)")

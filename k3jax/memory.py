@@ -239,8 +239,8 @@ if __name__ == "__main__":
 
 
 def memory_limit(device=None) -> int:
-    """Bytes one device can hold: its allocator's limit where it reports one (GPU, TPU), else the
-    host's physical memory (CPU)."""
-    device = device or jax.devices()[0]
+    """Bytes one device (default: this process's first) can hold: its allocator's limit where it
+    reports one (GPU, TPU), else the host's physical memory (CPU)."""
+    device = device or jax.local_devices()[0]
     stats = device.memory_stats() or {}
     return int(stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

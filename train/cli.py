@@ -25,6 +25,7 @@ import logging
 import os
 import sys
 
+from k3jax.host import add_process_flags
 from k3jax.training.signals import StopRequested, StopSignals   # light: the handlers go in before JAX loads
 
 
@@ -33,10 +34,7 @@ def parse_args(argv):
                                      epilog="Overrides are dotted.key=value, e.g. train.steps=500 run_dir=runs/x.")
     parser.add_argument("config", help="YAML config file, or a packaged config's name (e.g. configs/tiny.yaml, tiny)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value settings applied over the file")
-    parser.add_argument("--coordinator-address", help="host:port of process 0, for a multi-process run "
-                                                      "(default: $JAX_COORDINATOR_ADDRESS)")
-    parser.add_argument("--num-processes", type=int, help="processes in the run (default: $JAX_NUM_PROCESSES)")
-    parser.add_argument("--process-id", type=int, help="this process's index (default: $JAX_PROCESS_ID)")
+    add_process_flags(parser, "a training run")
     return parser.parse_intermixed_args(argv)
 
 

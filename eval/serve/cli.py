@@ -68,7 +68,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              f"(default {DEFAULT_COMPILATION_CACHE}, as training's; 'none': off)")
     parser.add_argument("--drain-seconds", type=_positive(float), default=30.0,
                         help="on SIGTERM, seconds running requests get to finish (default 30)")
-    add_placement_flags(parser)
+    add_placement_flags(parser, processes=False)   # one process: HTTP and the engine live here
     add_speculation_flags(parser)
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:

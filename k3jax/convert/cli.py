@@ -22,6 +22,7 @@ import sys
 from k3jax.checkpoint import CheckpointError, quiet_checkpoint_io
 from k3jax.convert.errors import ConvertError
 from k3jax.data.errors import DataError
+from k3jax.host import add_process_flags
 
 EXPECTED_ERRORS = (ConvertError, CheckpointError, DataError)
 
@@ -35,10 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     importing.add_argument("overrides", nargs="*", metavar="key=value", help="trainer config overrides, e.g. "
                            "model.moe.expert_format=dense (decode MXFP4 experts) data.path=notes.txt mesh.fsdp=8 "
                            "(chunks follow the mesh's shards)")
-    importing.add_argument("--coordinator-address", help="host:port of process 0, for an import shared by several "
-                           "processes / hosts (default: $JAX_COORDINATOR_ADDRESS)")
-    importing.add_argument("--num-processes", type=int, help="processes in the import (default: $JAX_NUM_PROCESSES)")
-    importing.add_argument("--process-id", type=int, help="this process, 0 … N-1; 0 finalises (default: $JAX_PROCESS_ID)")
+    add_process_flags(importing, "an import (process 0 finalises it)")
     exporting = commands.add_parser("export", help="a k3jax run directory -> a HF checkpoint directory")
     exporting.add_argument("run_dir")
     exporting.add_argument("hf_dir")

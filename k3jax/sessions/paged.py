@@ -56,6 +56,15 @@ class StaticGraph:
         return nnx.merge(self.graphdef, params)
 
 
+def host_readable(model, x: jax.Array) -> jax.Array:
+    """``x`` (inside a program) made whole on every device of ``model``'s mesh, so that every
+    process can read it back (a multi-process mesh); unchanged for a model on one device."""
+    mesh = getattr(getattr(model, "activation_layout", None), "mesh", None)
+    if mesh is None or mesh.size == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
 class Pools(NamedTuple):
     state: jax.Array
     conv: jax.Array
@@ -163,8 +172,9 @@ def scatter_bank(pools: Pools, slots, tables, lengths, bank: Memory, new_tokens:
 def prefill_piece(graph: StaticGraph, params, pools: Pools, slot, table, length, tokens):
     """One sequence continues by ``tokens [T]``: -> (logits [T, vocab] fp32, pools)."""
     slots, tables, lengths = slot[None], table[None], length[None]
-    out = graph.merge(params)(tokens[None], memory=gather_bank(pools, slots, tables, lengths))
-    return out.logits[0], scatter_bank(pools, slots, tables, lengths, out.memory, tokens.shape[0])
+    model = graph.merge(params)
+    out = model(tokens[None], memory=gather_bank(pools, slots, tables, lengths))
+    return host_readable(model, out.logits[0]), scatter_bank(pools, slots, tables, lengths, out.memory, tokens.shape[0])
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "every_position"), donate_argnames=("pools",))
@@ -181,15 +191,16 @@ def feed_rows(graph: StaticGraph, params, pools: Pools, slots, tables, lengths, 
     or written) and free slots of their own."""
     if restore is not None:
         pools = set_slots(pools, slots, *restore)
-    bank = gather_bank(pools, slots, tables, lengths)
+    bank, model = gather_bank(pools, slots, tables, lengths), graph.merge(params)
     if not every_position:
-        out = graph.merge(params)(tokens, memory=bank)
+        out = model(tokens, memory=bank)
         before = (jnp.swapaxes(bank.kda.state, 0, 1), jnp.swapaxes(bank.kda.conv, 0, 1))
-        return out.logits, scatter_bank(pools, slots, tables, lengths, out.memory, tokens.shape[1]), before
-    out = graph.merge(params)(tokens, memory=bank._replace(kda=KDAPositions(*bank.kda)))
+        return (host_readable(model, out.logits),
+                scatter_bank(pools, slots, tables, lengths, out.memory, tokens.shape[1]), before)
+    out = model(tokens, memory=bank._replace(kda=KDAPositions(*bank.kda)))
     after = (jnp.moveaxis(out.memory.kda.state, 0, 2), jnp.moveaxis(out.memory.kda.conv, 0, 2))   # [B, T, N_kda, ...]
     last = KDAMemory(*(jnp.swapaxes(array[:, -1], 0, 1) for array in after))
-    return out.logits, scatter_bank(pools, slots, tables, lengths, out.memory._replace(kda=last), tokens.shape[1]), after
+    return host_readable(model, out.logits), scatter_bank(pools, slots, tables, lengths, out.memory._replace(kda=last), tokens.shape[1]), after
 
 
 def set_slots(pools: Pools, slots, state, conv) -> Pools:
@@ -258,11 +269,12 @@ def decode_step(graph: StaticGraph, params, pools: Pools, slots, tables, lengths
         return sample_logits(row_logits[None], key, temperature, top_k, top_p)[0]
     tokens = jax.vmap(sample_row)(logits, lengths, *sampling)
     model = graph.merge(params)
+    tokens = host_readable(model, tokens)
     if gathered:
         out = model(tokens[:, None], memory=gather_bank(pools, slots, tables, lengths))
-        return tokens, out.logits[:, 0], scatter_bank(pools, slots, tables, lengths, out.memory, 1)
+        return tokens, host_readable(model, out.logits[:, 0]), scatter_bank(pools, slots, tables, lengths, out.memory, 1)
     out = model(tokens[:, None], memory=pooled_bank(pools, slots, tables, lengths))
-    return tokens, out.logits[:, 0], pools_of(out.memory, pools)
+    return tokens, host_readable(model, out.logits[:, 0]), pools_of(out.memory, pools)
 
 
 @functools.partial(jax.jit, donate_argnames=("pools",))

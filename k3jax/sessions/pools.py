@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.sessions import paged
+from k3jax.sharding.mesh import to_host
 from k3jax.sessions.paged import Pools
 
 
@@ -134,7 +135,7 @@ class DevicePools:
 
     def read_slot(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """The state and conv tails of ``slot``, on the host."""
-        return tuple(np.asarray(a) for a in paged.read_slot(self.arrays, np.int32(slot)))
+        return tuple(to_host(a) for a in paged.read_slot(self.arrays, np.int32(slot)))
 
     def shared_partial_page(self, pages: list[int], length: int) -> int | None:
         """The index in ``pages`` of the sequence's last, partial page when someone else holds it
@@ -173,4 +174,4 @@ class DevicePools:
         state and conv as device arrays."""
         bucket = paged.next_power_of_two(len(pages)) if pages else 0
         state, conv, rows = paged.read_value(self.arrays, np.int32(slot), self.table(pages, bucket))
-        return state, conv, np.asarray(rows)[:, :length]
+        return state, conv, to_host(rows)[:, :length]

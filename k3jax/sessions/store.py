@@ -42,6 +42,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from k3jax.checkpoint import tree_checksums
 from k3jax.sampling import check_sampling
 from k3jax.sessions import batching, paged, persist
 from k3jax.sessions.batching import Sampling
@@ -57,9 +58,15 @@ __all__ = ["SessionStore", "Snapshot", "model_fingerprint"]
 
 
 def model_fingerprint(model) -> str:
-    """sha256 of the model's config and every parameter and buffer value."""
+    """sha256 of the model's config and every parameter and buffer value; of a model spread over
+    several processes, of each array's checksum (`k3jax.checkpoint.tree_checksums`, computed where
+    the shards lie) instead, as no host holds its bytes."""
     digest = hashlib.sha256(json.dumps(dataclasses.asdict(model.config), sort_keys=True, default=str).encode())
-    for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(nnx.state(model)), key=lambda item: str(item[0])):
+    leaves = sorted(jax.tree_util.tree_leaves_with_path(nnx.state(model)), key=lambda item: str(item[0]))
+    if not all(leaf.is_fully_addressable for _, leaf in leaves):
+        sums = tree_checksums({"state": {jax.tree_util.keystr(path): leaf for path, leaf in leaves}})
+        return hashlib.sha256(digest.digest() + json.dumps(sums, sort_keys=True).encode()).hexdigest()
+    for path, leaf in leaves:
         array = np.asarray(leaf)
         digest.update(f"{jax.tree_util.keystr(path)}:{array.dtype}:{array.shape}".encode())
         digest.update(np.ascontiguousarray(array).tobytes())

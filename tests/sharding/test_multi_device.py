@@ -51,9 +51,12 @@ class Job:
     after the other, and a second process stuck writing (say, warnings under load) while the first
     waits at the coordination service's shutdown barrier makes that barrier time out."""
 
-    def __init__(self, args, env):
+    def __init__(self, args, env, stdin=None):
+        """``stdin``: a file to read standard input from (default: none, /dev/null)."""
         self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        self._process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=self._out, stderr=self._err, text=True)
+        with open(stdin or os.devnull) as source:
+            self._process = subprocess.Popen(args, cwd=ROOT, env=env, stdin=source, stdout=self._out,
+                                             stderr=self._err, text=True)
 
     @property
     def returncode(self):
@@ -76,8 +79,8 @@ def _read_all(stream) -> str:
     return stream.read()
 
 
-def start(args, devices=8, as_users_compile=False) -> Job:
-    return Job([sys.executable, *args], environment(devices, as_users_compile))
+def start(args, devices=8, as_users_compile=False, stdin=None) -> Job:
+    return Job([sys.executable, *args], environment(devices, as_users_compile), stdin)
 
 
 def finish(process, timeout=1800) -> str:
