@@ -77,3 +77,24 @@ def test_bfloat16_weights_after_verification(untrained_run):
     tokens = np.arange(1, 17, dtype=np.int32)[None] % untrained_run.config.model.vocab_size
     logits = [np.asarray(jax.jit(lambda m, t: m(t).logits)(run.model, tokens)) for run in (stored, half)]
     assert rel_err(logits[1], logits[0]) < 0.05
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-processes", "2", "--process-id", "0"], "--num-processes and --process-id need --coordinator-address"),
+    (["--coordinator-address", "127.0.0.1:1", "--num-processes", "0"], "--num-processes must be at least 1, got 0"),
+    (["--coordinator-address", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],
+     r"--process-id must be in \[0, 2\), got 2"),
+    (["--coordinator-address", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"],
+     "several processes run one model on a mesh: give --mesh"),
+])
+def test_bad_process_flags_are_one_line_before_joining(untrained_run, flags, message):
+    from eval.flags import join_processes
+    from eval.generate import parse_args
+    with pytest.raises(InputError, match=message):
+        join_processes(parse_args([str(untrained_run.path), "--prompt", "1", *flags]))
+
+
+def test_the_server_is_one_process():
+    from eval.serve.cli import parse_args
+    with pytest.raises(InputError, match="unrecognized arguments: --coordinator-address"):
+        parse_args(["run", "--coordinator-address", "127.0.0.1:1"])
