@@ -24,6 +24,8 @@ topic benchmarks' functions:
                  one 2048^3 matmul, which may understate a large GPU's peak)
     sessions     the session store: batched vs one-at-a-time decode, pooled vs gathered, prefix-cache
                  hit vs cold prefill (`bench.sessions.measure` on configs/tiny.yaml)
+    sharded-decode  the session store's batched decode on one device and on ``--mesh auto`` over
+                 every device: equal greedy tokens, tokens/s of each (`sharded_decode`)
     speculative  speculative vs plain greedy decode of 16 sessions of a random `K3_SHAPED` model with
                  drafts of known continuations, every draft accepted and none
                  (`bench.speculative.bounds_case`): equal outputs, tokens/s, verify vs decode step ms
@@ -219,6 +221,41 @@ def sessions(smoke: bool) -> Iterator[Row]:
     yield figure("prefix hit vs cold, max |logit difference|", result["prefix_hit_max_logit_difference"])
 
 
+SHARDED_DECODE = {"sessions": 16, "prompt": 256, "new_tokens": 64}
+SMOKE_SHARDED_DECODE = {"sessions": 4, "prompt": 16, "new_tokens": 8}
+
+
+def sharded_decode(smoke: bool) -> Iterator[Row]:
+    """The session store's batched greedy decode of a random configs/tiny.yaml model on one device
+    and on the ``--mesh auto`` mesh of every device (`k3jax.inference.place_model`): the same
+    tokens, and tokens/s of each."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from k3jax.config import load_config
+    from k3jax.inference import inference_placement, place_model
+    from k3jax.model import K3Model
+    from k3jax.sessions import SessionStore
+
+    sizes = SMOKE_SHARDED_DECODE if smoke else SHARDED_DECODE
+    config = load_config("configs/tiny.yaml", [f"model.kda.implementation={kda_implementation()}"]).model
+    model = K3Model(config, rngs=nnx.Rngs(0))
+    placement = inference_placement(config, "auto")
+    prompts = np.random.default_rng(0).integers(1, config.vocab_size, (sizes["sessions"], sizes["prompt"]))
+    tokens, speeds = [], []
+    for name, runner in (("one device", model), (placement.describe(), place_model(model, placement))):
+        store = SessionStore(runner, prefix_cache=False)
+        sids = [store.open(prompt) for prompt in prompts]
+        store.generate(sids, 2)                                   # compiles
+        start = time.perf_counter()
+        tokens.append(np.stack(store.generate(sids, sizes["new_tokens"])))
+        speeds.append(sizes["sessions"] * sizes["new_tokens"] / (time.perf_counter() - start))
+        yield figure(f"{name}: batched decode tokens/s, {sizes['sessions']} sessions", speeds[-1])
+    same = bool(np.array_equal(*tokens))
+    yield judged(f"--mesh auto ({len(jax.devices())} devices) greedy = one device", same, same)
+
+
 KDA_IMPLEMENTATION_VARIABLE = "K3JAX_BENCH_KDA_IMPLEMENTATION"   # --kda-implementation, to the parts
 
 
@@ -262,7 +299,7 @@ class Part(NamedTuple):
 # and get the rest of the budget.
 PARTS = [Part("decode-pool", decode_pool, 60), Part("mxfp4", mxfp4, 50), Part("sessions", sessions, 150),
          Part("train-step", train_step, 240), Part("kda-check", kda_check, 240), Part("kda-speed", kda_speed, 200),
-         Part("speculative", speculative, 240)]
+         Part("speculative", speculative, 240), Part("sharded-decode", sharded_decode, 150)]
 DEVICE_BUDGET_S = 570      # all parts of a device run together: under 10 minutes with the start-up
 MIN_PART_S = 20            # a part is skipped when less of the budget is left
 # --smoke: each part's limit (CPU compiles and interpreted kernels take minutes on a busy machine),

@@ -16,7 +16,7 @@ The pieces it runs on have their own homes: the memory bank (`k3jax.memory`), th
 """
 from .generation import Generation, generate
 from .layout import INFERENCE_RULES, MeshError, Placement, inference_placement
-from .load import InputError, LoadedRun, RestoredModel, draft_mismatch, load_draft, load_run, restore_model
+from .load import InputError, LoadedRun, RestoredModel, draft_mismatch, load_draft, load_run, place_model, restore_model
 
 __all__ = ["INFERENCE_RULES", "MeshError", "Placement", "inference_placement", "Generation", "InputError", "LoadedRun", "RestoredModel", "draft_mismatch", "generate", "load_draft",
-           "load_run", "restore_model"]
+           "load_run", "place_model", "restore_model"]

@@ -36,9 +36,9 @@ from k3jax.data import DataError
 from k3jax.data.tokenizers import same_tokenizer
 from k3jax.inference.layout import MeshError, Placement, inference_placement
 from k3jax.layers.lora import LoRA
-from k3jax.sharding import abstract
+from k3jax.sharding import abstract, parallelize
 from k3jax.training.finetune import restore_lora_model
-from k3jax.training.state import abstract_model
+from k3jax.training.state import abstract_model, split_model
 
 
 class RestoredModel(NamedTuple):
@@ -73,6 +73,16 @@ def _restore_model_at(directory, step: int, placement: Placement | None,
     params, _ = restore_subtree(directory, "params", params, step)
     buffers, _ = restore_subtree(directory, "buffers", buffers, step)
     return cast_weights(parts.merge(params, buffers), dtype), config, meta
+
+
+def place_model(model: nnx.Module, placement: Placement) -> nnx.Module:
+    """A built model (its arrays wherever they are) moved onto ``placement``'s mesh, each array
+    into its shards, and `parallelize`d for it: what `restore_model` gives for a checkpoint, for a
+    model made in this process (benchmarks, tests)."""
+    parts, params, buffers = split_model(model)
+    params = jax.device_put(params, placement.shardings(parts.params.axes(), params))
+    buffers = jax.device_put(buffers, placement.shardings(parts.buffers.axes(), buffers))
+    return parallelize(parts.merge(params, buffers), placement.mesh, placement.mesh_config)
 
 
 def cast_weights(model: nnx.Module, dtype: str | None) -> nnx.Module:
