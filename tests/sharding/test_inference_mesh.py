@@ -24,7 +24,8 @@ def test_eval_generate_and_sessions_equal_one_device(result):
     assert result["logits"] <= 1e-5 and result["store_logits"] <= 1e-5
     assert result["eval_keys"] and result["eval"] <= 1e-5, result["eval"]     # MQAR recall, perplexity
     assert result["generate"] and result["sampled"]
-    assert result["store"] == {key: True for key in ("greedy", "sampled", "fork", "after_rollback", "speculative")}
+    assert result["store"] == {key: True for key in ("greedy", "sampled", "fork", "after_rollback", "after_load",
+                                                   "speculative")}
     # KDA states and conv tails over the heads, the MLA latent replicated; no program moved them
     assert result["pool_specs"] == ["P(None, None, 'tensor', None, None)",
                                     "P(None, None, None, 'tensor')", "P(None, None, None, None)"]

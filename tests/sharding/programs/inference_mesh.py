@@ -5,7 +5,7 @@ initialisation, loaded on the mesh: the per-device bytes. The runs: the same at 
 trained a few steps on MQAR, loaded on one device and on the mesh: how the mesh compares with one
 device on: the full forward's logits;
 eval's MQAR recall and perplexity; `generate` (greedy and sampled); the session store's batched
-decode with fork, snapshot and rollback, and its pools' shardings; speculative decoding by prompt
+decode with fork, snapshot and rollback, save and load, and its pools' shardings; speculative decoding by prompt
 lookup; the model in bfloat16 (``--dtype``) on both. On an untrained chat run of the same shape
 (K3's chat format): ``eval.chat`` with /fork and /rollback, and ``eval.serve`` driven by the
 ``openai`` client (chat, stream, a tool round trip, ``previous_response_id``), ``--mesh`` against none.
@@ -82,6 +82,10 @@ def session_work(model, speculate: bool) -> dict:
     out["fork"] = [t.tolist() for t in store.generate([fork, sids[1]], 5)]
     store.rollback(sids[1], handle)
     out["after_rollback"] = store.generate([sids[1]], 5)[0].tolist()
+    saved = pathlib.Path(tempfile.mkdtemp()) / "store"
+    store.save(saved)                   # every value read back from the pools
+    loaded = SessionStore.load(model, saved)   # and written into new ones on use
+    out["after_load"] = [t.tolist() for t in loaded.generate(sorted(loaded.sessions()), 4)]
     pools, shardings = store._device.arrays, store._device.shardings
     out["pool_specs"] = None if shardings is None else [str(sharding.spec) for sharding in shardings]
     out["pools_kept"] = shardings is None or all(array.sharding.is_equivalent_to(sharding, array.ndim)
@@ -177,7 +181,7 @@ def main() -> None:
         "eval": max(abs(values[0][key] - values[1][key]) / max(abs(values[0][key]), 1e-30) for key in values[0]),
         "generate": generated[0] == generated[1], "sampled": sampled[0] == sampled[1],
         "store": {key: work[0][key] == work[1][key] for key in ("greedy", "sampled", "fork", "after_rollback",
-                                                                 "speculative")},
+                                                                 "after_load", "speculative")},
         "store_logits": largest_difference(work[0]["logits"], work[1]["logits"]),
         "pool_specs": work[1]["pool_specs"], "pools_kept": work[1]["pools_kept"],
         "bf16_dtypes": sorted({str(leaf.dtype) for leaf in jax.tree.leaves(nnx.state(halves[1].model))}),
