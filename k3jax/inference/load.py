@@ -85,6 +85,13 @@ def place_model(model: nnx.Module, placement: Placement) -> nnx.Module:
     return parallelize(parts.merge(params, buffers), placement.mesh, placement.mesh_config)
 
 
+@functools.partial(jax.jit, static_argnames="dtype")
+def _converted(array: jax.Array, dtype) -> jax.Array:
+    """``array`` in ``dtype``, computed where its shards lie (the result keeps its sharding); one
+    program per shape, sharding and dtype, shared by every layer."""
+    return array.astype(dtype)
+
+
 def cast_weights(model: nnx.Module, dtype: str | None) -> nnx.Module:
     """``model`` with its floating-point parameters (`nnx.Param`, LoRA adapters) in ``dtype`` (None:
     as stored), one array at a time where it lies: each device converts its own shards, and each
@@ -96,7 +103,7 @@ def cast_weights(model: nnx.Module, dtype: str | None) -> nnx.Module:
         if isinstance(variable, (nnx.Param, LoRA)) and jnp.issubdtype(variable.dtype, jnp.floating) \
                 and variable.dtype != target:
             stored = variable.get_value()
-            variable.set_value(jax.jit(lambda a: a.astype(target), out_shardings=stored.sharding)(stored))
+            variable.set_value(_converted(stored, target))
             stored.delete()
     return model
 
