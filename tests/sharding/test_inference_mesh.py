@@ -34,9 +34,8 @@ def test_eval_generate_and_sessions_equal_one_device(result):
 
 def test_bfloat16_weights(result):
     assert result["bf16_dtypes"] == ["bfloat16", "float32"]     # router biases stay float32
-    assert result["bf16_greedy"] and result["bf16_logits"] <= 0.05, result["bf16_logits"]
+    assert result["bf16_sharded_alike"] and result["bf16_logits"] <= 0.05, result["bf16_logits"]
 
 
-def test_chat_and_server_equal_one_device(result):
-    assert result["chat"] and result["chat_forked"]
+def test_server_equals_one_device(result):
     assert result["serve"] and result["served"]
