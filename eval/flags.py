@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import typing
 
 from k3jax.config import ConfigError, SpeculationConfig
-from k3jax.host import add_process_flags
+from k3jax.host import add_process_flags, process_flags
 from k3jax.inference import InputError, LoadedRun, load_draft, load_run
 from k3jax.inference.layout import INFERENCE_AXES
 from k3jax.sharding import initialize_distributed
@@ -88,12 +87,10 @@ def join_processes(args: argparse.Namespace) -> bool:
     process then loads its own shards and runs the same steps; process 0 prints."""
     if getattr(args, "one_process", False):
         return False
-    count = args.num_processes if args.num_processes is not None else os.environ.get("JAX_NUM_PROCESSES")
-    address = args.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    if count is not None and int(count) < 1:
-        raise InputError(f"--num-processes must be at least 1, got {count}")
-    if args.process_id is not None and count is not None and not 0 <= args.process_id < int(count):
-        raise InputError(f"--process-id must be in [0, {count}), got {args.process_id}")
+    try:
+        address, _ = process_flags(args)
+    except ValueError as error:
+        raise InputError(str(error)) from None
     if address is None:
         if args.num_processes is not None or args.process_id is not None:
             raise InputError("--num-processes and --process-id need --coordinator-address (or "

@@ -30,7 +30,7 @@ from k3jax.convert.errors import ConvertError
 from k3jax.convert.importer import hf_run_config
 from k3jax.inference import InputError
 from k3jax.inference.layout import MeshError, mesh_sizes, parse_mesh
-from k3jax.inference.load import locate_checkpoint, saved_config
+from k3jax.inference.load import locate_checkpoint, saved_meta
 from k3jax.inference.plan import (compiled_activations, describe_mesh, model_weights, plan_running,
                                   refusal)
 from k3jax.memory import format_bytes
@@ -70,7 +70,7 @@ def load_model_config(args):
     path = pathlib.Path(args.model).expanduser()
     if path.is_dir():
         checkpoints, step = locate_checkpoint(str(path), args.step)
-        return config_from_dict(to_dict(saved_config(checkpoints, step)), args.overrides), f"run {path}"
+        return config_from_dict(to_dict(saved_meta(checkpoints, step)[1]), args.overrides), f"run {path}"
     if args.step is not None:
         raise InputError("--step applies to a run directory only")
     if path.suffix == ".json":

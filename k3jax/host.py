@@ -103,3 +103,16 @@ def add_process_flags(parser, joined: str) -> None:
                                                       "processes / hosts (default: $JAX_COORDINATOR_ADDRESS)")
     parser.add_argument("--num-processes", type=int, help="processes in all (default: $JAX_NUM_PROCESSES)")
     parser.add_argument("--process-id", type=int, help="this process, 0 … N-1 (default: $JAX_PROCESS_ID)")
+
+
+def process_flags(args) -> tuple[str | None, int | None]:
+    """``(coordinator address, process count)`` of `add_process_flags`'s flags in ``args``, each
+    falling back to $JAX_COORDINATOR_ADDRESS / $JAX_NUM_PROCESSES (None: not given); ValueError
+    (one line) for a count below 1 or a ``--process-id`` outside [0, count)."""
+    count = args.num_processes if args.num_processes is not None else os.environ.get("JAX_NUM_PROCESSES")
+    count = None if count is None else int(count)
+    if count is not None and count < 1:
+        raise ValueError(f"--num-processes must be at least 1, got {count}")
+    if args.process_id is not None and count is not None and not 0 <= args.process_id < count:
+        raise ValueError(f"--process-id must be in [0, {count}), got {args.process_id}")
+    return args.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS"), count

@@ -22,7 +22,7 @@ import sys
 from k3jax.checkpoint import CheckpointError, quiet_checkpoint_io
 from k3jax.convert.errors import ConvertError
 from k3jax.data.errors import DataError
-from k3jax.host import add_process_flags
+from k3jax.host import add_process_flags, process_flags
 
 EXPECTED_ERRORS = (ConvertError, CheckpointError, DataError)
 
@@ -87,14 +87,12 @@ def _join_import_processes(args):
     from k3jax.convert.processes import ImportGroup
     from k3jax.sharding import initialize_distributed
 
-    count = args.num_processes if args.num_processes is not None else os.environ.get("JAX_NUM_PROCESSES")
-    address = args.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    if count is not None and int(count) < 1:
-        raise ConvertError(f"--num-processes must be at least 1, got {count}")
-    if args.process_id is not None and count is not None and not 0 <= args.process_id < int(count):
-        raise ConvertError(f"--process-id must be in [0, {count}), got {args.process_id}")
+    try:
+        address, count = process_flags(args)
+    except ValueError as error:
+        raise ConvertError(str(error)) from None
     if address is None:
-        if count is not None and int(count) > 1:
+        if count is not None and count > 1:
             raise ConvertError(f"--num-processes {count} needs --coordinator-address HOST:PORT (process 0's; or "
                                f"JAX_COORDINATOR_ADDRESS): run the same command on every process")
         return None

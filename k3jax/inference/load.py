@@ -52,14 +52,7 @@ def _restore_model_at(directory, step: int, placement: Placement | None,
                       dtype: str | None) -> tuple[nnx.Module, Any, dict]:
     """``(model, config, meta)`` of checkpoint ``step``, its arrays verified, placed by ``placement``
     and cast to ``dtype``."""
-    checkpoints = RunCheckpoints(checkpoint_directory(directory), read_only=True)
-    try:
-        meta = checkpoints.meta(step)
-    finally:
-        checkpoints.close()
-    if not isinstance(meta.get("config"), dict):
-        raise CheckpointError(f"checkpoint {step} in {checkpoints.directory} has no saved config")
-    config = config_from_dict(meta["config"])
+    meta, config = saved_meta(directory, step)
     if dtype is not None:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, compute_dtype=dtype))
     mesh, mesh_config = (None, None) if placement is None else (placement.mesh, placement.mesh_config)
@@ -176,7 +169,7 @@ def load_run(path: str, step: int | None = None, mesh: str | dict | None = None,
     placement = None
     try:
         if mesh is not None:
-            placement = inference_placement(saved_config(checkpoints, step).model, mesh)
+            placement = inference_placement(saved_meta(checkpoints, step)[1].model, mesh)
         with warnings.catch_warnings():   # the trainer's checkpoints hold single-device arrays
             warnings.filterwarnings("ignore", message="Sharding info not provided when restoring")
             restored = restore_model(checkpoints, step, report=_warn, placement=placement, dtype=dtype)
@@ -190,16 +183,18 @@ def load_run(path: str, step: int | None = None, mesh: str | dict | None = None,
     return LoadedRun(restored.model, restored.config, restored.meta, restored.step, checkpoints, run_dir, placement)
 
 
-def saved_config(directory, step: int | None) -> Config:
-    """The config saved with checkpoint ``step`` (None: the newest) of a run, without its arrays."""
+def saved_meta(directory, step: int | None) -> tuple[dict, Config]:
+    """``(metadata, config)`` saved with checkpoint ``step`` (None: the newest) of a run, without
+    its arrays; `CheckpointError` when there is no such checkpoint or it has no config."""
     checkpoints = RunCheckpoints(checkpoint_directory(directory), read_only=True)
     try:
-        meta = checkpoints.meta(checkpoints.require_step(step))
+        step = checkpoints.require_step(step)
+        meta = checkpoints.meta(step)
     finally:
         checkpoints.close()
     if not isinstance(meta.get("config"), dict):
-        raise CheckpointError(f"a checkpoint in {checkpoints.directory} has no saved config")
-    return config_from_dict(meta["config"])
+        raise CheckpointError(f"checkpoint {step} in {checkpoints.directory} has no saved config")
+    return meta, config_from_dict(meta["config"])
 
 
 def draft_mismatch(target: Config, draft: Config) -> str | None:
