@@ -64,9 +64,9 @@ def _argument(field: dataclasses.Field, hint) -> dict:
     return {**options, "type": kind, "metavar": field.metadata.get("metavar")}
 
 
-def add_placement_flags(parser: argparse.ArgumentParser, processes: bool = True) -> None:
-    """``--mesh`` and ``--dtype``: where the model runs and in what precision; with ``processes``,
-    the flags of a mesh over several processes (`join_processes`), else this process's devices only."""
+def add_placement_flags(parser: argparse.ArgumentParser) -> None:
+    """``--mesh`` and ``--dtype``: where the model runs and in what precision, and the flags of a
+    mesh over several processes (`join_processes`)."""
     group = parser.add_argument_group("where the model runs")
     group.add_argument("--mesh", default=None, metavar="AXIS=N,...|auto",
                        help=f"shard the model over a mesh of every device: axes {', '.join(INFERENCE_AXES)} "
@@ -75,18 +75,13 @@ def add_placement_flags(parser: argparse.ArgumentParser, processes: bool = True)
     group.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                        help="the weights' and computation's dtype, converted shard by shard after loading "
                             "(default: as stored; KDA states stay float32)")
-    if processes:
-        add_process_flags(group, "a mesh")
-    else:
-        parser.set_defaults(coordinator_address=None, num_processes=None, process_id=None, one_process=True)
+    add_process_flags(group, "a mesh")
 
 
 def join_processes(args: argparse.Namespace) -> bool:
     """Join the other processes of a multi-process mesh (before any device is touched) when
     ``--coordinator-address`` (or $JAX_COORDINATOR_ADDRESS) is given; True if joined. Every
     process then loads its own shards and runs the same steps; process 0 prints."""
-    if getattr(args, "one_process", False):
-        return False
     try:
         address, _ = process_flags(args)
     except ValueError as error:
@@ -155,21 +150,15 @@ def speculation_from(args: argparse.Namespace, config) -> tuple[SpeculationConfi
 
 def shared_lines(stream):
     """The lines of ``stream`` as process 0 reads them, on every process of a multi-process mesh
-    (broadcast one by one: each process then runs the same step for the same line); ``stream``
-    itself in one process."""
-    import jax
-    import numpy as np
-    from jax.experimental import multihost_utils
+    (sent one by one as read, `k3jax.inference.mirror`: each process then runs the same steps for
+    the same line, however long process 0 waits for it); ``stream`` itself in one process."""
+    from k3jax.inference.mirror import Channel, Leader, follow_lines
 
-    if jax.process_count() == 1:
+    channel = Channel.joined(namespace="k3jax/lines/")
+    if channel is None:
         yield from stream
-        return
-    lines = iter(stream) if is_reporter() else None
-    while True:
-        data = (next(lines, None) or "").encode() if is_reporter() else b""
-        size = int(multihost_utils.broadcast_one_to_all(np.int32(len(data) if is_reporter() and data else -1)))
-        if size < 0:
-            return
-        buffer = np.frombuffer(data, np.uint8) if is_reporter() else np.zeros(size, np.uint8)
-        yield bytes(multihost_utils.broadcast_one_to_all(buffer)).decode()
+    elif channel.leads:
+        yield from Leader(channel).lines(stream)
+    else:
+        yield from follow_lines(channel)
 

@@ -10,7 +10,14 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 /detokenize``, ``GET /metrics`` (Prometheus) and ``GET /health``. Concurrent requests decode together
 (`eval.serve.engine`). SIGTERM / SIGINT: no new requests; running ones get ``--drain-seconds`` to
 finish, the rest an error; with ``--state-dir`` the stored responses are saved, and loaded at the
-next start; the process then ends by the signal (status 143 after SIGTERM, as uvicorn does). Bad flags or an unusable run directory: one line on stderr, exit status 2.
+next start; the process then ends by the signal (status 143 after SIGTERM, as uvicorn does). Bad
+flags or an unusable run directory: one line on stderr, exit status 2.
+
+A model too large for one host's devices is served by several processes over one mesh (``--mesh``
+with ``--coordinator-address``, ``--num-processes``, ``--process-id``, the same command on every
+host): each loads its shards; process 0 owns HTTP and the engine, and its store's and speculator's
+calls are mirrored to the others (`k3jax.inference.mirror`), which make the same calls on their own
+copies. SIGTERM on any process lets process 0 drain, then every process stops.
 
 Speculative decoding (`k3jax.sessions.speculate`): the flags of `eval.flags` (``--prompt-lookup N``
 or ``--draft RUN_DIR``, ``--speculate-k``, ``--speculate-rollback``, ``--[no-]speculate-adaptive``),
@@ -26,7 +33,9 @@ import pathlib
 import sys
 
 from k3jax.checkpoint import quiet_checkpoint_io
+from k3jax.host import process_flags
 from k3jax.inference import InputError, load_draft
+from k3jax.inference.mirror import Channel, Leader
 
 from ..flags import (OneLineParser, add_placement_flags, add_speculation_flags, byte_count, load_model,
                      speculation_settings)
@@ -68,11 +77,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              f"(default {DEFAULT_COMPILATION_CACHE}, as training's; 'none': off)")
     parser.add_argument("--drain-seconds", type=_positive(float), default=30.0,
                         help="on SIGTERM, seconds running requests get to finish (default 30)")
-    add_placement_flags(parser, processes=False)   # one process: HTTP and the engine live here
+    add_placement_flags(parser)
     add_speculation_flags(parser)
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
+    try:
+        several_processes = process_flags(args)[0] is not None
+    except ValueError as error:
+        parser.error(str(error))
+    if args.state_dir is not None and several_processes:
+        parser.error("--state-dir is not supported across processes yet: every process would write the same "
+                     "session files; serve from one process to keep stored responses across restarts")
     args.speculation = speculation_settings(args)
     return args
 
@@ -88,19 +104,14 @@ def load_draft_model(args: argparse.Namespace, config):
         raise InputError(f"--draft: {error}") from None
 
 
-def build(args: argparse.Namespace):
-    """(app, uvicorn config) for ``args``: the model loaded, stored state read, the engine started."""
-    import uvicorn
-
-    from .app import Server, create_app
-    from .engine import Engine
-    from .model import ServedModel
+def load_engine_parts(args: argparse.Namespace):
+    """``(run, responses, store, speculator)`` for ``args``: the model loaded (on every process of a
+    mesh), stored state read, the speculator (None without one) over the store."""
     from .responses import ResponseStore
+    from k3jax.sessions import SessionStore
     from k3jax.sessions.speculate import Speculator
 
     run = load_model(args)
-    name = args.model_name or run.run_dir.name
-    served = ServedModel(run, name, args.max_model_len)
     draft = load_draft_model(args, run.config)
     budgets = dict(device_bytes=args.device_bytes, host_bytes=args.host_bytes)
     state_dir = None if args.state_dir is None else pathlib.Path(args.state_dir)
@@ -108,24 +119,76 @@ def build(args: argparse.Namespace):
         if state_dir is not None:
             responses, store = ResponseStore.load(run.model, state_dir, **budgets, disk_dir=state_dir / "tier")
         else:
-            from k3jax.sessions import SessionStore
             responses, store = ResponseStore(), SessionStore(run.model, **budgets)
     except (OSError, ValueError) as error:
         raise InputError(f"--state-dir {state_dir}: {error}") from None
     speculator = None if args.speculation is None else Speculator.of(store, args.speculation, draft)
+    return run, responses, store, speculator
+
+
+def build(args: argparse.Namespace, parts=None, leader=None):
+    """(app, uvicorn config, served model) for ``args``: the engine started over ``parts``
+    (`load_engine_parts`'s, loaded here when None). With ``leader`` (process 0 of a mesh over
+    several processes, `k3jax.inference.mirror.Leader`), the store's and the speculator's calls
+    are mirrored to the other processes, which are stopped after the engine."""
+    import uvicorn
+
+    from .app import Server, create_app
+    from .engine import Engine
+    from .model import ServedModel
+    from k3jax.inference.mirror import Mirrored
+    from k3jax.sessions import Snapshot
+
+    run, responses, store, speculator = parts or load_engine_parts(args)
+    served = ServedModel(run, args.model_name or run.run_dir.name, args.max_model_len)
+    if leader is not None:
+        store = Mirrored(store, "store", leader, handles=(Snapshot,))
+        speculator = None if speculator is None else Mirrored(speculator, "speculator", leader)
     engine = Engine(store, max_batch=args.max_batch, max_queue=args.max_queue, speculator=speculator)
     server = Server(served, engine, responses, api_key=args.api_key, request_timeout=args.request_timeout)
+    state_dir = None if args.state_dir is None else pathlib.Path(args.state_dir)
 
     def on_shutdown() -> None:
         save = None if state_dir is None else (lambda store: responses.save(store, state_dir))
         engine.shutdown(args.drain_seconds, on_stop=save)
         if state_dir is not None:
             print(f"saved {len(responses.items)} stored responses to {state_dir}", file=sys.stderr, flush=True)
+        if leader is not None:
+            stop_following(leader)
 
     app = create_app(server, on_shutdown)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.drain_seconds, access_log=False)
     return app, config, served
+
+
+def stop_following(leader) -> None:
+    """Process 0 of a mesh: end the other processes' `follow` and leave the run together (uvicorn
+    then ends this process by the signal it caught, before any exit handler could)."""
+    import jax
+
+    leader.stop()
+    jax.distributed.shutdown()
+
+
+def follow_process_zero(channel, parts) -> int:
+    """A process of a mesh other than 0: make the store's and speculator's calls process 0's
+    engine makes, until it stops. SIGTERM / SIGINT wait for that: process 0 drains its requests
+    with this process's devices, then stops every process."""
+    import signal
+
+    import jax
+
+    from k3jax.inference.mirror import follow
+
+    def wait_for_process_zero(signum, frame) -> None:
+        print(f"process {channel.process}: stopping with process 0", file=sys.stderr, flush=True)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, wait_for_process_zero)
+    _, _, store, speculator = parts
+    follow(channel, {"store": store, "speculator": speculator})
+    jax.distributed.shutdown()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     quiet_checkpoint_io()
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        _, config, served = build(args)
+        parts = load_engine_parts(args)
+        channel = Channel.joined()
+        if channel is not None and not channel.leads:
+            return follow_process_zero(channel, parts)
+        _, config, served = build(args, parts, None if channel is None else Leader(channel))
     except InputError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2

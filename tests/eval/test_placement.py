@@ -94,7 +94,7 @@ def test_bad_process_flags_are_one_line_before_joining(untrained_run, flags, mes
         join_processes(parse_args([str(untrained_run.path), "--prompt", "1", *flags]))
 
 
-def test_the_server_is_one_process():
+def test_the_server_refuses_a_state_dir_across_processes():
     from eval.serve.cli import parse_args
-    with pytest.raises(InputError, match="unrecognized arguments: --coordinator-address"):
-        parse_args(["run", "--coordinator-address", "127.0.0.1:1"])
+    with pytest.raises(InputError, match="--state-dir is not supported across processes"):
+        parse_args(["run", "--state-dir", "state", "--coordinator-address", "127.0.0.1:1", "--mesh", "auto"])

@@ -1,9 +1,15 @@
 """A model run by two processes of 4 devices each (one jax.distributed system, ``--mesh
 expert=4,tensor=2`` over its 8 devices) gives what one process on one device gives:
-``eval.generate``'s tokens, ``eval``'s perplexity and ``eval.chat``'s transcript with /fork and
-/rollback. Process 0 prints and writes; process 1 runs the same steps silently."""
+``eval.generate``'s tokens, ``eval``'s perplexity, ``eval.chat``'s transcript with /fork and
+/rollback, and ``eval.serve``'s answers to the ``openai`` client (with speculative decoding). Process 0
+prints, writes and serves; process 1 runs the same steps silently."""
+import concurrent.futures
 import json
+import re
+import signal
+import time
 
+import numpy as np
 import pytest
 
 from k3jax.training import Trainer
@@ -11,6 +17,7 @@ from tests.serve.conftest import CHAT
 from tests.sharding.programs.common import small_k3_config
 from tests.sharding.test_multi_device import LOAD_TIMEOUTS, free_port, start
 
+openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 MESH = ("--mesh", "expert=4,tensor=2")
@@ -81,3 +88,86 @@ def test_chat_with_fork_and_rollback(runs, tmp_path):
     first, second = two_processes(args, script)
     assert first == (one_process(args, script)) and "forked" in first and "rolled back" in first
     assert second == ""
+
+
+SERVING = re.compile(r"serving \S+ on (http://\S+/v1)")
+
+
+def served_url(job, timeout=900) -> str:
+    """The URL ``python -m eval.serve`` prints once it listens."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        match = SERVING.search(job.stderr_so_far())
+        if match:
+            return match.group(1)
+        if job.poll() is not None:
+            raise AssertionError(f"the server exited {job.returncode}:\n{job.stderr_so_far()[-3000:]}")
+        time.sleep(0.5)
+    raise AssertionError("the server did not start:\n" + job.stderr_so_far()[-3000:])
+
+
+def requests_and_answers(url: str) -> list:
+    """The same requests to each server, as the ``openai`` client sends them: chat (plain, streamed,
+    four at once, with tools, two sampled choices), completions with log-probs (plain steps beside
+    speculative rounds), a stored response and its continuation -> what each answered."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+
+    def chat(text, **options):
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
+                                               max_tokens=10, **{"temperature": 0, **options})
+        return [(choice.message.content, choice.message.tool_calls) for choice in reply.choices]
+
+    answers = [chat("3 QWERTY")]
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "3 QWERTY"}],
+                                            max_tokens=10, temperature=0, stream=True)
+    answers.append("".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices))
+    with ThreadPoolExecutor(4) as pool:
+        answers.append(list(pool.map(chat, ["a b c", "hello there", "3 QWERTY again", "x"])))
+    answers.append(chat("sampled", n=2, temperature=1.0, seed=11))
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
+    answers.append(chat("add 3 and 4", tools=tools))
+    completion = client.completions.create(model=model, prompt="one two", max_tokens=6, temperature=0, logprobs=2)
+    answers.append((completion.choices[0].text, completion.choices[0].logprobs.tokens,
+                    completion.choices[0].logprobs.token_logprobs))
+    first = client.responses.create(model=model, input="remember 42", max_output_tokens=6, temperature=0)
+    second = client.responses.create(model=model, input="and now?", previous_response_id=first.id,
+                                     max_output_tokens=6, temperature=0)
+    answers.append((first.output_text, second.output_text, second.usage.input_tokens))
+    return answers
+
+
+def assert_same_answers(ours, theirs) -> None:
+    """Equal, log-probs within 1e-5."""
+    *plain, (text, tokens, logprobs), responses = ours
+    *plain_theirs, (text_theirs, tokens_theirs, logprobs_theirs), responses_theirs = theirs
+    assert plain == plain_theirs and responses == responses_theirs
+    assert (text, tokens) == (text_theirs, tokens_theirs)
+    np.testing.assert_allclose(logprobs, logprobs_theirs, atol=1e-5)
+
+
+def test_serve_across_processes_answers_as_one_process(runs):
+    args = ["-m", "eval.serve", str(runs[1]), "--port", "0", "--compilation-cache", "none", "--max-model-len", "1024",
+            "--prompt-lookup", "2"]
+    one = start(args, devices=1)
+    address = f"127.0.0.1:{free_port()}"
+    two = [start([*args, *MESH, "--coordinator-address", address, "--num-processes", "2", "--process-id", str(i)],
+                 devices=4) for i in range(2)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(requests_and_answers, [served_url(one), served_url(two[0])]))
+        assert_same_answers(answers[1], answers[0])
+        for job in (two[1], two[0], one):      # SIGTERM to a follower first: it waits for process 0
+            job.send_signal(signal.SIGTERM)
+        for job in (*two, one):
+            job.communicate(timeout=300)
+        codes = [job.returncode for job in (*two, one)]
+        assert codes == [-signal.SIGTERM, 0, -signal.SIGTERM], [job.stderr_so_far()[-2000:] for job in (*two, one)]
+        assert "stopping with process 0" in two[1].stderr_so_far()
+    finally:
+        for job in (one, *two):
+            if job.poll() is None:
+                job.kill()

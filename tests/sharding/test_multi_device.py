@@ -68,6 +68,13 @@ class Job:
     def kill(self) -> None:
         self._process.kill()
 
+    def stderr_so_far(self) -> str:
+        """What the process has written to stderr so far (read without moving the shared offset)."""
+        return os.pread(self._err.fileno(), 1 << 24, 0).decode(errors="replace")
+
+    def send_signal(self, signum) -> None:
+        self._process.send_signal(signum)
+
     def communicate(self, timeout=None) -> tuple[str, str]:
         """Wait for the process (``subprocess.TimeoutExpired`` after ``timeout`` s); its stdout and stderr."""
         self._process.wait(timeout=timeout)
