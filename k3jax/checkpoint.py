@@ -347,29 +347,94 @@ def _restore_sharding(abstract: Any) -> jax.sharding.Sharding:
     return sharding if sharding is not None else jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
 
-def restore_subtree(directory: str | pathlib.Path, key: str, abstract: Any, step: int | None = None) -> tuple[Any, dict]:
+# The most bytes (of this process's shards) one Orbax restore reads: Orbax holds what it read
+# until the restore returns, so a model restored in one call peaked at twice its shards; in groups
+# the peak is the shards plus about one group (measured by bench/loading_memory.py).
+RESTORE_GROUP_BYTES = 256 * 2**20
+
+
+def local_bytes(abstract: Any) -> int:
+    """Bytes of this process's shards of the array ``abstract`` (a ShapeDtypeStruct or array;
+    without a sharding: all of it)."""
+    sharding = getattr(abstract, "sharding", None)
+    itemsize = np.dtype(abstract.dtype).itemsize
+    if sharding is None:
+        return int(np.prod(abstract.shape)) * itemsize
+    distinct = {tuple((part.start, part.stop) for part in index)
+                for index in sharding.addressable_devices_indices_map(abstract.shape).values()}
+    return int(np.prod(sharding.shard_shape(abstract.shape))) * itemsize * len(distinct)
+
+
+def restore_groups(leaves: list[tuple[Any, Any]], limit: int) -> list[list[tuple[Any, Any]]]:
+    """``leaves`` ((path, abstract array) in tree order) cut into consecutive groups of at most
+    ``limit`` bytes of this process's shards (`local_bytes`); an array larger than ``limit`` is a
+    group of its own."""
+    groups, size = [[]], 0
+    for path, leaf in leaves:
+        nbytes = local_bytes(leaf)
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append((path, leaf))
+        size += nbytes
+    return [group for group in groups if group]
+
+
+def _keys(path) -> tuple:
+    """A tree path's keys (dict keys, attribute names, sequence indices) as plain values."""
+    return tuple(getattr(entry, "key", getattr(entry, "name", getattr(entry, "idx", None))) for entry in path)
+
+
+def _nested(leaves: list[tuple[Any, Any]]) -> dict:
+    """The nested dicts holding ``leaves`` ((path, value)) at their paths' `_keys`: a partial
+    tree that Orbax restores as is, and whose checksum names are those of the full tree."""
+    tree: dict = {}
+    for path, leaf in leaves:
+        keys = _keys(path)
+        node = tree
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = leaf
+    return tree
+
+
+def restore_subtree(directory: str | pathlib.Path, key: str, abstract: Any, step: int | None = None,
+                    group_bytes: int | None = None) -> tuple[Any, dict]:
     """Restore only ``state[key]`` (e.g. the parameters, for fine-tuning) of a run's checkpoint,
     placed like ``abstract`` (arrays without a sharding go to this process's first device, whatever
-    devices wrote the checkpoint), verified against the saved checksums; returns ``(subtree, meta)``."""
+    devices wrote the checkpoint), verified against the saved checksums; returns ``(subtree, meta)``.
+    The arrays are read in groups of at most ``group_bytes`` (None: `RESTORE_GROUP_BYTES`) of this
+    process's shards (`restore_groups`), so the memory a restore holds beyond the restored arrays is
+    about one group."""
     checkpoints = RunCheckpoints(checkpoint_directory(directory), read_only=True)
     try:
         step = checkpoints.require_step(step)
     except CheckpointError:
         checkpoints.close()
         raise
-    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=_restore_sharding(a)), abstract)
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_restore_sharding(a)), abstract)
+    where = f"checkpoint {step} in {checkpoints.directory}"
+    placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_restore_sharding(a)), abstract)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(placed)
+    restored, meta = {}, None
+    try:
+        for group in restore_groups(leaves, group_bytes or RESTORE_GROUP_BYTES) or [[]]:
+            part, meta = _restore_part(checkpoints, step, key, _nested(group), where)
+            restored.update((_keys(path), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(part)[0])
+    finally:
+        checkpoints.close()
+    return jax.tree_util.tree_unflatten(treedef, [restored[_keys(path)] for path, _ in leaves]), meta
+
+
+def _restore_part(checkpoints: RunCheckpoints, step: int, key: str, part: dict, where: str) -> tuple[dict, dict]:
+    """``(state[key] restored where ``part``'s arrays say, meta)``, each array verified."""
+    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), part)
     try:
         restored = checkpoints._manager.restore(step, args=ocp.args.Composite(**{
-            STATE: ocp.args.PyTreeRestore(item={key: abstract}, restore_args={key: restore_args}, partial_restore=True),
+            STATE: ocp.args.PyTreeRestore(item={key: part}, restore_args={key: restore_args}, partial_restore=True),
             META: ocp.args.JsonRestore(),
         }))
     except Exception as error:  # noqa: BLE001
-        raise CheckpointError(f"cannot restore '{key}' from checkpoint {step} in {checkpoints.directory}: "
-                              f"{_one_line(error)}") from error
-    finally:
-        checkpoints.close()
-    where = f"checkpoint {step} in {checkpoints.directory}"
+        raise CheckpointError(f"cannot restore '{key}' from {where}: {_one_line(error)}") from error
     meta = verify_meta(dict(restored[META]), where)
     verify_arrays({key: restored[STATE][key]}, meta, where)
     return restored[STATE][key], meta

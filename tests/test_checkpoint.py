@@ -189,3 +189,34 @@ def test_a_read_outliving_its_event_loop_prints_nothing_once_quieted():
         return result.stderr
     assert "RuntimeError: Event loop is closed" in stderr("plain")    # the race this guards against happens
     assert "Event loop is closed" not in stderr("quiet")
+
+
+def test_a_subtree_restored_in_groups_equals_the_saved_arrays_and_is_verified(tmp_path):
+    """One array a group (``group_bytes=1``) or all in one: the saved arrays, at their paths in the
+    abstract tree; an altered array is refused by name either way."""
+    from k3jax.checkpoint import restore_groups, restore_subtree
+    state = {"params": {"layers": {0: {"a": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(4, jnp.bfloat16)},
+                                   1: {"a": jnp.full((2, 3), 7.0), "b": jnp.zeros(4, jnp.bfloat16)}},
+                        "head": jnp.arange(5, dtype=jnp.int32)}}
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state["params"])
+    leaves = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    assert [len(group) for group in restore_groups(leaves, 1)] == [1] * 5
+    assert [len(group) for group in restore_groups(leaves, 24 + 8)] == [1, 2, 2]   # head 20 B, then a 24 B + b 8 B
+    saved = RunCheckpoints(tmp_path / "run" / "checkpoints", async_save=False)
+    saved.save(1, state, {"note": "x"}, force=True)
+    saved.wait()
+    for group_bytes in (1, 2**20):
+        restored, meta = restore_subtree(tmp_path / "run", "params", abstract, group_bytes=group_bytes)
+        assert meta["note"] == "x"
+        assert jax.tree.structure(restored) == jax.tree.structure(abstract)
+        for ours, theirs in zip(jax.tree.leaves(restored), jax.tree.leaves(state["params"])):
+            assert ours.dtype == theirs.dtype and np.array_equal(np.asarray(ours), np.asarray(theirs))
+    meta_file = tmp_path / "run" / "checkpoints" / "1" / "meta" / "metadata"
+    sealed = meta_file.read_text()
+    state["params"]["layers"][1]["a"] = state["params"]["layers"][1]["a"].at[0, 0].set(7.5)
+    saved.save(2, state, {"note": "x"}, force=True)
+    saved.wait()
+    (tmp_path / "run" / "checkpoints" / "2" / "meta" / "metadata").write_text(sealed)   # step 1's seal
+    for group_bytes in (1, 2**20):
+        with pytest.raises(CheckpointError, match=r"array \['params'\]\['layers'\]\[1\]\['a'\] is corrupted"):
+            restore_subtree(tmp_path / "run", "params", abstract, step=2, group_bytes=group_bytes)
