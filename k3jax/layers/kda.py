@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,10 @@ from k3jax.ops.conv import causal_depthwise_conv, conv_tails
 from k3jax.ops.kda import kda, kda_gate, kda_step, kda_steps, l2_normalize
 from k3jax.ops.kda.decode_pool import conv_pool_step, kda_pool_step
 from k3jax.ops.norms import rms_norm
+
+# The KDA ops a layer runs when no mesh splits its heads (`KDALayer._ops`).
+WHOLE_ARRAY_OPS = types.SimpleNamespace(kda=kda, kda_step=kda_step, kda_steps=kda_steps, kda_pool_step=kda_pool_step,
+                                        conv_pool_step=conv_pool_step)
 
 
 def _conv_init(key, shape, dtype):
@@ -92,6 +97,7 @@ class KDALayer(nnx.Module):
         self.config = config
         self.dtype = dtype
         self.context_parallel = None     # a `k3jax.sharding.context.ContextParallel`, set by parallelize
+        self.head_parallel = None        # a `k3jax.sharding.heads.HeadParallel`, set by parallelize
 
     @scoped
     def __call__(
@@ -122,21 +128,22 @@ class KDALayer(nnx.Module):
         g, beta = self._gates(x)
 
         state = None if memory is None else memory.state
+        ops = self._ops()
         if isinstance(memory, KDAPositions):
             if segment_ids is not None:
                 raise ValueError("a KDAPositions bank feeds one sequence per row: no segment_ids")
-            o, states = kda_steps(q, k, v, g, beta, state, implementation=cfg.implementation)
+            o, states = ops.kda_steps(q, k, v, g, beta, state, implementation=cfg.implementation)
             return self._output(o, x), KDAPositions(states, conv_tails(projected, memory.conv))
         if length == 1 and state is not None:
-            o, state = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state,
-                                implementation=cfg.implementation)
+            o, state = ops.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state,
+                                    implementation=cfg.implementation)
             o = o[:, None]
         elif split:
             o, state = self.context_parallel.kda(q, k, v, g, beta, segments, chunk_size=cfg.chunk_size,
                                                  implementation=cfg.implementation)
         else:
-            o, state = kda(q, k, v, g, beta, initial_state=state, segment_ids=segment_ids,
-                           chunk_size=cfg.chunk_size, implementation=cfg.implementation)
+            o, state = ops.kda(q, k, v, g, beta, initial_state=state, segment_ids=segment_ids,
+                               chunk_size=cfg.chunk_size, implementation=cfg.implementation)
         if memory is not None:
             conv_tail = conv_tail.astype(memory.conv.dtype)
         return self._output(o, x), KDAMemory(state=state, conv=conv_tail)
@@ -149,14 +156,20 @@ class KDALayer(nnx.Module):
         ``__call__`` on the gathered rows."""
         if x.shape[1] != 1:
             raise ValueError(f"pooled KDA decode takes one token per sequence, got x {x.shape}")
-        implementation = self.config.implementation
-        mixed, conv = conv_pool_step(memory.conv, memory.rows, self._projections(x)[:, 0], self._conv_weight(),
-                                     implementation=implementation)
+        implementation, ops = self.config.implementation, self._ops()
+        mixed, conv = ops.conv_pool_step(memory.conv, memory.rows, self._projections(x)[:, 0], self._conv_weight(),
+                                         implementation=implementation)
         q, k, v = self._heads(mixed[:, None])
         g, beta = self._gates(x)
-        o, state = kda_pool_step(memory.state, memory.rows, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
-                                 implementation=implementation)
+        o, state = ops.kda_pool_step(memory.state, memory.rows, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                                     implementation=implementation)
         return self._output(o[:, None], x), dataclasses.replace(memory, state=state, conv=conv)
+
+    def _ops(self):
+        """The KDA ops this layer runs: split over the mesh's head axes (a
+        `k3jax.sharding.heads.HeadParallel`, set by `k3jax.sharding.parallelize`, with the same
+        names) or on whole arrays (`WHOLE_ARRAY_OPS`)."""
+        return self.head_parallel or WHOLE_ARRAY_OPS
 
     def _projections(self, x: jax.Array) -> jax.Array:
         """The conv inputs ``[W_q x | W_k x | W_v x]`` ``[B, T, C]``."""

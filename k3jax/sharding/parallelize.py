@@ -14,6 +14,9 @@ reuses a program traced for another mesh or dispatch):
                         a `ContextParallel` splitting the sequence over it, MLA by
                         ``mesh_config.context_attention`` (None otherwise); batches and the residual
                         stream then split their sequence over it too (the "sequence" rule)
+    head_parallel       on each KDA layer, when ``mesh`` splits its heads and no context axis does
+                        its sequence: a `HeadParallel` running its KDA ops on each device's heads
+                        (a Pallas kernel cannot be split by XLA); None otherwise
 
 Parameters are not moved: their placement comes from the same rules (`step_shardings`).
 """
@@ -33,6 +36,7 @@ from k3jax.layers.moe import MoE
 from k3jax.model import DecoderLayer, K3Model
 from k3jax.sharding.context import ContextParallel
 from k3jax.sharding.expert_parallel import expert_dispatch
+from k3jax.sharding.heads import head_parallel_for
 from k3jax.sharding.mesh import partition_spec
 
 
@@ -65,4 +69,8 @@ def parallelize(model: nnx.Module, mesh: Mesh, mesh_config: MeshConfig) -> nnx.M
             module.expert_dispatch = dispatch
         if isinstance(module, (KDALayer, MLALayer)):
             module.context_parallel = context
+        if isinstance(module, KDALayer):
+            heads = module.config
+            module.head_parallel = None if context is not None else head_parallel_for(
+                mesh, mesh_config.rules, heads.num_heads, heads.num_value_heads, heads.conv_width)
     return model
