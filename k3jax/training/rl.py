@@ -88,11 +88,13 @@ def check_draft(config) -> int:
 
 
 def rollout_records(groups, policy_step: int) -> list[dict]:
-    """The ``rollouts.jsonl`` records of one step's groups (``step``: the step they train, policy_step + 1)."""
+    """The ``rollouts.jsonl`` records of one step's groups (``step``: the step they train, policy_step + 1;
+    ``source``: the prompt's file and line (JSON) or row (Parquet); ``id``: the record's own, if it has one)."""
     records = []
     for group in groups:
         for c in group:
             record = {"step": policy_step + 1, "policy_step": policy_step, "prompt_index": c.prompt_index,
+                      "source": c.prompt.where, **({"id": c.prompt.record["id"]} if "id" in c.prompt.record else {}),
                       "sample": c.sample, "prompt_tokens": c.prompt.tokens.tolist(), "completion_tokens": c.tokens,
                       "completion": c.text, "logprobs": c.logprobs, "reward": c.reward, "advantage": c.advantage,
                       "finish_reason": c.finish_reason}

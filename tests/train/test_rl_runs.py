@@ -22,7 +22,7 @@ from tests.train.test_heldout_eval import write_corpus
 
 pytestmark = pytest.mark.slow    # five trainers: ~2 minutes of compilation on 2 cores
 
-PROMPTS = [{"prompt": f"the {word} is", "answer": word} for word in
+PROMPTS = [{"prompt": f"the {word} is", "answer": word, "id": f"q-{word}"} for word in
            "cat dog mat sun sea sky tree bird fish cow hen pig fox owl bee ant".split()]
 
 
@@ -76,6 +76,9 @@ def test_rollouts_are_the_checkpointed_policys_and_the_update_recomputes_them(se
     fields = {"policy_step", "prompt_index", "sample", "prompt_tokens", "completion_tokens", "completion", "logprobs",
               "reward", "advantage", "finish_reason"}
     assert all(fields <= set(record) for record in rollouts)
+    for record in rollouts:         # each names the line it came from, and carries the record's id
+        path, line = record["source"].rsplit(":", 1)
+        assert path.endswith("prompts.jsonl") and record["id"] == f"q-{PROMPTS[int(line) - 1]['answer']}"
     assert [r["policy_step"] for r in rollouts] == [s for s in range(3) for _ in range(6)]
     assert [r["sample"] for r in rollouts[:6]] == [0, 1, 2, 0, 1, 2]
     for m in steps:
