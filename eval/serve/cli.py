@@ -46,12 +46,23 @@ def _positive(kind):
     return parse
 
 
+def host_list(text: str) -> frozenset[str]:
+    """``--allowed-hosts``: comma-separated host names (no ports), compared without case."""
+    hosts = frozenset(part.strip().lower() for part in text.split(",") if part.strip())
+    if not hosts or any(":" in host and not host.startswith("[") for host in hosts):
+        raise argparse.ArgumentTypeError(f"expected host names separated by commas, without ports, got {text!r}")
+    return hosts
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = OneLineParser(prog="python -m eval.serve", description="Serve a checkpoint over an OpenAI-compatible API.")
     parser.add_argument("run", metavar="RUN_OR_CHECKPOINT_DIR")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route")
+    parser.add_argument("--allowed-hosts", type=host_list, default=None, metavar="HOST,...",
+                        help="answer only requests whose Host header names one of these (e.g. localhost,127.0.0.1); "
+                             "default: any")
     parser.add_argument("--model-name", default=None, help="the model's name in the API (default: the run directory's)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest good one)")
     parser.add_argument("--device-bytes", type=byte_count, default=None, help="session state on the device (default: all that fits)")
@@ -114,7 +125,8 @@ def build(args: argparse.Namespace):
         raise InputError(f"--state-dir {state_dir}: {error}") from None
     speculator = None if args.speculation is None else Speculator.of(store, args.speculation, draft)
     engine = Engine(store, max_batch=args.max_batch, max_queue=args.max_queue, speculator=speculator)
-    server = Server(served, engine, responses, api_key=args.api_key, request_timeout=args.request_timeout)
+    server = Server(served, engine, responses, api_key=args.api_key, request_timeout=args.request_timeout,
+                    allowed_hosts=args.allowed_hosts)
 
     def on_shutdown() -> None:
         save = None if state_dir is None else (lambda store: responses.save(store, state_dir))

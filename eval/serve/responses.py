@@ -33,6 +33,7 @@ from k3jax.sessions import SessionStore
 from .completions import tool_calls
 from .engine import Job, Sequence
 from .errors import ServeError
+from .limits import shown
 from .model import ServedModel
 from .protocol import FunctionCallOutputItem, MessageItem, ReasoningItem, ResponseRequest
 from . import params
@@ -60,7 +61,7 @@ class ResponseStore:
 
     def get(self, response_id, param: str = "previous_response_id") -> StoredResponse:
         if not isinstance(response_id, str) or not RESPONSE_ID.fullmatch(response_id) or response_id not in self.items:
-            raise ServeError(404, f"no stored response {response_id!r}", "not_found_error", param=param)
+            raise ServeError(404, f"no stored response {shown(response_id)}", "not_found_error", param=param)
         return self.items[response_id]
 
     def delete(self, store: SessionStore, response_id: str) -> dict:
@@ -197,7 +198,7 @@ class ResponsePlan:
         except DataError as error:
             raise ServeError(400, str(error), param="input") from None
         room = self.served.max_model_len - len(self.prompt)
-        max_tokens = room if self.max_tokens is None else self.max_tokens
+        max_tokens = max(room, 0) if self.max_tokens is None else self.max_tokens
         self.served.check_length(len(self.prompt), max_tokens)
         stored = store.tokens(previous.sid).tolist() if previous is not None else None
         if stored is not None and len(stored) < len(self.prompt) and self.prompt[: len(stored)] == stored:
