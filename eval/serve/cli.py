@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import logging
 import pathlib
+import signal
 import sys
 
 from k3jax.checkpoint import quiet_checkpoint_io
@@ -32,6 +33,7 @@ from ..flags import (OneLineParser, add_placement_flags, add_speculation_flags, 
                      speculation_settings)
 
 DEFAULT_COMPILATION_CACHE = "~/.cache/k3jax/xla"    # `train.compilation_cache`'s default
+DEFAULT_STORED_RESPONSES = 256
 
 
 def _positive(kind):
@@ -69,7 +71,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--host-bytes", type=byte_count, default=None, help="session state in host memory (default: unlimited)")
     parser.add_argument("--state-dir", default=None,
                         help="stored responses saved here on shutdown and loaded at start; also the disk tier")
-    parser.add_argument("--max-batch", type=_positive(int), default=64, help="sequences decoding together (default 64)")
+    parser.add_argument("--max-batch", type=_positive(int), default=64,
+                        help="sequences decoding together, and the most one request may bring (prompts x n; default 64)")
+    parser.add_argument("--max-stored-responses", type=_positive(int), default=DEFAULT_STORED_RESPONSES,
+                        help="/v1/responses kept for previous_response_id; past it the least recently used is "
+                             f"evicted (default {DEFAULT_STORED_RESPONSES})")
     parser.add_argument("--max-queue", type=_positive(int), default=256, help="requests waiting; past it 429 (default 256)")
     parser.add_argument("--max-model-len", type=_positive(int), default=32768,
                         help="prompt + completion tokens per request (default 32768)")
@@ -117,10 +123,13 @@ def build(args: argparse.Namespace):
     state_dir = None if args.state_dir is None else pathlib.Path(args.state_dir)
     try:
         if state_dir is not None:
-            responses, store = ResponseStore.load(run.model, state_dir, **budgets, disk_dir=state_dir / "tier")
+            responses, store, notes = ResponseStore.load(run.model, state_dir, args.max_stored_responses, **budgets,
+                                                         disk_dir=state_dir / "tier")
+            for note in notes:
+                print(f"--state-dir {state_dir}: {note}", file=sys.stderr, flush=True)
         else:
             from k3jax.sessions import SessionStore
-            responses, store = ResponseStore(), SessionStore(run.model, **budgets)
+            responses, store = ResponseStore(args.max_stored_responses), SessionStore(run.model, **budgets)
     except (OSError, ValueError) as error:
         raise InputError(f"--state-dir {state_dir}: {error}") from None
     speculator = None if args.speculation is None else Speculator.of(store, args.speculation, draft)
@@ -128,10 +137,17 @@ def build(args: argparse.Namespace):
     server = Server(served, engine, responses, api_key=args.api_key, request_timeout=args.request_timeout,
                     allowed_hosts=args.allowed_hosts)
 
+    def save(store) -> None:
+        try:
+            responses.save(store, state_dir)
+        except Exception as error:             # whatever it is, nothing was saved: said in one line
+            server.save_failure = f"could not save the stored responses to {state_dir}: {error}"
+
     def on_shutdown() -> None:
-        save = None if state_dir is None else (lambda store: responses.save(store, state_dir))
-        engine.shutdown(args.drain_seconds, on_stop=save)
-        if state_dir is not None:
+        engine.shutdown(args.drain_seconds, on_stop=None if state_dir is None else save)
+        if server.save_failure is not None:
+            print(f"error: {server.save_failure}", file=sys.stderr, flush=True)
+        elif state_dir is not None:
             print(f"saved {len(responses.items)} stored responses to {state_dir}", file=sys.stderr, flush=True)
 
     app = create_app(server, on_shutdown)
@@ -146,11 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     quiet_checkpoint_io()
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        _, config, served = build(args)
+        app, config, served = build(args)
     except InputError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     logging.basicConfig(level=logging.WARNING)
+    serving = app.state.server
     if args.compilation_cache.lower() != "none":
         from k3jax.host import enable_compilation_cache
         enable_compilation_cache(args.compilation_cache)
@@ -164,8 +181,22 @@ def main(argv: list[str] | None = None) -> int:
                 host, port = sock.getsockname()[:2]
                 print(f"serving {served.name} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
     server.startup = startup
+    end_by_signal_unless(lambda: serving.save_failure is not None)
     server.run()
-    return 0
+    return 0 if serving.save_failure is None else 1
+
+
+def end_by_signal_unless(failed) -> None:
+    """SIGTERM / SIGINT handlers for after uvicorn's shutdown, which raises the signal it caught
+    again once it is done: the process then ends by that signal as a clean stop does, or, when
+    ``failed()`` (the shutdown's save failed), with exit status 1."""
+    def handler(number, frame):
+        if failed():
+            sys.exit(1)
+        signal.signal(number, signal.SIG_DFL)
+        signal.raise_signal(number)
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, handler)
 
 
 if __name__ == "__main__":

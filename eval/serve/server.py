@@ -100,6 +100,7 @@ class Server:
         """``allowed_hosts``: the Host header names answered (None: any)."""
         self.served, self.engine, self.responses = served, engine, responses
         self.api_key, self.request_timeout, self.allowed_hosts = api_key, request_timeout, allowed_hosts
+        self.save_failure: str | None = None      # why the shutdown's save failed
         self.requests: dict[tuple[str, int], int] = {}
         self.started = time.time()
 
