@@ -25,6 +25,7 @@ import logging
 import pathlib
 import signal
 import sys
+import threading
 
 from k3jax.checkpoint import quiet_checkpoint_io
 from k3jax.inference import InputError, load_draft
@@ -34,6 +35,7 @@ from ..flags import (OneLineParser, add_placement_flags, add_speculation_flags, 
 
 DEFAULT_COMPILATION_CACHE = "~/.cache/k3jax/xla"    # `train.compilation_cache`'s default
 DEFAULT_STORED_RESPONSES = 256
+SHUTDOWN_GRACE_SECONDS = 5.0      # after the drain, for the answers of the requests it ended to go out
 
 
 def _positive(kind):
@@ -143,6 +145,7 @@ def build(args: argparse.Namespace):
         except Exception as error:             # whatever it is, nothing was saved: said in one line
             server.save_failure = f"could not save the stored responses to {state_dir}: {error}"
 
+    @run_once
     def on_shutdown() -> None:
         engine.shutdown(args.drain_seconds, on_stop=None if state_dir is None else save)
         if server.save_failure is not None:
@@ -151,9 +154,22 @@ def build(args: argparse.Namespace):
             print(f"saved {len(responses.items)} stored responses to {state_dir}", file=sys.stderr, flush=True)
 
     app = create_app(server, on_shutdown)
+    app.state.drain = on_shutdown
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=args.drain_seconds, access_log=False)
+                            timeout_graceful_shutdown=args.drain_seconds + SHUTDOWN_GRACE_SECONDS, access_log=False)
     return app, config, served
+
+
+def run_once(function):
+    """``function()`` run by the first call only; a later call (another thread) waits for it to end."""
+    lock, done = threading.Lock(), []
+
+    def once() -> None:
+        with lock:
+            if not done:
+                done.append(True)
+                function()
+    return once
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
                 host, port = sock.getsockname()[:2]
                 print(f"serving {served.name} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
     server.startup = startup
+    catch_exit = server.handle_exit
+
+    def handle_exit(number, frame):          # SIGTERM / SIGINT: drain now, while uvicorn waits for the
+        catch_exit(number, frame)            # connections, so open streams end with an error and [DONE]
+        threading.Thread(target=app.state.drain, name="k3jax-serve-drain", daemon=True).start()
+    server.handle_exit = handle_exit
     end_by_signal_unless(lambda: serving.save_failure is not None)
     server.run()
     return 0 if serving.save_failure is None else 1
