@@ -134,6 +134,10 @@ def build(args: argparse.Namespace):
             responses, store = ResponseStore(args.max_stored_responses), SessionStore(run.model, **budgets)
     except (OSError, ValueError) as error:
         raise InputError(f"--state-dir {state_dir}: {error}") from None
+    try:
+        store.check_length(args.max_model_len)
+    except ValueError as error:
+        raise InputError(f"--max-model-len {args.max_model_len}: {error}") from None
     speculator = None if args.speculation is None else Speculator.of(store, args.speculation, draft)
     engine = Engine(store, max_batch=args.max_batch, max_queue=args.max_queue, speculator=speculator)
     server = Server(served, engine, responses, api_key=args.api_key, request_timeout=args.request_timeout,

@@ -287,6 +287,11 @@ class SessionStore:
         store._tiers.fit_host()
         return store
 
+    def check_length(self, length: int) -> None:
+        """ValueError when one session of ``length`` tokens could not fit the device budget (without
+        one: the device's memory) -- what a program checks for its longest session before any work."""
+        self._tiers.check_fits(length)
+
     @property
     def disk_failure(self) -> str | None:
         """Why the latest spill to the disk tier failed, until one succeeds (None: no failure)."""

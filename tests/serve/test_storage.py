@@ -141,3 +141,11 @@ def test_a_failed_save_at_shutdown_is_one_line_and_never_saved(chat_run, tmp_pat
     err = capsys.readouterr().err
     assert app.state.server.save_failure is not None and "saved" not in err.replace("could not save", "")
     assert err.count("error: could not save the stored responses") == 1 and "Traceback" not in err
+
+
+def test_a_max_model_len_no_session_can_fit_is_refused_at_start(chat_run):
+    from eval.serve.cli import build, parse_args
+    from k3jax.inference import InputError
+
+    with pytest.raises(InputError, match=r"^--max-model-len 1000000000000: a session of 1000000000000 tokens needs"):
+        build(parse_args([str(chat_run), "--max-model-len", str(10**12)]))
