@@ -191,3 +191,21 @@ def test_a_request_of_many_prompts_checks_its_deadline_between_them(serving):
     with pytest.raises(ServeError) as late:
         plan.prepare(SlowStore())
     assert late.value.status == 504 and SlowStore.opened == 3
+
+
+def test_a_client_leaving_mid_upload_is_a_499_not_a_500():
+    import asyncio
+
+    from starlette.requests import Request
+
+    from eval.serve.server import read_body
+
+    messages = [{"type": "http.request", "body": b'{"prompt": ', "more_body": True}, {"type": "http.disconnect"}]
+
+    async def receive():
+        return messages.pop(0)
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [
+        (b"content-type", b"application/json")]}
+    with pytest.raises(ServeError) as left:
+        asyncio.run(read_body(Request(scope, receive)))
+    assert left.value.status == 499
