@@ -9,8 +9,12 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 ``POST /v1/responses/{id}/fork``), vLLM's ``GET /tokenizer_info``, ``POST /tokenize`` and ``POST
 /detokenize``, ``GET /metrics`` (Prometheus) and ``GET /health``. Concurrent requests decode together
 (`eval.serve.engine`). SIGTERM / SIGINT: no new requests; running ones get ``--drain-seconds`` to
-finish, the rest an error; with ``--state-dir`` the stored responses are saved, and loaded at the
-next start; the process then ends by the signal (status 143 after SIGTERM, as uvicorn does). Bad flags or an unusable run directory: one line on stderr, exit status 2.
+finish, the rest an error (an open stream its error event and ``[DONE]``); with ``--state-dir`` the
+stored responses are saved, and loaded at the next start (each is also written through as it is
+answered, `eval.serve.journal`, so a kill -9 loses none); the process then ends by the signal
+(status 143 after SIGTERM, as uvicorn does), or with status 1 and one line when the save failed.
+Bad flags, an unusable run directory or a ``--max-model-len`` no session can hold: one line on
+stderr, exit status 2.
 
 Speculative decoding (`k3jax.sessions.speculate`): the flags of `eval.flags` (``--prompt-lookup N``
 or ``--draft RUN_DIR``, ``--speculate-k``, ``--speculate-rollback``, ``--[no-]speculate-adaptive``),
