@@ -25,7 +25,9 @@ def connection(server) -> http.client.HTTPConnection:
 
 
 def deep_tools(levels: int) -> str:
-    schema = '{"type": "object", "properties": {"x": ' * levels + '{"type": "string"}' + "}}" * levels
+    """Tools whose schema nests ``levels`` objects: 1,500 decode as JSON but exhausted the recursion
+    of the chat format's rendering (before: a text/plain 500, then a reset keep-alive connection)."""
+    schema = '{"a": ' * levels + "1" + "}" * levels
     return '[{"type": "function", "function": {"name": "f", "parameters": ' + schema + "}}]"
 
 
@@ -35,7 +37,7 @@ def test_nesting_keep_alive_kill_9_and_sigterm_streams(plain_chat_run, tmp_path,
     server = ServerProcess(xla_cache, plain_chat_run, *flags)
     try:
         link = connection(server)                  # one keep-alive connection for all of these
-        for body in ('{"messages": [{"role": "user", "content": "x"}], "tools": ' + deep_tools(700) + "}",
+        for body in ('{"messages": [{"role": "user", "content": "x"}], "tools": ' + deep_tools(1500) + "}",
                      '{"messages": ' + "[" * 5000 + "]" * 5000 + "}"):
             for path in ("/v1/chat/completions", "/tokenize"):
                 link.request("POST", path, body=body, headers=HEADERS)
