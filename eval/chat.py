@@ -174,6 +174,11 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None) -> int:
     sessions_dir = pathlib.Path(args.sessions_dir) if args.sessions_dir else run.run_dir / "sessions"
     sessions_dir.mkdir(parents=True, exist_ok=True)
     chat = Chat(run.model, codec, args, sessions_dir, turns, speculation, draft)
+    try:
+        chat.store.check_length(args.max_new_tokens + 1)
+    except ValueError as error:
+        print(f"error: --max-new-tokens {args.max_new_tokens}: {error}", file=sys.stderr, flush=True)
+        return 2
     for line in shared_lines(stdin):   # process 0 reads, every process of a mesh runs the turn
         line = line.strip()
         try:

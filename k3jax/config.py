@@ -539,11 +539,12 @@ class RLConfig:
     max_turns: int = 4                    # assistant turns per completion with an environment
     eval_prompts: int = 32                # held-out prompts of each greedy evaluation (train.eval_every, the end)
     pass_threshold: float = 1.0
+    reward_timeout: float | None = 60.0   # seconds a reward or environment call may take (null: unbounded)
     speculation: SpeculationConfig = SpeculationConfig()
 
     def __post_init__(self):
         _positive(self, "prompts_per_step", "max_new_tokens", "updates_per_rollout", "max_turns", "top_k",
-                  "temperature", "clip")
+                  "temperature", "clip", "reward_timeout")
         _require(self.group_size >= 2, "group_size",
                  f"must be at least 2 (advantages are relative to the group), got {self.group_size}")
         _require(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")

@@ -12,6 +12,7 @@ its sessions. Nothing a request says is used as a path.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from contextlib import asynccontextmanager
 
@@ -24,11 +25,16 @@ from .protocol import validation_error
 from .routes import register
 from .server import DISCONNECT_POLL_SECONDS, MAX_BODY_BYTES, Server  # noqa: F401 (re-exported: cli, tests)
 
+log = logging.getLogger("k3jax.serve")
+
 
 class AuthenticateAndCount:
-    """ASGI middleware: the API key check (401 without ``Authorization: Bearer KEY``) and the
-    per-route status counts of ``/metrics``. Plain ASGI rather than ``@app.middleware("http")``,
-    whose wrapper hides the client's disconnect from the route (`Server.run` waits for it)."""
+    """ASGI middleware: the Host check (with ``server.allowed_hosts``: a 400 for another Host
+    header, so a web page cannot drive a key-less local server through DNS rebinding), the API key
+    check (401 without ``Authorization: Bearer KEY``), the per-route status counts of ``/metrics``,
+    and the last word on errors: anything a route raises unexpectedly is a JSON 500 and the
+    connection stays usable. Plain ASGI rather than ``@app.middleware("http")``, whose wrapper hides
+    the client's disconnect from the route (`Server.run` waits for it)."""
 
     def __init__(self, app, server: Server):
         self.app, self.server = app, server
@@ -36,7 +42,7 @@ class AuthenticateAndCount:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = 500
+        status = None
 
         async def send_noting_status(message):
             nonlocal status
@@ -44,21 +50,40 @@ class AuthenticateAndCount:
                 status = message["status"]
             await send(message)
         try:
-            if self.authorised(scope):
+            refusal = self.refusal(scope)
+            if refusal is None:
                 await self.app(scope, receive, send_noting_status)
             else:
-                response = error_response(ServeError(401, "a valid API key is required (Authorization: Bearer KEY)",
-                                                     "authentication_error"))
-                await response(scope, receive, send_noting_status)
+                await error_response(refusal)(scope, receive, send_noting_status)
+        except Exception as error:                  # a bug: this request's 500, the server goes on
+            log.error("%s %s failed", scope.get("method"), scope.get("path"), exc_info=error)
+            if status is None:
+                await error_response(ServeError(500, f"internal error: {type(error).__name__}", "server_error"))(
+                    scope, receive, send_noting_status)
         finally:
-            key = (getattr(scope.get("route"), "path", "other"), status)
+            key = (getattr(scope.get("route"), "path", "other"), status or 500)
             self.server.requests[key] = self.server.requests.get(key, 0) + 1
 
-    def authorised(self, scope) -> bool:
-        if self.server.api_key is None:
-            return True
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        return secrets.compare_digest(given, f"Bearer {self.server.api_key}".encode())
+    def refusal(self, scope) -> ServeError | None:
+        """Why the request is refused before any route reads it (a Host not allowed, no valid API key), or None."""
+        headers = dict(scope["headers"])
+        allowed = self.server.allowed_hosts
+        if allowed is not None and host_name(headers.get(b"host", b"").decode("latin-1")) not in allowed:
+            return ServeError(400, "the Host header names a host this server does not answer (--allowed-hosts)",
+                              param="Host")
+        if self.server.api_key is not None and not secrets.compare_digest(
+                headers.get(b"authorization", b""), f"Bearer {self.server.api_key}".encode()):
+            return ServeError(401, "a valid API key is required (Authorization: Bearer KEY)", "authentication_error")
+        return None
+
+
+def host_name(host: str) -> str:
+    """A Host header's host without its port, lower case: ``LocalHost:8000`` -> ``localhost``,
+    ``[::1]:8000`` -> ``[::1]``."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[: host.find("]") + 1]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 def answer_errors(app: FastAPI) -> None:

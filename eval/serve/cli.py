@@ -9,9 +9,12 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 ``POST /v1/responses/{id}/fork``), vLLM's ``GET /tokenizer_info``, ``POST /tokenize`` and ``POST
 /detokenize``, ``GET /metrics`` (Prometheus) and ``GET /health``. Concurrent requests decode together
 (`eval.serve.engine`). SIGTERM / SIGINT: no new requests; running ones get ``--drain-seconds`` to
-finish, the rest an error; with ``--state-dir`` the stored responses are saved, and loaded at the
-next start; the process then ends by the signal (status 143 after SIGTERM, as uvicorn does). Bad
-flags or an unusable run directory: one line on stderr, exit status 2.
+finish, the rest an error (an open stream its error event and ``[DONE]``); with ``--state-dir`` the
+stored responses are saved, and loaded at the next start (each is also written through as it is
+answered, `eval.serve.journal`, so a kill -9 loses none); the process then ends by the signal
+(status 143 after SIGTERM, as uvicorn does), or with status 1 and one line when the save failed.
+Bad flags, an unusable run directory or a ``--max-model-len`` no session can hold: one line on
+stderr, exit status 2.
 
 A model too large for one host's devices is served by several processes over one mesh (``--mesh``
 with ``--coordinator-address``, ``--num-processes``, ``--process-id``, the same command on every
@@ -30,7 +33,9 @@ from __future__ import annotations
 import argparse
 import logging
 import pathlib
+import signal
 import sys
+import threading
 
 from k3jax.checkpoint import quiet_checkpoint_io
 from k3jax.host import process_flags
@@ -41,6 +46,8 @@ from ..flags import (OneLineParser, add_placement_flags, add_speculation_flags, 
                      speculation_settings)
 
 DEFAULT_COMPILATION_CACHE = "~/.cache/k3jax/xla"    # `train.compilation_cache`'s default
+DEFAULT_STORED_RESPONSES = 256
+SHUTDOWN_GRACE_SECONDS = 5.0      # after the drain, for the answers of the requests it ended to go out
 
 
 def _positive(kind):
@@ -55,19 +62,34 @@ def _positive(kind):
     return parse
 
 
+def host_list(text: str) -> frozenset[str]:
+    """``--allowed-hosts``: comma-separated host names (no ports), compared without case."""
+    hosts = frozenset(part.strip().lower() for part in text.split(",") if part.strip())
+    if not hosts or any(":" in host and not host.startswith("[") for host in hosts):
+        raise argparse.ArgumentTypeError(f"expected host names separated by commas, without ports, got {text!r}")
+    return hosts
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = OneLineParser(prog="python -m eval.serve", description="Serve a checkpoint over an OpenAI-compatible API.")
     parser.add_argument("run", metavar="RUN_OR_CHECKPOINT_DIR")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route")
+    parser.add_argument("--allowed-hosts", type=host_list, default=None, metavar="HOST,...",
+                        help="answer only requests whose Host header names one of these (e.g. localhost,127.0.0.1); "
+                             "default: any")
     parser.add_argument("--model-name", default=None, help="the model's name in the API (default: the run directory's)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest good one)")
     parser.add_argument("--device-bytes", type=byte_count, default=None, help="session state on the device (default: all that fits)")
     parser.add_argument("--host-bytes", type=byte_count, default=None, help="session state in host memory (default: unlimited)")
     parser.add_argument("--state-dir", default=None,
                         help="stored responses saved here on shutdown and loaded at start; also the disk tier")
-    parser.add_argument("--max-batch", type=_positive(int), default=64, help="sequences decoding together (default 64)")
+    parser.add_argument("--max-batch", type=_positive(int), default=64,
+                        help="sequences decoding together, and the most one request may bring (prompts x n; default 64)")
+    parser.add_argument("--max-stored-responses", type=_positive(int), default=DEFAULT_STORED_RESPONSES,
+                        help="/v1/responses kept for previous_response_id; past it the least recently used is "
+                             f"evicted (default {DEFAULT_STORED_RESPONSES})")
     parser.add_argument("--max-queue", type=_positive(int), default=256, help="requests waiting; past it 429 (default 256)")
     parser.add_argument("--max-model-len", type=_positive(int), default=32768,
                         help="prompt + completion tokens per request (default 32768)")
@@ -117,11 +139,18 @@ def load_engine_parts(args: argparse.Namespace):
     state_dir = None if args.state_dir is None else pathlib.Path(args.state_dir)
     try:
         if state_dir is not None:
-            responses, store = ResponseStore.load(run.model, state_dir, **budgets, disk_dir=state_dir / "tier")
+            responses, store, notes = ResponseStore.load(run.model, state_dir, args.max_stored_responses, **budgets,
+                                                         disk_dir=state_dir / "tier")
+            for note in notes:
+                print(f"--state-dir {state_dir}: {note}", file=sys.stderr, flush=True)
         else:
-            responses, store = ResponseStore(), SessionStore(run.model, **budgets)
+            responses, store = ResponseStore(args.max_stored_responses), SessionStore(run.model, **budgets)
     except (OSError, ValueError) as error:
         raise InputError(f"--state-dir {state_dir}: {error}") from None
+    try:
+        store.check_length(args.max_model_len)
+    except ValueError as error:
+        raise InputError(f"--max-model-len {args.max_model_len}: {error}") from None
     speculator = None if args.speculation is None else Speculator.of(store, args.speculation, draft)
     return run, responses, store, speculator
 
@@ -145,20 +174,30 @@ def build(args: argparse.Namespace, parts=None, leader=None):
         store = Mirrored(store, "store", leader, handles=(Snapshot,))
         speculator = None if speculator is None else Mirrored(speculator, "speculator", leader)
     engine = Engine(store, max_batch=args.max_batch, max_queue=args.max_queue, speculator=speculator)
-    server = Server(served, engine, responses, api_key=args.api_key, request_timeout=args.request_timeout)
+    server = Server(served, engine, responses, api_key=args.api_key, request_timeout=args.request_timeout,
+                    allowed_hosts=args.allowed_hosts)
     state_dir = None if args.state_dir is None else pathlib.Path(args.state_dir)
 
+    def save(store) -> None:
+        try:
+            responses.save(store, state_dir)
+        except Exception as error:             # whatever it is, nothing was saved: said in one line
+            server.save_failure = f"could not save the stored responses to {state_dir}: {error}"
+
+    @run_once
     def on_shutdown() -> None:
-        save = None if state_dir is None else (lambda store: responses.save(store, state_dir))
-        engine.shutdown(args.drain_seconds, on_stop=save)
-        if state_dir is not None:
+        engine.shutdown(args.drain_seconds, on_stop=None if state_dir is None else save)
+        if server.save_failure is not None:
+            print(f"error: {server.save_failure}", file=sys.stderr, flush=True)
+        elif state_dir is not None:
             print(f"saved {len(responses.items)} stored responses to {state_dir}", file=sys.stderr, flush=True)
         if leader is not None:
             stop_following(leader)
 
     app = create_app(server, on_shutdown)
+    app.state.drain = on_shutdown
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=args.drain_seconds, access_log=False)
+                            timeout_graceful_shutdown=args.drain_seconds + SHUTDOWN_GRACE_SECONDS, access_log=False)
     return app, config, served
 
 
@@ -175,8 +214,6 @@ def follow_process_zero(channel, parts) -> int:
     """A process of a mesh other than 0: make the store's and speculator's calls process 0's
     engine makes, until it stops. SIGTERM / SIGINT wait for that: process 0 drains its requests
     with this process's devices, then stops every process."""
-    import signal
-
     import jax
 
     from k3jax.inference.mirror import follow
@@ -191,6 +228,18 @@ def follow_process_zero(channel, parts) -> int:
     return 0
 
 
+def run_once(function):
+    """``function()`` run by the first call only; a later call (another thread) waits for it to end."""
+    lock, done = threading.Lock(), []
+
+    def once() -> None:
+        with lock:
+            if not done:
+                done.append(True)
+                function()
+    return once
+
+
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
@@ -201,11 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         channel = Channel.joined()
         if channel is not None and not channel.leads:
             return follow_process_zero(channel, parts)
-        _, config, served = build(args, parts, None if channel is None else Leader(channel))
+        app, config, served = build(args, parts, None if channel is None else Leader(channel))
     except InputError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     logging.basicConfig(level=logging.WARNING)
+    serving = app.state.server
     if args.compilation_cache.lower() != "none":
         from k3jax.host import enable_compilation_cache
         enable_compilation_cache(args.compilation_cache)
@@ -219,8 +269,28 @@ def main(argv: list[str] | None = None) -> int:
                 host, port = sock.getsockname()[:2]
                 print(f"serving {served.name} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
     server.startup = startup
+    catch_exit = server.handle_exit
+
+    def handle_exit(number, frame):          # SIGTERM / SIGINT: drain now, while uvicorn waits for the
+        catch_exit(number, frame)            # connections, so open streams end with an error and [DONE]
+        threading.Thread(target=app.state.drain, name="k3jax-serve-drain", daemon=True).start()
+    server.handle_exit = handle_exit
+    end_by_signal_unless(lambda: serving.save_failure is not None)
     server.run()
-    return 0
+    return 0 if serving.save_failure is None else 1
+
+
+def end_by_signal_unless(failed) -> None:
+    """SIGTERM / SIGINT handlers for after uvicorn's shutdown, which raises the signal it caught
+    again once it is done: the process then ends by that signal as a clean stop does, or, when
+    ``failed()`` (the shutdown's save failed), with exit status 1."""
+    def handler(number, frame):
+        if failed():
+            sys.exit(1)
+        signal.signal(number, signal.SIG_DFL)
+        signal.raise_signal(number)
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, handler)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import uuid
 import numpy as np
 
 from k3jax.data import DataError
-from .engine import Job, Sequence, close_sessions, token_logprobs
+from .engine import Job, Sequence, check_deadline, close_sessions, token_logprobs
 from .errors import ServeError, bad
 from .model import ServedModel
 from .protocol import ChatRequest, Choices, CompletionRequest
@@ -94,28 +94,29 @@ class CompletionPlan(_Choices):
         self.logprobs = request.logprobs
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.prompt_scores: dict[int, list] = {}
+        self.deadline: float | None = None       # the job's (`job`)
 
     def job(self, notify, deadline) -> Job:
+        self.deadline = deadline
         return Job(self.prepare, self.finish, notify, sequences=len(self.prompts) * self.n, stopped=self.stopped,
                    deadline=deadline)
 
     # ---------------------------------------------------------------- engine thread
     def prepare(self, store) -> list[Sequence]:
+        """Each prompt prefilled (``echo`` with ``logprobs``: scored), its other choices forked; the
+        deadline checked between prompts (a failure here closes what was opened: the engine's)."""
         sequences = []
-        try:
-            for number, prompt in enumerate(self.prompts):
-                if self.echo and self.logprobs is not None:
-                    first = store.open(prompt[:1])         # every prompt position's logits: no prefix reuse
-                    logits = [store.logits(first)[None]] + ([store.append(first, prompt[1:])] if len(prompt) > 1 else [])
-                    scores = token_logprobs(np.concatenate(logits)[:-1], prompt[1:], self.logprobs) if len(prompt) > 1 else []
-                    self.prompt_scores[number] = [None] + scores
-                else:
-                    first = store.open(prompt)
-                sids = [first] + [store.fork(first) for _ in range(self.n - 1)]
-                sequences += [self.sequence(sid, choice, self.logprobs) for choice, sid in enumerate(sids)]
-        except BaseException:
-            close_sessions(store, sequences)
-            raise
+        for number, prompt in enumerate(self.prompts):
+            check_deadline(self.deadline)
+            if self.echo and self.logprobs is not None:
+                first = store.open(prompt[:1])         # every prompt position's logits: no prefix reuse
+                logits = [store.logits(first)[None]] + ([store.append(first, prompt[1:])] if len(prompt) > 1 else [])
+                scores = token_logprobs(np.concatenate(logits)[:-1], prompt[1:], self.logprobs) if len(prompt) > 1 else []
+                self.prompt_scores[number] = [None] + scores
+            else:
+                first = store.open(prompt)
+            sids = [first] + [store.fork(first) for _ in range(self.n - 1)]
+            sequences += [self.sequence(sid, choice, self.logprobs) for choice, sid in enumerate(sids)]
         return sequences
 
     def stopped(self, sequence: Sequence) -> bool:

@@ -38,7 +38,7 @@ import numpy as np
 
 from k3jax.sampling import log_softmax
 from k3jax.sessions import Sampling, SessionStore
-from .errors import ServeError
+from .errors import ServeError, job_error, server_error
 
 log = logging.getLogger("k3jax.serve")
 
@@ -101,6 +101,13 @@ def close_sessions(store: SessionStore, sequences) -> None:
             store.close(sequence.sid)
 
 
+def check_deadline(deadline: float | None) -> None:
+    """A 504 once ``deadline`` (`time.monotonic`) has passed: long work of one job (a request's many
+    prompts) checks it between its pieces, as the engine does between steps."""
+    if deadline is not None and time.monotonic() > deadline:
+        raise ServeError(504, "the request passed its deadline", "timeout_error")
+
+
 class Engine:
     """The loop thread over ``store``; see the module docstring."""
 
@@ -122,6 +129,11 @@ class Engine:
 
     # ------------------------------------------------------------------ any thread
     def submit(self, job: Job) -> None:
+        """Queue ``job``: a 400 when it brings more sequences than ``max_batch`` (they could never
+        decode together), a 503 once shutting down, a 429 past ``max_queue`` waiting jobs."""
+        if job.sequences > self.max_batch:
+            raise ServeError(400, f"the request asks for {job.sequences} sequences (prompts x n); this server "
+                             f"decodes at most {self.max_batch} together (--max-batch)", param="n")
         with self._lock:
             if not self._accepting:
                 raise ServeError(503, "the server is shutting down", "server_error")
@@ -175,10 +187,10 @@ class Engine:
                 self._admit()
                 if self._jobs:
                     self._step()
-            except Exception as error:              # a bug: fail the running jobs, keep serving
+            except Exception as error:              # the batched step itself: fail the running jobs, keep serving
                 log.exception("engine step failed")
                 for job in list(self._jobs):
-                    self._fail(job, ServeError(500, f"internal error: {type(error).__name__}: {error}", "server_error"))
+                    self._fail(job, server_error(error))
 
     def _commands(self, block: bool):
         """The inbox's commands: waiting up to 0.5 s for the first when ``block`` (nothing to run)."""
@@ -238,14 +250,10 @@ class Engine:
                 return
             self._waiting.popleft()
             self._dequeued()
-            try:
-                job.running = list(job.prepare(self.store))
-            except ServeError as error:
-                job.notify(("error", error))
+            prepared, running = self._alone(job, lambda: list(job.prepare(self.store)))
+            if not prepared:
                 continue
-            except ValueError as error:             # the store's and the sampler's checks
-                job.notify(("error", ServeError(400, str(error))))
-                continue
+            job.running = running
             self.counters["prompt_tokens"] += sum(len(self.store.tokens(s.sid)) for s in job.running)
             self._jobs.append(job)
             for index, sequence in enumerate(job.running):
@@ -271,13 +279,18 @@ class Engine:
         self.last_batch = len(emitted)
         self.counters["decode_steps"] += 1
         for job, index, sequence in live:
+            if job not in self._jobs:               # failed on an earlier sequence of this step
+                continue
             tokens = emitted.get(sequence.sid, [])
             delivered = 0
-            while delivered < len(tokens) and sequence.finish_reason is None:
-                self._deliver(job, index, sequence, *tokens[delivered])
-                delivered += 1
-            if delivered < len(tokens):
-                self._cut_back(sequence.sid, snapshots[sequence.sid], [token for token, _ in tokens[:delivered]])
+            try:
+                while delivered < len(tokens) and sequence.finish_reason is None:
+                    self._deliver(job, index, sequence, *tokens[delivered])
+                    delivered += 1
+                if delivered < len(tokens):
+                    self._cut_back(sequence.sid, snapshots[sequence.sid], [token for token, _ in tokens[:delivered]])
+            except Exception as error:              # its stop rule or its client's queue: this job's alone
+                self._fail(job, self._failure(error))
             self.counters["generation_tokens"] += delivered
         for job in list(self._jobs):
             self._finish_if_done(job)
@@ -345,13 +358,32 @@ class Engine:
     def _finish_if_done(self, job: Job) -> None:
         if job in self._jobs and all(sequence.finish_reason is not None for sequence in job.running):
             self._jobs.remove(job)
-            try:
-                result = job.finish(self.store, job.running)
-            except ServeError as error:
-                job.abort(self.store, job.running)
-                job.notify(("error", error))
-                return
-            job.notify(("result", result))
+            finished, result = self._alone(job, lambda: job.finish(self.store, job.running))
+            if finished:
+                job.notify(("result", result))
+
+    def _alone(self, job: Job, work: Callable[[], Any]) -> tuple[bool, Any]:
+        """``work()``, a step of ``job``'s own (its preparation or finishing) -> (True, its result).
+        Whatever it raises ends this job alone: the sessions it opened and the job's are closed,
+        the job is answered with the error (`job_error`) -> (False, None)."""
+        before = set(self.store.sessions())
+        try:
+            return True, work()
+        except Exception as error:
+            failure = self._failure(error)
+            opened = set(self.store.sessions()) - before
+            left = opened | {sequence.sid for sequence in job.running}
+            for sid in left & set(self.store.sessions()):
+                self.store.close(sid)
+            job.notify(("error", failure))
+            return False, None
+
+    def _failure(self, error: Exception) -> ServeError:
+        """`job_error` of what one job's work raised; an unexpected one (a 500) logged with its traceback."""
+        failure = job_error(error)
+        if failure.status >= 500:
+            log.error("a request failed on the engine thread", exc_info=error)
+        return failure
 
     def _drop(self, job: Job) -> None:
         self._jobs.remove(job)

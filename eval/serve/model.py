@@ -16,6 +16,7 @@ from k3jax.data import load_tokenizer
 from k3jax.data.chat_format import generation_prompt, render_conversation
 from k3jax.inference.chat import chat_turns_for
 from .errors import ServeError
+from .limits import check_text_length
 
 
 class ServedModel:
@@ -37,7 +38,9 @@ class ServedModel:
 
     # ------------------------------------------------------------------ text
     def encode(self, text: str) -> list[int]:
-        """``text`` -> token ids (special token names as those tokens)."""
+        """``text`` -> token ids (special token names as those tokens); a text too long for the
+        context at any tokenization is a 400 before tokenizing (`eval.serve.limits`)."""
+        check_text_length(text, self.max_model_len, "prompt")
         if self.tokenizer is None:
             try:
                 ids = [int(word) for word in text.split()]
@@ -96,6 +99,9 @@ class ServedModel:
             if isinstance(message, dict) and "content" not in message and not message.get("tool_calls"):
                 raise ServeError(400, f"messages: message {index} has no content (only an assistant message "
                                  f"with tool_calls may leave it out)", param="messages")
-        segments = render_conversation(messages, tools or None, thinking=chat.thinking,
-                                       thinking_effort=chat.thinking_effort, where="messages")
+        try:
+            segments = render_conversation(messages, tools or None, thinking=chat.thinking,
+                                           thinking_effort=chat.thinking_effort, where="messages")
+        except RecursionError:        # JSON nested inside a string (tool call arguments)
+            raise ServeError(400, "messages: a value nests too deeply to render", param="messages") from None
         return chat.encoder.encode(segments + generation_prompt(chat.thinking))[0]

@@ -6,13 +6,14 @@ import secrets
 
 from k3jax.sessions import Sampling
 from .errors import ServeError
+from .limits import shown
 from .protocol import Request, Sampled
 
 
 def check_model(request: Request, served: str) -> None:
     """A 404 unless the request names the served model (or none)."""
     if request.model is not None and request.model != served:
-        raise ServeError(404, f"the model {request.model!r} does not exist; this server serves {served!r}",
+        raise ServeError(404, f"the model {shown(request.model)} does not exist; this server serves {served!r}",
                          "not_found_error", param="model")
 
 

@@ -28,20 +28,18 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Di
 from pydantic_core import PydanticCustomError
 
 from .errors import ServeError
+from .limits import clipped, shown
 
 MAX_N = 64              # choices per request
 MAX_TOP_LOGPROBS = 20   # as OpenAI
 MAX_STOP = 8            # stop strings per request
 MAX_PROMPTS = 1024      # prompts in one completions request
+MAX_TOOLS = 128         # tools declared in one request
+MAX_MESSAGES = 4096     # chat messages (or responses input items) in one request
 _NULL_REFUSED = object()
 
 
 # -------------------------------------------------------------------- field types
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def _described(text: str, null: Any = None, *, whole: bool = False) -> WrapValidator:
     """A validator around a field's type: JSON null reads as ``null`` (a 400 when `_NULL_REFUSED`);
     a value the type refuses is one error ``"{text}, got {value}"``. Errors inside the value (a
@@ -55,7 +53,7 @@ def _described(text: str, null: Any = None, *, whole: bool = False) -> WrapValid
         except ValidationError as error:
             if not whole and all(detail["loc"] for detail in error.errors()):
                 raise
-            raise PydanticCustomError("invalid_value", "{text}", {"text": f"{text}, got {_shown(value)}"}) from None
+            raise PydanticCustomError("invalid_value", "{text}", {"text": f"{text}, got {shown(value)}"}) from None
     return WrapValidator(validate)
 
 
@@ -106,7 +104,7 @@ def unsupported(*no_ops: Any, why: str):
         if value is None or any(_same(value, expected) for expected in no_ops):
             return value
         raise PydanticCustomError("unsupported", "{text}", {
-            "text": f"is not supported by this server ({why}); {advice}, got {_shown(value)}"})
+            "text": f"is not supported by this server ({why}); {advice}, got {shown(value)}"})
     return Annotated[Any, AfterValidator(check)]
 
 
@@ -192,12 +190,15 @@ class CompletionRequest(Choices):
     suffix: unsupported("", why="no insertion after the completion") = None
 
 
+Parameters = Annotated[dict[str, Any], _described("must be an object (the JSON schema of the arguments)")] | None
+
+
 class FunctionSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: Name
     description: Any = None
-    parameters: Any = None
+    parameters: Parameters = None
     strict: unsupported(False, why="arguments are not constrained to the parameters' schema") = None
 
 
@@ -210,8 +211,9 @@ class ChatTool(BaseModel):
     function: Annotated[FunctionSpec, _described("must be an object", _NULL_REFUSED)]
 
 
-ChatTools = Annotated[list[ChatTool], _described('must be a list of {"type": "function", "function": {"name": ...}} '
-                                                 'objects'), *AS_SENT]
+ChatTools = Annotated[list[ChatTool], Field(max_length=MAX_TOOLS),
+                      _described(f'must be a list of at most {MAX_TOOLS} {{"type": "function", "function": '
+                                 '{"name": ...}} objects'), *AS_SENT]
 
 
 class ChatMessage(BaseModel):
@@ -234,8 +236,9 @@ class ChatMessage(BaseModel):
     function_call: unsupported(why="the deprecated function_call; use tool_calls") = None
 
 
-Messages = Annotated[list[ChatMessage], Field(min_length=1),
-                     _described("must be a non-empty list of message objects", _NULL_REFUSED), *AS_SENT]
+Messages = Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES),
+                     _described(f"must be a non-empty list of at most {MAX_MESSAGES} message objects", _NULL_REFUSED),
+                     *AS_SENT]
 
 
 class ChatRequest(Choices):
@@ -351,17 +354,18 @@ class ResponseTool(BaseModel):
     type: Literal["function"]
     name: Name
     description: Any = None
-    parameters: Any = None
+    parameters: Parameters = None
     strict: unsupported(False, why="arguments are not constrained to the parameters' schema") = None
 
 
 class ResponseRequest(Sampled):
     """``POST /v1/responses``: a turn of a stored conversation."""
 
-    input: Annotated[list[InputItem], Field(min_length=1), BeforeValidator(_user_text),
-                     _described("must be a string or a non-empty list of items", _NULL_REFUSED)]
+    input: Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES), BeforeValidator(_user_text),
+                     _described(f"must be a string or a non-empty list of at most {MAX_MESSAGES} items", _NULL_REFUSED)]
     instructions: Text | None = None
-    tools: Annotated[list[ResponseTool], _described('must be a list of {"type": "function", "name": ...} objects'),
+    tools: Annotated[list[ResponseTool], Field(max_length=MAX_TOOLS),
+                     _described(f'must be a list of at most {MAX_TOOLS} {{"type": "function", "name": ...}} objects'),
                      *AS_SENT] | None = None
     previous_response_id: Text | None = None
     store: flag(True) = True
@@ -420,7 +424,7 @@ def validation_error(details: list[dict]) -> ServeError:
     """Pydantic's error details (of a `ValidationError`, or FastAPI's) -> one 400 for the first,
     its ``param`` the field's path."""
     detail = details[0]
-    path, kind = field_path(detail["loc"]), detail["type"]
+    path, kind = clipped(field_path(detail["loc"])), detail["type"]
     if kind == "extra_forbidden":
         return ServeError(400, f"unknown field {path!r}: this server does not read it; leave it out", param=path)
     if kind in ("invalid_value", "unsupported"):
@@ -431,7 +435,7 @@ def validation_error(details: list[dict]) -> ServeError:
         expected = ", ".join(map(repr, ITEM_TYPES))
         text = f"unsupported item type {detail['ctx']['tag'].removeprefix(ITEM_TAG)!r} (expected {expected})"
     elif kind in ERROR_PHRASES:
-        text = f"{ERROR_PHRASES[kind]}, got {_shown(detail.get('input'))}"
+        text = f"{ERROR_PHRASES[kind]}, got {shown(detail.get('input'))}"
     else:
         text = detail["msg"][:1].lower() + detail["msg"][1:]
     if not path:

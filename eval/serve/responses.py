@@ -12,15 +12,19 @@ exactly what a client sending the history would send.
 
 Continuing from an earlier response is a rollback that keeps the later ones; ``POST
 /v1/responses/{id}/fork`` names a copy; ``DELETE`` frees one. Stored sessions live in the store's
-tiers (device, host, disk) under its budgets. `ResponseStore.save` / `load` keep them across
-restarts in a state directory: ``state.json`` (written atomically, naming the sessions directory
-that `SessionStore.save` wrote) beside ``sessions-N/``.
+tiers (device, host, disk) under its budgets; at most ``--max-stored-responses`` are kept, the
+least recently used (stored, read or continued) evicted past it; ``store: false`` keeps none.
+`ResponseStore.save` / `load` keep them across restarts in a state directory: ``state.json``
+(written atomically, naming the sessions directory that `SessionStore.save` wrote) beside
+``sessions-N/``, and ``responses/``, each response's token history written through before it is
+answered (`eval.serve.journal`), so that one acknowledged survives a kill -9: at the next start it
+is rebuilt by a prefill where the last clean save does not hold its session.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
-import os
 import pathlib
 import re
 import shutil
@@ -30,9 +34,12 @@ import uuid
 from k3jax.data import DataError
 from k3jax.data.chat_format import reply_segments
 from k3jax.sessions import SessionStore
+from k3jax.sessions.tiers import remove_spill_files
 from .completions import tool_calls
 from .engine import Job, Sequence
 from .errors import ServeError
+from .journal import JOURNAL_DIR, Journal, remove_interrupted_writes, write_json_atomically
+from .limits import shown
 from .model import ServedModel
 from .protocol import FunctionCallOutputItem, MessageItem, ReasoningItem, ResponseRequest
 from . import params
@@ -53,57 +60,127 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """Stored responses by id (touched only on the engine thread)."""
+    """Stored responses by id, least recently used first (touched only on the engine thread): at
+    most ``capacity`` (None: no cap), past it the least recently used one is evicted (its session
+    closed); with a `Journal` each is written through before it is acknowledged."""
 
-    def __init__(self):
-        self.items: dict[str, StoredResponse] = {}
+    def __init__(self, capacity: int | None = None, journal: Journal | None = None):
+        self.items: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
+        self.capacity, self.journal = capacity, journal
+        self.evicted = 0
 
     def get(self, response_id, param: str = "previous_response_id") -> StoredResponse:
         if not isinstance(response_id, str) or not RESPONSE_ID.fullmatch(response_id) or response_id not in self.items:
-            raise ServeError(404, f"no stored response {response_id!r}", "not_found_error", param=param)
+            raise ServeError(404, f"no stored response {shown(response_id)}", "not_found_error", param=param)
+        self.items.move_to_end(response_id)
         return self.items[response_id]
 
+    def add(self, store: SessionStore, item: StoredResponse) -> None:
+        """Keep ``item`` (a 507 when its journal file cannot be written: it is then not kept), then
+        evict the least recently used responses past the capacity."""
+        if self.journal is not None:
+            try:
+                self.journal.write({**dataclasses.asdict(item), "tokens": store.tokens(item.sid).tolist()})
+            except OSError as error:
+                raise ServeError(507, f"the response could not be stored in {self.journal.directory}: "
+                                 f"{error.strerror or error}", "server_error") from None
+        self.items[item.id] = item
+        while self.capacity is not None and len(self.items) > self.capacity:
+            self.remove(store, next(iter(self.items)))
+            self.evicted += 1
+
+    def remove(self, store: SessionStore, response_id: str) -> None:
+        """Forget a stored response: its session closed, its journal file removed."""
+        store.close(self.items.pop(response_id).sid)
+        if self.journal is not None:
+            self.journal.remove(response_id)
+
     def delete(self, store: SessionStore, response_id: str) -> dict:
-        stored = self.get(response_id, "response_id")
-        store.close(stored.sid)
-        del self.items[response_id]
+        self.get(response_id, "response_id")
+        self.remove(store, response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     def fork(self, store: SessionStore, response_id: str) -> dict:
         stored = self.get(response_id, "response_id")
         new_id = new_response_id()
         body = {**stored.body, "id": new_id, "created_at": int(time.time()), "forked_from": response_id}
-        self.items[new_id] = StoredResponse(new_id, store.fork(stored.sid), list(stored.messages), stored.tools, body)
+        sid = store.fork(stored.sid)
+        try:
+            self.add(store, StoredResponse(new_id, sid, list(stored.messages), stored.tools, body))
+        except ServeError:
+            store.close(sid)
+            raise
         return body
 
     # ---------------------------------------------------------------- persistence
     def save(self, store: SessionStore, directory: pathlib.Path) -> None:
-        """Write every stored response and its session under ``directory`` (state.json last, atomically)."""
+        """Write every stored response and its session under ``directory`` (state.json last,
+        atomically); OSError or ValueError when the disk refuses."""
         directory.mkdir(parents=True, exist_ok=True)
         previous = _read_state(directory)
         name = f"sessions-{time.time_ns()}"
         store.save(directory / name)
-        state = {"sessions": name, "responses": [dataclasses.asdict(item) for item in self.items.values()]}
-        temporary = directory / f".{STATE_FILE}.tmp"
-        with open(temporary, "w", encoding="utf-8") as handle:
-            json.dump(state, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, directory / STATE_FILE)
+        write_json_atomically(directory / STATE_FILE, {
+            "sessions": name, "responses": [dataclasses.asdict(item) for item in self.items.values()]})
         if previous is not None and previous["sessions"] != name:
             shutil.rmtree(directory / previous["sessions"], ignore_errors=True)
 
     @classmethod
-    def load(cls, model, directory: pathlib.Path, **budgets) -> tuple["ResponseStore", SessionStore]:
-        """The responses and store `save` wrote (an empty store when ``directory`` holds none)."""
-        state = _read_state(directory)
-        responses = cls()
+    def load(cls, model, directory: pathlib.Path, capacity: int | None = None,
+             **budgets) -> tuple["ResponseStore", SessionStore, list[str]]:
+        """(responses, store, notes) from ``directory``: the stored responses its journal lists,
+        each with its session from the last clean save (`save`) where that holds its tokens, else
+        rebuilt by one prefill of them; temporary files of interrupted writes and spill files of
+        the disk tier (``budgets["disk_dir"]``) removed first. A damaged journal or session file
+        skips (or rebuilds) that response alone; ``notes`` are lines saying what was skipped,
+        rebuilt or removed. A directory of an older version (no journal) loads its saved state."""
+        notes = [f"removed {name} (an interrupted write)" for name in remove_interrupted_writes(directory)]
+        if budgets.get("disk_dir") is not None:
+            spilled = remove_spill_files(pathlib.Path(budgets["disk_dir"]))
+            notes += [f"removed {len(spilled)} spill files of an earlier run"] if spilled else []
+        state, journaled = _read_state(directory), (directory / JOURNAL_DIR).is_dir()
+        journal = Journal(directory)
+        damaged: list[int] = []
         if state is None:
-            return responses, SessionStore(model, **budgets)
-        store = SessionStore.load(model, directory / state["sessions"], **budgets)
-        for item in state["responses"]:
-            responses.items[item["id"]] = StoredResponse(**item)
-        return responses, store
+            store, saved = SessionStore(model, **budgets), {}
+        else:
+            store = SessionStore.load(model, directory / state["sessions"], damaged=damaged, **budgets)
+            saved = {item["id"]: StoredResponse(**item) for item in state["responses"]}
+        entries, unreadable = journal.read()
+        notes += [f"skipped {name}: an unreadable journal file" for name in unreadable]
+        if not journaled:         # written by a version without a journal: what it saved, journaled from now on
+            entries = {key: {**dataclasses.asdict(item), "tokens": store.tokens(item.sid).tolist()}
+                       for key, item in saved.items() if item.sid in store.sessions()}
+            for entry in entries.values():
+                journal.write(entry)
+        notes += [f"skipped {key}: its session file is damaged" for key, item in saved.items()
+                  if item.sid in damaged and key not in entries]
+        responses = cls(capacity, journal)
+        for entry in sorted(entries.values(), key=lambda entry: entry["body"].get("created_at", 0)):
+            item, note = _restored(store, saved.get(entry["id"]), entry)
+            notes += [note] if note else []
+            if item is not None:
+                responses.items[item.id] = item
+        for key, item in saved.items():          # deleted or evicted since the save
+            if key not in responses.items and item.sid in store.sessions():
+                store.close(item.sid)
+        while capacity is not None and len(responses.items) > capacity:
+            responses.remove(store, next(iter(responses.items)))
+        return responses, store, notes
+
+
+def _restored(store: SessionStore, saved: StoredResponse | None, entry: dict) -> tuple[StoredResponse | None, str | None]:
+    """A journal ``entry``'s stored response: its ``saved`` session where that holds its tokens, else
+    a session prefilled with them -> (the response or None when its tokens cannot be, a note or None)."""
+    tokens = entry["tokens"]
+    if saved is not None and saved.sid in store.sessions() and store.tokens(saved.sid).tolist() == tokens:
+        return saved, None
+    try:
+        sid = store.open(tokens)
+    except ValueError as error:
+        return None, f"skipped {entry['id']}: its tokens cannot be prefilled ({error})"
+    item = StoredResponse(entry["id"], sid, entry["messages"], entry["tools"], entry["body"])
+    return item, f"rebuilt {entry['id']} by a prefill of its {len(tokens)} tokens"
 
 
 def _read_state(directory: pathlib.Path) -> dict | None:
@@ -197,7 +274,7 @@ class ResponsePlan:
         except DataError as error:
             raise ServeError(400, str(error), param="input") from None
         room = self.served.max_model_len - len(self.prompt)
-        max_tokens = room if self.max_tokens is None else self.max_tokens
+        max_tokens = max(room, 0) if self.max_tokens is None else self.max_tokens
         self.served.check_length(len(self.prompt), max_tokens)
         stored = store.tokens(previous.sid).tolist() if previous is not None else None
         if stored is not None and len(stored) < len(self.prompt) and self.prompt[: len(stored)] == stored:
@@ -226,7 +303,7 @@ class ResponsePlan:
         if store.tokens(sid).tolist() != canonical:
             store.close(sid)
             sid = store.open(canonical)
-        self.responses.items[self.id] = StoredResponse(self.id, sid, self.messages + [message], self.tools, body)
+        self.responses.add(store, StoredResponse(self.id, sid, self.messages + [message], self.tools, body))
         return body
 
     def body(self, reply, calls: list[dict], sequence: Sequence) -> dict:

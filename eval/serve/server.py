@@ -14,9 +14,11 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from .engine import Engine
 from .errors import ServeError, error_body
+from .limits import MAX_JSON_DEPTH, check_nesting, clipped
 from .model import ServedModel
 from .responses import ResponseStore
 
@@ -25,24 +27,46 @@ DISCONNECT_POLL_SECONDS = 0.1      # how often a waiting plain request checks th
 
 
 async def read_body(request: Request) -> dict:
-    """The request's JSON object: a 413 past `MAX_BODY_BYTES`, a 400 for malformed or too deeply
-    nested JSON, or a body that is not an object."""
+    """The request's JSON object: a 415 unless its Content-Type is JSON, a 413 past
+    `MAX_BODY_BYTES`, a 499 when the client leaves during the upload, a 400 for malformed JSON, a
+    body that is not an object, or one nesting deeper than `limits.MAX_JSON_DEPTH` (the decoding
+    and the check run off the event loop)."""
+    check_json_content_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise ServeError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-    raw = b""
-    async for piece in request.stream():
-        raw += piece
-        if len(raw) > MAX_BODY_BYTES:
-            raise ServeError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    pieces, size = [], 0
+    try:
+        async for piece in request.stream():
+            pieces.append(piece)
+            size += len(piece)
+            if size > MAX_BODY_BYTES:
+                raise ServeError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    except ClientDisconnect:
+        raise ServeError(499, "the client closed the connection during the upload") from None
+    return await off_loop(decode_body, b"".join(pieces))
+
+
+def check_json_content_type(content_type: str | None) -> None:
+    """A 415 unless ``content_type`` is ``application/json`` (any parameters, e.g. a charset): a
+    body is read as JSON only when its sender says it is (a web page's form cannot pose as one)."""
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise ServeError(415, f"the request body must be JSON with Content-Type: application/json, got "
+                         f"{clipped(repr(content_type)) if content_type else 'none'}", param="Content-Type")
+
+
+def decode_body(raw: bytes) -> dict:
+    """``raw`` as a JSON object (`read_body`'s checks)."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ServeError(400, f"the request body is not valid JSON: {error}") from None
+        raise ServeError(400, f"the request body is not valid JSON: {clipped(str(error), 200)}") from None
     except RecursionError:
-        raise ServeError(400, "the request body nests too deeply") from None
+        raise ServeError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels of objects and lists") from None
     if not isinstance(body, dict):
         raise ServeError(400, "the request body must be a JSON object")
+    check_nesting(body)
     return body
 
 
@@ -72,9 +96,11 @@ class Server:
     """The app's state: the model, the engine, stored responses, counters."""
 
     def __init__(self, served: ServedModel, engine: Engine, responses: ResponseStore, *, api_key: str | None,
-                 request_timeout: float):
+                 request_timeout: float, allowed_hosts: frozenset[str] | None = None):
+        """``allowed_hosts``: the Host header names answered (None: any)."""
         self.served, self.engine, self.responses = served, engine, responses
-        self.api_key, self.request_timeout = api_key, request_timeout
+        self.api_key, self.request_timeout, self.allowed_hosts = api_key, request_timeout, allowed_hosts
+        self.save_failure: str | None = None      # why the shutdown's save failed
         self.requests: dict[tuple[str, int], int] = {}
         self.started = time.time()
 

@@ -149,7 +149,7 @@ def _call(call: Any, index: int, where: str) -> list[Segment]:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             arguments, raw = {}, arguments
     if arguments is None:
         arguments = {}
@@ -397,7 +397,13 @@ class _CallReader:
             return
         (element, attributes), text = self.current, self.text
         self.current = None
-        if element == "json":
+        if element == "json":            # raw text: kept unless it is JSON other than an object
+            try:
+                value = json.loads(text)
+            except (json.JSONDecodeError, RecursionError):
+                value = {}
+            if not isinstance(value, dict):
+                self.errors.append(f"its json arguments are {_argument_type(value)}, not an object")
             self.raw = text
             return
         key, kind = attributes.get("key"), attributes.get("type", "string")
@@ -408,7 +414,7 @@ class _CallReader:
         else:
             try:
                 value = json.loads(text)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 self.errors.append(f"argument {key!r} is not {kind} JSON")
                 return
             if _argument_type(value) != kind:

@@ -50,6 +50,22 @@ def check_bank_fits(config, sequences: int, length: int, what: str) -> None:
                          f"{needed / 2**30:.1f} GiB, more than the device holds ({limit / 2**30:.1f} GiB)")
 
 
+def check_program_fits(compiled, what: str) -> None:
+    """ValueError when a compiled program's buffers (arguments, outputs and temporaries, by XLA's
+    memory analysis; aliased ones once) exceed the device's memory -- before it runs, so that a
+    request too long for the device is one line instead of an out-of-memory failure. A backend
+    without the analysis passes."""
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return
+    needed = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes + analysis.temp_size_in_bytes
+              - analysis.alias_size_in_bytes)
+    limit = memory_limit()
+    if needed > limit:
+        raise ValueError(f"{what}: the generation needs {needed / 2**30:.1f} GiB of device memory, more than the "
+                         f"device holds ({limit / 2**30:.1f} GiB)")
+
+
 def prompt_bucket(length: int) -> int:
     """The padded length of a prompt of ``length`` tokens: the next power of two, at least 8."""
     return max(MIN_PROMPT_BUCKET, 1 << (length - 1).bit_length())
@@ -164,8 +180,10 @@ def generate(
     sampling = (jnp.float32(temperature), jnp.int32(top_k or 0), jnp.float32(1.0 if top_p is None else top_p))
     prompt, segments = pad_prompts(prompts)
     graphdef, state = nnx.split(model)
-    result = _generate(graphdef, state, prompt, segments, jax.random.key(seed), sampling,
-                       jnp.int32(-1 if eos_id is None else eos_id), max_new_tokens=max_new_tokens)
+    arguments = (graphdef, state, prompt, segments, jax.random.key(seed), sampling, jnp.int32(-1 if eos_id is None else eos_id))
+    check_program_fits(_generate.lower(*arguments, max_new_tokens=max_new_tokens).compile(),   # the call reuses it
+                       f"max_new_tokens={max_new_tokens}")
+    result = _generate(*arguments, max_new_tokens=max_new_tokens)
     return Generation(result.tokens[0], result.lengths[0]) if squeeze else result
 
 

@@ -4,6 +4,7 @@ docstring maps the package's modules, one job each)."""
 from k3jax.sessions.batching import Sampling
 from k3jax.sessions.speculate import DraftModel, PromptLookup, RoundResult, Speculator
 from k3jax.sessions.store import SessionStore, Snapshot, model_fingerprint
+from k3jax.sessions.tiers import DiskTierError
 
-__all__ = ["DraftModel", "PromptLookup", "RoundResult", "Sampling", "SessionStore", "Snapshot", "Speculator",
+__all__ = ["DiskTierError", "DraftModel", "PromptLookup", "RoundResult", "Sampling", "SessionStore", "Snapshot", "Speculator",
            "model_fingerprint"]

@@ -112,17 +112,28 @@ def _well_formed(manifest: dict) -> bool:
             and whole(manifest.get("next_session")) and whole(manifest.get("next_serial")))
 
 
-def read_values(directory: pathlib.Path, manifest: dict, fingerprint: str) -> SavedValues:
+def read_values(directory: pathlib.Path, manifest: dict, fingerprint: str,
+                damaged: list | None = None) -> SavedValues:
     """The sessions and snapshots the ``manifest`` of ``directory`` lists, for the model of
-    ``fingerprint`` (ValueError when another model saved them or a file is unreadable)."""
+    ``fingerprint`` (ValueError when another model saved them). An unreadable file is a ValueError,
+    or, given a ``damaged`` list, skipped: its session's id is appended there (and the session's
+    snapshots skipped; a damaged snapshot file alone skips that snapshot)."""
     if manifest.get("fingerprint") != fingerprint:
         raise ValueError(f"{directory} was saved by a different model (config or weights differ)")
-    try:
-        sessions = {sid: _saved_value(read_npz(directory / _session_file(sid))) for sid in manifest["sessions"]}
-        snapshots = {(s, n): _saved_value(read_npz(directory / _snapshot_file(s, n))) for s, n in manifest["snapshots"]}
-    except (ValueError, KeyError) as error:
-        raise ValueError(f"{directory}: unreadable session file ({error})") from None
-    return SavedValues(sessions, snapshots)
+
+    def read(name: str) -> SavedValue | None:
+        try:
+            return _saved_value(read_npz(directory / name))
+        except (ValueError, KeyError) as error:
+            if damaged is None:
+                raise ValueError(f"{directory}: unreadable session file ({error})") from None
+            return None
+    sessions = {sid: read(_session_file(sid)) for sid in manifest["sessions"]}
+    if damaged is not None:
+        damaged += [sid for sid, value in sessions.items() if value is None]
+    sessions = {sid: value for sid, value in sessions.items() if value is not None}
+    snapshots = {(s, n): read(_snapshot_file(s, n)) for s, n in manifest["snapshots"] if s in sessions}
+    return SavedValues(sessions, {key: value for key, value in snapshots.items() if value is not None})
 
 
 def _saved_value(arrays: dict[str, np.ndarray]) -> SavedValue:

@@ -274,16 +274,28 @@ class SessionStore:
 
     @classmethod
     def load(cls, model, directory, device_bytes: int | None = None, host_bytes: int | None = None,
-             disk_dir=None) -> "SessionStore":
+             disk_dir=None, damaged: list | None = None) -> "SessionStore":
         """A store holding the sessions and snapshots `save` wrote to ``directory``, for the same
-        model (same config and weights); they start on host and move to the device on use."""
+        model (same config and weights); they start on host and move to the device on use. A
+        damaged file is a ValueError, or, given a ``damaged`` list, that session is left out and its
+        id appended there."""
         directory = pathlib.Path(directory)
         manifest = persist.read_manifest(directory)
         store = cls(model, device_bytes, host_bytes, disk_dir)
-        saved = persist.read_values(directory, manifest, store.fingerprint)
+        saved = persist.read_values(directory, manifest, store.fingerprint, damaged)
         store._registry.restore(saved, manifest["next_session"], manifest["next_serial"], store._clock)
         store._tiers.fit_host()
         return store
+
+    def check_length(self, length: int) -> None:
+        """ValueError when one session of ``length`` tokens could not fit the device budget (without
+        one: the device's memory) -- what a program checks for its longest session before any work."""
+        self._tiers.check_fits(length)
+
+    @property
+    def disk_failure(self) -> str | None:
+        """Why the latest spill to the disk tier failed, until one succeeds (None: no failure)."""
+        return self._tiers.disk_failure
 
     @property
     def prefix_cache(self) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import tempfile
 import uuid
 import weakref
@@ -135,6 +136,11 @@ class NoRoom(Exception):
     """The device budget has no room left without moving a pinned value."""
 
 
+class DiskTierError(OSError):
+    """The disk tier could not take a value (a full or unwritable disk): the value stays where it
+    was and the operation that needed the room fails; the store keeps serving what fits."""
+
+
 def _check_writable(directory: pathlib.Path) -> None:
     """Create ``directory`` and prove a file can be written there (ValueError otherwise), so that a
     disk tier that cannot be used is refused when the store is made, not at its first spill."""
@@ -144,6 +150,22 @@ def _check_writable(directory: pathlib.Path) -> None:
             pass
     except OSError as error:
         raise ValueError(f"disk_dir {directory} cannot be written: {error.strerror or error}") from None
+
+
+SPILL_PREFIX = "value-"        # a spill file's name: value-{hex}.npz (being written: .value-{hex}.npz.{hex}.tmp)
+
+
+def remove_spill_files(directory: pathlib.Path) -> list[pathlib.Path]:
+    """Remove the spill files (and half-written ones) that a store which ended without cleaning up
+    (killed) left in its disk tier ``directory`` -> the paths removed. Only for a directory no
+    running store uses: spill files are nobody's state once their store is gone."""
+    if not directory.is_dir():
+        return []
+    stale = [path for path in directory.iterdir()
+             if re.fullmatch(rf"\.?{SPILL_PREFIX}[0-9a-f]+\.npz(\.[0-9a-f]+\.tmp)?", path.name)]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
 
 
 def _remove_files(paths: set[pathlib.Path]) -> None:
@@ -172,6 +194,7 @@ class Tiers:
         self.device_budget, self.host_budget, self.disk_dir = device_budget, host_budget, disk_dir
         self.value_host_bytes = self.disk_bytes = 0
         self.counts = dict.fromkeys(("spills_to_host", "spills_to_disk", "loads_from_host", "loads_from_disk"), 0)
+        self.disk_failure: str | None = None      # why the latest spill to disk failed (None: it did not)
         # The spill files in use, removed when the tiers are collected or the process exits.
         self.spill_files: set[pathlib.Path] = set()
         weakref.finalize(self, _remove_files, self.spill_files)
@@ -284,8 +307,15 @@ class Tiers:
         self.fit_host(pinned)
 
     def _to_disk(self, value: Value) -> None:
-        path = self.disk_dir / f"value-{uuid.uuid4().hex}.npz"
-        write_npz_atomically(path, **value.host._asdict())
+        """Move a host value to a new spill file; `DiskTierError` (the value still on host, the
+        failure kept in ``disk_failure`` until a spill succeeds) when the file cannot be written."""
+        path = self.disk_dir / f"{SPILL_PREFIX}{uuid.uuid4().hex}.npz"
+        try:
+            write_npz_atomically(path, **value.host._asdict())
+        except OSError as error:
+            self.disk_failure = f"the disk tier {self.disk_dir} cannot take a spilled session: {error.strerror or error}"
+            raise DiskTierError(self.disk_failure) from None
+        self.disk_failure = None
         self.spill_files.add(path)
         self.disk_bytes += path.stat().st_size
         self.value_host_bytes -= value.host.nbytes

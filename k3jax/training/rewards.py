@@ -9,7 +9,8 @@ or any Python callable named ``module:function``.
 A function is called as ``function(prompt, completion, record) -> float`` (``prompt``: the prompt
 text, or a chat record's last message; ``completion``: the completion's text, or a chat reply's
 response text; ``record``: the whole record). A reward that raises or returns anything but a
-finite number is a `RewardError` naming the record.
+finite number is a `RewardError` naming the record, and so is one that runs past
+``rl.reward_timeout`` seconds (`user_call`).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import re
 from typing import Any, Callable
 
 from k3jax.data.errors import DataError
+from k3jax.training.signals import CallTimedOut, bounded_call
 
 RewardFunction = Callable[[str, str, dict], float]
 NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
@@ -109,10 +111,24 @@ def checked_reward(value: Any, where: str) -> float:
     return float(value)
 
 
-def score(reward: RewardFunction, prompt, completion: str) -> float:
-    """``reward(prompt text, completion, record)``, checked; any exception becomes a `RewardError`."""
-    try:
-        value = reward(prompt.text, completion, prompt.record)
-    except Exception as error:  # noqa: BLE001 - a user's function may raise anything
-        raise RewardError(f"{prompt.where}: the reward raised {type(error).__name__}: {error}") from None
+def score(reward: RewardFunction, prompt, completion: str, timeout: float | None = None) -> float:
+    """``reward(prompt text, completion, record)``, checked and bounded (`user_call`)."""
+    value = user_call(lambda: reward(prompt.text, completion, prompt.record), "the reward", prompt.where, timeout)
     return checked_reward(value, prompt.where)
+
+
+def user_call(call: Callable[[], Any], what: str, where: str, timeout: float | None,
+              passing: tuple[type[Exception], ...] = ()) -> Any:
+    """``call()`` of a user's function (``what``: "the reward", "the environment") for the record
+    ``where``, within ``timeout`` seconds (`k3jax.training.signals.bounded_call`; a SIGTERM / SIGINT
+    during it raises `StopRequested`): an exception it raises (but those of ``passing``), or running
+    past the timeout, is a `RewardError` naming the record."""
+    try:
+        with bounded_call(timeout):
+            return call()
+    except CallTimedOut:
+        raise RewardError(f"{where}: {what} took longer than rl.reward_timeout={timeout:g} seconds") from None
+    except passing:
+        raise
+    except Exception as error:  # noqa: BLE001 - a user's function may raise anything
+        raise RewardError(f"{where}: {what} raised {type(error).__name__}: {error}") from None

@@ -63,7 +63,7 @@ from k3jax.training.rewards import check_records, load_reward
 from k3jax.inference import draft_mismatch, restore_model
 from k3jax.training.rollout import Rollout, SamplingSettings, replay
 from k3jax.training.run_dir import RunError
-from k3jax.training.signals import StopSignals
+from k3jax.training.signals import StopRequested, StopSignals
 from k3jax.training.steps import make_train_step
 from k3jax.training.trainer import Trainer
 
@@ -195,7 +195,8 @@ class RLTrainer(Trainer):
         rl = self.config.rl
         return Rollout(self.policy_model(), self.data, self.settings, reward=self.reward,
                        environment=self.environment, tool_retries=rl.tool_retries, max_turns=rl.max_turns,
-                       fingerprint=f"{self.run_dir}@{self.position}", speculation=rl.speculation, draft=self.draft)
+                       fingerprint=f"{self.run_dir}@{self.position}", speculation=rl.speculation, draft=self.draft,
+                       reward_timeout=rl.reward_timeout)
 
     def _reference_logprobs(self, batch) -> jax.Array:
         params = self.reference if self.reference is not None else jax.tree.map(jnp.zeros_like, self.state.params)
@@ -274,12 +275,15 @@ class RLTrainer(Trainer):
                 self.save(force=True)                            # policy step 0 can be restored like the others
                 self._periodic_evaluation(log, board, progress)  # the policy before RL too
             while self.position < cfg.steps and signals.received is None:
-                groups, record = self.rl_step()
-                self.position += 1
-                for line in rollout_records(groups, self.position - 1):
-                    rollouts.write(line)
-                self._log_step(record, log, board, progress)
-                self._periodic_evaluation(log, board, progress)
+                try:
+                    groups, record = self.rl_step()
+                    self.position += 1
+                    for line in rollout_records(groups, self.position - 1):
+                        rollouts.write(line)
+                    self._log_step(record, log, board, progress)
+                    self._periodic_evaluation(log, board, progress)
+                except StopRequested:        # a signal inside a reward or environment call: the rest is dropped
+                    break
                 if self.checkpoints.due(self.position):
                     self.save(force=True)
         finally:

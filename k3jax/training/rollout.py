@@ -46,7 +46,7 @@ from k3jax.sessions import Sampling, SessionStore
 from k3jax.sessions.speculate import Speculator
 from k3jax.config import SpeculationConfig
 from k3jax.training.environments import ToolCallError
-from k3jax.training.rewards import RewardError, checked_reward, score
+from k3jax.training.rewards import checked_reward, score, user_call
 
 
 @dataclasses.dataclass
@@ -201,9 +201,10 @@ class Rollout:
 
     def __init__(self, model, dataset, settings: SamplingSettings, *, reward: Callable | None = None,
                  environment=None, tool_retries: int = 0, max_turns: int = 1, fingerprint: str | None = None,
-                 speculation: SpeculationConfig | None = None, draft=None):
+                 speculation: SpeculationConfig | None = None, draft=None, reward_timeout: float | None = None):
+        """``reward_timeout``: seconds a reward or environment call may take (None: unbounded)."""
         self.model, self.dataset, self.settings = model, dataset, settings
-        self.reward, self.environment = reward, environment
+        self.reward, self.environment, self.reward_timeout = reward, environment, reward_timeout
         self.tool_retries, self.max_turns = tool_retries, max_turns
         self.store = SessionStore(model, fingerprint=fingerprint, prefix_cache=False)
         speculating = speculation is not None and speculation.enabled
@@ -296,7 +297,7 @@ class Rollout:
             completion.add(decoded.tokens, decoded.logprobs)
             completion.finish_reason = "stop" if decoded.stopped else "length"
             completion.text = self._text(decoded.tokens)
-            completion.reward = score(self.reward, completion.prompt, completion.text)
+            completion.reward = score(self.reward, completion.prompt, completion.text, self.reward_timeout)
 
     def _episodes(self, sessions: dict, seed: int, greedy: bool) -> None:
         """Assistant turns of every episode together, one batched decode per turn, until each is done."""
@@ -360,15 +361,9 @@ class Rollout:
             return None
         return tuple(turn.messages)
 
-    @staticmethod
-    def _environment_call(completion: Completion, call):
-        try:
-            return call()
-        except ToolCallError:
-            raise
-        except Exception as error:  # noqa: BLE001 - a user's environment may raise anything
-            raise RewardError(f"{completion.prompt.where}: the environment raised "
-                              f"{type(error).__name__}: {error}") from None
+    def _environment_call(self, completion: Completion, call):
+        """``call()`` of the episode's environment, bounded (`user_call`; a `ToolCallError` passes)."""
+        return user_call(call, "the environment", completion.prompt.where, self.reward_timeout, (ToolCallError,))
 
     def _tool_turn(self, messages: tuple) -> np.ndarray:
         """Tool results rendered in K3's chat format, then the next generation prompt."""

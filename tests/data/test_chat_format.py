@@ -189,6 +189,9 @@ def reply_ids(encoder, text):
      "<|close|>call<|sep|>", "tool call 1: argument 'n' is string, its tag says number"),
     ("<|open|>call<|sep|><|close|>call<|sep|>", "tool call 1: a call without a tool name"),
     ('<|open|>call tool="f"<|sep|><|open|>argument key="a"<|sep|>cut', "a tool call was cut short"),
+    # raw json arguments that are JSON but not an object: rendering them again would fail
+    ('<|open|>call tool="f"<|sep|><|open|>json type="object"<|sep|>[1, 2]<|close|>json<|sep|><|close|>call<|sep|>',
+     "tool call 1: its json arguments are array, not an object"),
 ])
 def test_malformed_tool_calls_are_reported_and_left_out(chat_tokenizer, text, malformed):
     encoder = ChatEncoder(load_tokenizer(chat_tokenizer))

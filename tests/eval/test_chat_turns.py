@@ -128,6 +128,9 @@ class RecordingStore:
         self.histories, self.eos_ids = {}, []
         self.made.append(self)
 
+    def check_length(self, length):
+        pass
+
     def open(self, tokens):
         self.histories[len(self.histories)] = list(map(int, tokens))
         return len(self.histories) - 1

@@ -34,6 +34,30 @@ def test_bad_input_is_one_line_and_status_2(args, message, untrained_run, capsys
     assert status == 2 and len(err.strip().splitlines()) == 1 and message in err, err
 
 
+def test_a_generation_beyond_the_devices_memory_is_one_line_before_it_runs(untrained_run, capsys, monkeypatch):
+    """The memory bank alone fits (the shape check passes); the whole program does not (XLA's
+    memory analysis of the compiled program, the one the first test ran): one line, status 2."""
+    import k3jax.inference.generation as generation
+    from k3jax.memory import memory_bytes
+
+    bank = 2 * sum(memory_bytes(untrained_run.config.model, 8 + 2 - 1).values())
+    monkeypatch.setattr(generation, "memory_limit", lambda: bank + 1)
+    status = main([str(untrained_run.path), "--prompt", "3 4 5", "--prompt", "6", "--max-new-tokens", "2",
+                   "--temperature", "0.7", "--top-p", "0.9", "--seed", "1"])
+    err = capsys.readouterr().err
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert "max_new_tokens=2: the generation needs" in err and "more than the device holds" in err
+
+
+def test_a_chat_whose_replies_cannot_fit_is_one_line_before_any_turn(untrained_run, capsys):
+    from eval.chat import main as chat
+
+    stdout = io.StringIO()
+    assert chat([str(untrained_run.path), "--max-new-tokens", str(10**12)], io.StringIO("3 4\n"), stdout) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --max-new-tokens 1000000000000: a session of") and stdout.getvalue() == ""
+
+
 @pytest.mark.slow     # compiles the verify and replay programs
 @pytest.mark.parametrize("flags", [["--prompt-lookup", "2"], ["--draft", "RUN", "--speculate-k", "3"]])
 def test_speculative_greedy_prints_what_greedy_prints(flags, untrained_run, capsys):

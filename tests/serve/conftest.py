@@ -37,6 +37,13 @@ def plain_chat_run(tmp_path_factory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="session")
+def xla_cache(tmp_path_factory) -> pathlib.Path:
+    """One compiled-program cache for the tests that start servers as processes, so that each
+    compiles only what the ones before it did not."""
+    return tmp_path_factory.mktemp("xla")
+
+
+@pytest.fixture(scope="session")
 def serving(chat_run):
     """(client, served model, engine) of a server over `chat_run` with an API key, in this process."""
     from fastapi.testclient import TestClient

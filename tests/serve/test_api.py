@@ -14,6 +14,7 @@ from k3jax.inference.generation import generate
 from tests.serve.conftest import KEY
 
 USER = [{"role": "user", "content": "3 QWERTY"}]
+JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +259,7 @@ BAD = [
 @pytest.mark.parametrize("path, body, status, words", BAD, ids=[f"{i:02d}" for i in range(len(BAD))])
 def test_bad_requests_get_an_openai_error_and_the_server_keeps_serving(serving, path, body, status, words):
     client, _, _ = serving
-    response = client.post(path, content=body) if isinstance(body, bytes) else client.post(path, json=body)
+    response = client.post(path, content=body, headers=JSON) if isinstance(body, bytes) else client.post(path, json=body)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert words in error["message"] and set(error) == {"message", "type", "param", "code"}

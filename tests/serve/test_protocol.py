@@ -222,13 +222,15 @@ def test_no_refusal_is_a_422_and_each_names_its_param(checks_only, path, body, p
 
 
 def test_the_body_checks_of_read_body_stay(checks_only):
-    deep = checks_only.post("/v1/chat/completions", content=b"[" * 100000 + b"]" * 100000)
-    assert deep.status_code == 400 and deep.json()["error"]["message"] == "the request body nests too deeply"
-    malformed = checks_only.post("/v1/completions", content=b'{"prompt": ')
+    json_type = {"Content-Type": "application/json"}
+    deep = checks_only.post("/v1/chat/completions", content=b"[" * 100000 + b"]" * 100000, headers=json_type)
+    assert deep.status_code == 400
+    assert deep.json()["error"]["message"] == "the request body nests deeper than 64 levels of objects and lists"
+    malformed = checks_only.post("/v1/completions", content=b'{"prompt": ', headers=json_type)
     assert malformed.status_code == 400 and "not valid JSON" in malformed.json()["error"]["message"]
     listed = checks_only.post("/tokenize", json=["x"])
     assert listed.status_code == 400 and listed.json()["error"]["message"] == "the request body must be a JSON object"
-    big = checks_only.post("/detokenize", content=b" " * (32 * 2**20 + 1))
+    big = checks_only.post("/detokenize", content=b" " * (32 * 2**20 + 1), headers=json_type)
     assert big.status_code == 413
 
 

@@ -49,10 +49,10 @@ class ServerProcess:
         return code
 
 
-def test_the_openai_client_against_the_server_and_a_restart(plain_chat_run, tmp_path):
+def test_the_openai_client_against_the_server_and_a_restart(plain_chat_run, tmp_path, xla_cache):
     chat_run = plain_chat_run
     state = tmp_path / "state"
-    server = ServerProcess(tmp_path / "xla", chat_run, "--api-key", KEY, "--state-dir", state, "--max-model-len", "1024")
+    server = ServerProcess(xla_cache, chat_run, "--api-key", KEY, "--state-dir", state, "--max-model-len", "1024")
     try:
         client = server.client()
         assert [m.id for m in client.models.list()] == [server.name]
@@ -110,7 +110,7 @@ def test_the_openai_client_against_the_server_and_a_restart(plain_chat_run, tmp_
     assert long_request.get("finish") == "length"             # drained: it ran to its end
     assert any("saved" in line and "stored responses" in line for line in server.lines), server.lines
 
-    again = ServerProcess(tmp_path / "xla", chat_run, "--api-key", KEY, "--state-dir", state, "--max-model-len", "1024")
+    again = ServerProcess(xla_cache, chat_run, "--api-key", KEY, "--state-dir", state, "--max-model-len", "1024")
     try:
         client = again.client()
         assert client.responses.retrieve(first.id).id == first.id
@@ -120,4 +120,4 @@ def test_the_openai_client_against_the_server_and_a_restart(plain_chat_run, tmp_
     finally:
         assert again.stop() == -signal.SIGTERM
     assert os.path.exists(state / "state.json")
-    assert any((tmp_path / "xla").iterdir())                   # --compilation-cache: the programs were kept
+    assert any(xla_cache.iterdir())                   # --compilation-cache: the programs were kept

@@ -16,7 +16,7 @@ STATS_KEYS = [
 
 
 def test_the_package_exports_the_store_its_handles_sampling_and_the_fingerprint():
-    assert k3jax.sessions.__all__ == ["DraftModel", "PromptLookup", "RoundResult", "Sampling", "SessionStore", "Snapshot",
+    assert k3jax.sessions.__all__ == ["DiskTierError", "DraftModel", "PromptLookup", "RoundResult", "Sampling", "SessionStore", "Snapshot",
                                       "Speculator", "model_fingerprint"]
 
 

@@ -2,7 +2,9 @@
 (built-in and user functions) and the settings -- every bad one a one-line error before any compute."""
 import json
 import math
+import signal
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from k3jax.data import DataError, PromptDataset, load_tokenizer
 from k3jax.inference.chat import ChatTurns
 from k3jax.training import rl
 from k3jax.training.rewards import RewardError, check_records, load_reward, parse_number, score
+from k3jax.training.signals import StopRequested, StopSignals
 from tests.data.chat_tokenizer import write_chat_tokenizer
 from tests.helpers import MICRO
 
@@ -117,8 +120,35 @@ def test_a_built_in_reward_needs_every_answer():
 GRPO = ["train.objective=grpo", "data.kind=prompts", "data.path=p.jsonl", "init_from=runs/sft"]
 
 
+def test_a_reward_past_rl_reward_timeout_is_one_line_naming_the_record():
+    def hangs(prompt_text, completion, record):
+        try:
+            time.sleep(60)
+        except Exception:                      # a reward that swallows everything cannot swallow the timeout
+            return 1.0
+    started = time.monotonic()
+    with pytest.raises(RewardError, match=r"^p.jsonl: line 3: the reward took longer than rl.reward_timeout=0.2 seconds$"):
+        score(hangs, prompt({}), "x", timeout=0.2)
+    assert time.monotonic() - started < 5
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)           # the timer and handlers restored
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
+    assert score(lambda *args: 0.5, prompt({}), "x", timeout=5) == 0.5
+
+
+def test_a_signal_inside_a_reward_call_stops_it_and_is_recorded():
+    def waits_for_a_signal(prompt_text, completion, record):
+        signal.raise_signal(signal.SIGTERM)      # as if sent while the reward hangs
+        time.sleep(60)
+    with StopSignals() as signals:
+        started = time.monotonic()
+        with pytest.raises(StopRequested, match="SIGTERM"):
+            score(waits_for_a_signal, prompt({}), "x", timeout=None)
+        assert signals.received == "SIGTERM" and time.monotonic() - started < 5
+
+
 @pytest.mark.parametrize("overrides, key, words", [
     (GRPO + ["rl.group_size=1"], "rl.group_size", "at least 2"),
+    (GRPO + ["rl.reward_timeout=0"], "rl.reward_timeout", "must be positive"),
     (GRPO[:3], "init_from", "set init_from=RUN_DIR"),
     (GRPO[1:], "train.objective", "data.kind=prompts goes with train.objective=grpo"),
     (GRPO[:1], "data.kind", "set data.kind=prompts"),

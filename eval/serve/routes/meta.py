@@ -14,7 +14,10 @@ def register(app: FastAPI, server: Server) -> None:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        """``ok``, or ``degraded`` with the reasons (a disk tier that refused its latest spill):
+        the server still answers what fits in memory."""
+        disk = server.engine.store.disk_failure
+        return {"status": "ok"} if disk is None else {"status": "degraded", "reasons": [disk]}
 
     @app.get("/v1/models")
     async def models():
@@ -60,6 +63,8 @@ def prometheus_text(server: Server, stats: dict, speculation: dict | None = None
            [({"tier": tier}, stats[f"{tier}_bytes"]) for tier in ("device", "host", "disk")])
     metric("sessions", "gauge", "open sessions (running requests and stored responses)", [({}, stats["sessions"])])
     metric("stored_responses", "gauge", "responses kept for previous_response_id", [({}, len(server.responses.items))])
+    metric("stored_responses_evicted_total", "counter", "stored responses evicted past --max-stored-responses",
+           [({}, server.responses.evicted)])
     if speculation is not None:
         for name, kind, key, help_text in SPECULATION_METRICS:
             metric(f"speculation_{name}", kind, help_text, [({}, speculation[key])])

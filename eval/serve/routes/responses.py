@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 
 from ..responses import ResponsePlan
-from ..server import Server, read_body
+from ..server import Server, off_loop, read_body
 
 
 def register(app: FastAPI, server: Server) -> None:
@@ -13,7 +13,8 @@ def register(app: FastAPI, server: Server) -> None:
 
     @app.post("/v1/responses")
     async def create_response(request: Request):
-        return await server.run(ResponsePlan(server.served, await read_body(request), stored), request)
+        plan = await off_loop(ResponsePlan, server.served, await read_body(request), stored)
+        return await server.run(plan, request)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):

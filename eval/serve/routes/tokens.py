@@ -10,7 +10,7 @@ from ..errors import ServeError, bad
 from ..model import ServedModel
 from ..params import check_model
 from ..protocol import DetokenizeRequest, TokenizeRequest
-from ..server import Server, read_body
+from ..server import Server, off_loop, read_body
 
 
 def tokenize(served: ServedModel, request: TokenizeRequest) -> list[int]:
@@ -36,15 +36,25 @@ def register(app: FastAPI, server: Server) -> None:
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):
-        body = TokenizeRequest.parse(await read_body(request))
-        check_model(body, served.name)
-        tokens = tokenize(served, body)
-        return {"count": len(tokens), "max_model_len": served.max_model_len, "tokens": tokens}
+        return await off_loop(tokenized, served, await read_body(request))
 
     @app.post("/detokenize")
-    async def detokenize(request: Request):
-        body = DetokenizeRequest.parse(await read_body(request))
-        check_model(body, served.name)
-        if body.tokens:
-            served.check_ids(body.tokens, "tokens")
-        return {"prompt": served.decode(body.tokens)}
+    async def detokenize_route(request: Request):
+        return await off_loop(detokenized, served, await read_body(request))
+
+
+def tokenized(served: ServedModel, body: dict) -> dict:
+    """``/tokenize``'s answer to ``body`` (run off the event loop: rendering and tokenizing take time)."""
+    request = TokenizeRequest.parse(body)
+    check_model(request, served.name)
+    tokens = tokenize(served, request)
+    return {"count": len(tokens), "max_model_len": served.max_model_len, "tokens": tokens}
+
+
+def detokenized(served: ServedModel, body: dict) -> dict:
+    """``/detokenize``'s answer to ``body`` (off the event loop, as `tokenized`)."""
+    request = DetokenizeRequest.parse(body)
+    check_model(request, served.name)
+    if request.tokens:
+        served.check_ids(request.tokens, "tokens")
+    return {"prompt": served.decode(request.tokens)}
