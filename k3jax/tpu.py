@@ -189,3 +189,44 @@ def kernel_vmem_bytes(compiled) -> list[int]:
     return [sum(int(size) for size in _SIZE.findall(match.group(1)))
             for line in compiled.as_text().splitlines() if 'custom_call_target="tpu_custom_call"' in line
             for match in [_SCOPED_MEMORY.search(line)] if match]
+
+
+def _dot_flops(eqn) -> float:
+    """2 x output elements x contracted size of one ``dot_general``."""
+    (lhs_contracting, _), _ = eqn.params["dimension_numbers"]
+    lhs = eqn.invars[0].aval
+    return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs.shape[d] for d in lhs_contracting)
+
+
+def _jaxpr_of(value):
+    return getattr(value, "jaxpr", value)   # a ClosedJaxpr's jaxpr, or a Jaxpr
+
+
+def matmul_flops(jaxpr) -> float:
+    """Matmul FLOPs (2 per multiply-add of every ``dot_general``) of a traced program, over all devices:
+    a ``scan`` body times its length, a Pallas kernel times its grid, a ``shard_map`` body (one shard's
+    shapes) times the devices of its manual axes, the costlier branch of a ``cond``, other sub-programs
+    once (a ``while`` body too: its trip count is not in the jaxpr).
+
+    The compiler's ``cost_analysis()`` counts every loop body once, whatever its trip count, and sees
+    nothing inside a Pallas kernel; this count is what a program with scanned layers, chunk loops or
+    Pallas kernels multiplies."""
+    total = 0.0
+    for eqn in _jaxpr_of(jaxpr).eqns:
+        name, params = eqn.primitive.name, eqn.params
+        if name == "dot_general":
+            total += _dot_flops(eqn)
+        elif name == "scan":
+            total += params["length"] * matmul_flops(params["jaxpr"])
+        elif name == "pallas_call":
+            total += math.prod(params["grid_mapping"].grid) * matmul_flops(params["jaxpr"])
+        elif name == "cond":
+            total += max(matmul_flops(branch) for branch in params["branches"])
+        elif name == "shard_map":
+            mesh = params["mesh"]
+            total += math.prod(mesh.shape[axis] for axis in params["newly_manual_axes"]) * matmul_flops(params["jaxpr"])
+        else:
+            from jax.extend.core import jaxprs_in_params
+
+            total += sum(matmul_flops(sub) for sub in jaxprs_in_params(params))
+    return total
