@@ -1,15 +1,18 @@
 """Every Pallas TPU kernel and its XLA counterpart compiled for TPU generations on this machine.
 
-    python -m bench.tpu_compile [--generations v5e v5p v6e tpu7x] [--heads 96 32] [--lengths 8192 65536]
-                                [--out bench/tpu_compile.json]
+    python -m bench.tpu_compile [--generations v5e v5p v6e tpu7x] [--shapes 96x8192 32x8192 12x65536 4x65536]
+                                [--xla-shapes 32x8192] [--decode-heads 96 32] [--out bench/tpu_compile.json]
 
 Needs the ``tpu`` extra (libtpu). For each generation it takes one compile-only device
 (`k3jax.tpu.compile_target`) and compiles, at K3's and Kimi Linear's shapes (head dim 128, chunk 64,
-batch 1; heads ``--heads``, tokens ``--lengths``):
+batch 1; ``--shapes`` HEADSxTOKENS on the device: K3's 96 and Kimi Linear's 32 heads at 8K tokens,
+and at 64K their 12 and 4 heads of a tensor=8 mesh -- all 96 heads of 64K tokens are 12 GiB of
+inputs and 6 GiB of saved chunk states, more than a v5e or v6e holds):
 
-    kda forward        `k3jax.ops.kda.kda`, implementation "pallas" (Mosaic) and "chunk" (XLA)
+    kda forward        `k3jax.ops.kda.kda`, implementation "pallas" (Mosaic), and "chunk" (XLA) at
+                       ``--xla-shapes`` (by default tokamax's anchor shape, 32 heads x 8K tokens)
     kda forward+vjp    the same with the VJP of every input, o's cotangent given
-    kda decode pool    `decode_pool.kda_pool_step` of 64 sessions in a pool of 64 rows, both kinds
+    kda decode pool    `decode_pool.kda_pool_step` of 64 sessions in a pool of 64 rows (``--decode-heads``), both kinds
     conv decode pool   `decode_pool.conv_pool_step` of the same sessions over the q/k/v channels
     mxfp4 matmul       `mxfp4_pallas.pallas_grouped_matmul` (and its transposed form) over 14 experts
                        of K3's latent MoE (3584 -> 3072; 896 experts on 64 devices), 4096 rows
@@ -55,11 +58,14 @@ def traced_flops(fn, *args) -> float:
         return matmul_flops(jax.make_jaxpr(fn)(*args))
 
 
-def kda_cases(heads: int, length: int):
-    """``(name, kind, fn, argument shapes)`` of the KDA sequence programs at one shape."""
+def kda_cases(heads: int, length: int, kinds=("pallas", "xla")):
+    """``(name, kind, fn, argument shapes)`` of the KDA sequence programs at one shape, for each of
+    ``kinds`` ("pallas": the Mosaic kernels, "xla": the chunk form)."""
     token = (1, length, heads, HEAD_DIM)
     shapes = [(token, jnp.bfloat16)] * 3 + [(token, jnp.float32), ((1, length, heads), jnp.float32)]
     for kind, implementation in (("pallas", "pallas"), ("xla", "chunk")):
+        if kind not in kinds:
+            continue
         def forward(q, k, v, g, beta, implementation=implementation):
             return kda(q, k, v, g, beta, implementation=implementation, chunk_size=CHUNK)[0]
 
@@ -117,11 +123,24 @@ def compile_case(fn, shapes, device, target) -> dict:
             "bytes_accessed": cost.bytes_accessed, "roofline_seconds": roofline_seconds(flops, cost.bytes_accessed, target)}
 
 
+def shape(text: str) -> tuple[int, int]:
+    """``HEADSxTOKENS`` -> (heads, tokens)."""
+    try:
+        heads, tokens = map(int, text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HEADSxTOKENS, e.g. 96x8192, got {text!r}") from None
+    return heads, tokens
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m bench.tpu_compile", description=__doc__.split("\n")[0])
     parser.add_argument("--generations", nargs="+", default=["v5e", "v5p", "v6e", "tpu7x"], choices=sorted(TOPOLOGIES))
-    parser.add_argument("--heads", nargs="+", type=int, default=[96, 32])
-    parser.add_argument("--lengths", nargs="+", type=int, default=[8192, 65536])
+    parser.add_argument("--shapes", nargs="+", type=shape, default=[(96, 8192), (32, 8192), (12, 65536), (4, 65536)],
+                        help="KDA heads x tokens on one device")
+    parser.add_argument("--xla-shapes", nargs="+", type=shape, default=[(32, 8192)],
+                        help="the shapes of --shapes at which the XLA chunk form is compiled too (its "
+                             "forward+VJP takes the TPU compiler minutes on 2 cores)")
+    parser.add_argument("--decode-heads", nargs="+", type=int, default=[96, 32], help="KDA heads of the decode pools")
     parser.add_argument("--out", default="bench/tpu_compile.json")
     return parser.parse_args(argv)
 
@@ -140,8 +159,9 @@ def row(generation: str, name: str, kind: str, result: dict, target) -> list:
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     jax.config.update("jax_platforms", "cpu")
-    cases = [case for heads in args.heads for length in args.lengths for case in kda_cases(heads, length)]
-    cases += [case for heads in args.heads for case in decode_cases(heads)] + list(mxfp4_cases())
+    cases = [case for heads, length in args.shapes
+             for case in kda_cases(heads, length, ("pallas", "xla") if (heads, length) in args.xla_shapes else ("pallas",))]
+    cases += [case for heads in args.decode_heads for case in decode_cases(heads)] + list(mxfp4_cases())
     records, rows = [], []
     for generation in args.generations:
         try:

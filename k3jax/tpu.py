@@ -123,14 +123,17 @@ def compile_target(topology: str) -> Target:
     """The compile-only devices of ``topology`` (e.g. ``v5p:4x4x4``: 64 v5p chips), one-line
     TargetError for a malformed or unknown name, a topology libtpu refuses, or a missing libtpu.
 
-    Sets ``TPU_WORKER_HOSTNAMES`` and ``TPU_ACCELERATOR_TYPE`` where unset: without them libtpu
-    prints five lines of warnings about the TPU it looks for on this host when it loads."""
+    Sets, where unset, ``TPU_WORKER_HOSTNAMES`` and ``TPU_ACCELERATOR_TYPE`` (without them libtpu
+    prints five lines of warnings about the TPU it looks for on this host when it loads) and
+    ``ALLOW_MULTIPLE_LIBTPU_LOAD`` (libtpu otherwise takes a host-wide lock file, so a second process
+    compiling for TPU would fail while one runs; compile-only devices never touch a TPU)."""
     chip, dims = parse_topology(topology)
     missing = libtpu_missing()
     if missing:
         raise TargetError(missing)
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", chip.accelerator_type)
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     import jax
     from jax.experimental import topologies
 

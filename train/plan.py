@@ -65,7 +65,7 @@ def report(plan: Plan, config) -> str:
         f"  outputs (new state, donated)    {format_bytes(plan.outputs)}",
         f"  temporaries (activations, work) {format_bytes(plan.temporaries)}",
         f"  peak (args + outputs - aliased + temporaries) {format_bytes(plan.peak).strip()}",
-        f"  compute                         {plan.flops / 1e12:10.3f} TFLOP per step",
+        f"  compute (compiler)              {plan.flops / 1e12:10.3f} TFLOP per step (each loop body counted once)",
         "  collectives per step (result bytes):",
         *(f"    {name:<30}{format_bytes(value)}" for name, value in plan.collectives.items() if value),
         f"expert all-to-all bytes per token (all devices): {plan.all_to_all_bytes_per_token:,.0f}",
@@ -88,15 +88,23 @@ def model_flops_per_device(plan: Plan, config) -> float:
     return training_flops(config.model, config.data.seq_len).total * plan.tokens_per_step / plan.devices
 
 
+def hbm_bytes_at_least(plan: Plan) -> float:
+    """A lower bound on the HBM bytes a step moves per device: the compiler's bytes accessed (each
+    loop body counted once) or, when larger, its arguments and outputs (each resident byte read and
+    each updated byte written once)."""
+    return max(plan.bytes_accessed, plan.arguments + plan.outputs)
+
+
 def tpu_figures(plan: Plan, config, target: Target) -> dict:
     """The TPU side of a plan: the device's HBM and what fits, the roofline and the MFU it implies."""
     figures = {"topology": target.topology, "chip": target.chip.name, "chips": target.chips,
                "device_hbm": target.device_hbm, "device_total": device_total(plan)}
     if not math.isnan(plan.temporaries):
-        seconds = roofline_seconds(plan.flops, plan.bytes_accessed, target)
+        hbm_bytes = hbm_bytes_at_least(plan)
+        seconds = roofline_seconds(plan.matmul_flops, hbm_bytes, target)
         model = model_flops_per_device(plan, config)
-        figures.update(compute_seconds=plan.flops / target.device_flops,
-                       memory_seconds=plan.bytes_accessed / target.device_bandwidth,
+        figures.update(hbm_bytes=hbm_bytes, compute_seconds=plan.matmul_flops / target.device_flops,
+                       memory_seconds=hbm_bytes / target.device_bandwidth,
                        roofline_seconds=seconds, model_flops=model, mfu=implied_mfu(model, seconds, target))
     return figures
 
@@ -113,9 +121,11 @@ def tpu_report(figures: dict, plan: Plan, target: Target) -> str:
     return "\n".join(rows + [
         f"  generated code                  {format_bytes(plan.generated_code)}",
         f"  total (peak + code)             {format_bytes(total)}   {spare}",
-        f"  bytes accessed                  {format_bytes(plan.bytes_accessed)} per step",
-        f"  roofline step time              {figures['roofline_seconds'] * 1e3:10.3f} ms   = max(FLOPs / peak "
-        f"{figures['compute_seconds'] * 1e3:.3f} ms, bytes / bandwidth {figures['memory_seconds'] * 1e3:.3f} ms), "
+        f"  bytes accessed (compiler)       {format_bytes(plan.bytes_accessed)} per step (loop bodies once)",
+        f"  HBM bytes, at least             {format_bytes(figures['hbm_bytes'])} per step (or arguments + outputs)",
+        f"  matmul FLOPs (traced)           {plan.matmul_flops / 1e12:10.4g} TFLOP per step (loops x trip counts)",
+        f"  roofline step time              {figures['roofline_seconds'] * 1e3:10.3f} ms   = max(matmul FLOPs / peak "
+        f"{figures['compute_seconds'] * 1e3:.3f} ms, HBM bytes / bandwidth {figures['memory_seconds'] * 1e3:.3f} ms), "
         f"{bound}-bound",
         f"  model FLOPs (3 x forward)       {figures['model_flops'] / 1e12:10.4g} TFLOP per step -> MFU at the "
         f"roofline {100 * figures['mfu']:.1f}%"])
@@ -175,11 +185,22 @@ def main(argv=None) -> int:
         jax.config.update("jax_platforms", "cpu")
         target = compile_target(args.tpu) if args.tpu else None
         jax.config.update("jax_num_cpu_devices", 1 if target else cpu_device_count(args, config))
-        plan = plan_train_step(config, compile=not args.layout_only, devices=target.devices if target else None)
+        devices = target.devices if target else None
+        refusal = None
+        try:
+            plan = plan_train_step(config, compile=not args.layout_only, devices=devices)
+        except jax.errors.JaxRuntimeError as error:   # the TPU compiler's own refusal: it does not fit
+            if not (target and str(error).startswith("RESOURCE_EXHAUSTED")):
+                raise
+            refusal = f"the TPU compiler: {str(error).splitlines()[0]}"
+            plan = plan_train_step(config, compile=False, devices=devices)
     except (ConfigError, TargetError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     figures = tpu_figures(plan, config, target) if target else {}
+    if target and refusal is None and figures["device_total"] > figures["device_hbm"]:
+        refusal = (f"{format_bytes(figures['device_total']).strip()} per device > "
+                   f"{format_bytes(figures['device_hbm']).strip()} of HBM on {target.topology}")
     if args.json:
         print(json.dumps({**plan._asdict(), "peak": plan.peak, "resident": plan.resident,
                           "all_to_all_bytes_per_token": plan.all_to_all_bytes_per_token if plan.collectives else None,
@@ -187,10 +208,8 @@ def main(argv=None) -> int:
                           **({"tpu": figures} if target else {})}))
     else:
         print(report(plan, config) + ("\n" + tpu_report(figures, plan, target) if target else ""))
-    if target and figures["device_total"] > figures["device_hbm"]:
-        print(f"refused: {format_bytes(figures['device_total']).strip()} per device > "
-              f"{format_bytes(figures['device_hbm']).strip()} of HBM on {target.topology}; to fit, try "
-              f"{fit_knobs(config)}", file=sys.stderr, flush=True)
+    if refusal:
+        print(f"refused: {refusal}; to fit, try {fit_knobs(config)}", file=sys.stderr, flush=True)
         return 1
     return 0
 

@@ -9,7 +9,11 @@ program (`plan_train_step`), read from its input shardings, ``memory_analysis()`
     arguments, outputs, temporaries  ``compiled.memory_analysis()``: temporaries are the
                                   activations and workspace of forward + backward + update;
                                   generated code likewise (it sits in a TPU's HBM)
-    FLOPs, bytes accessed         ``compiled.cost_analysis()``
+    FLOPs, bytes accessed         ``compiled.cost_analysis()``, which counts the body of every loop
+                                  once (the scanned layers, gradient accumulation, KDA's chunks):
+                                  with loops, far less than a step does
+    matmul FLOPs                  2 per multiply-add of the traced step, loops times their trip
+                                  counts (`k3jax.tpu.matmul_flops`), over the devices
     collectives                   result bytes of every all-to-all / all-gather / all-reduce /
                                   reduce-scatter / collective-permute in the optimized HLO, each
                                   times the trip counts of the loops around it (scanned layers,
@@ -140,6 +144,7 @@ class Plan(NamedTuple):
     trainable_count: int = 0           # parameters the optimizer trains (all devices)
     frozen_count: int = 0              # parameters held frozen (all devices)
     bytes_accessed: float = math.nan   # ``cost_analysis()``: bytes read and written per step
+    matmul_flops: float = math.nan     # `k3jax.tpu.matmul_flops` of the traced step, per device
     generated_code: float = math.nan   # the program's code (on a TPU it occupies HBM too)
 
     @property
@@ -194,7 +199,7 @@ def plan_train_step(config, compile: bool = True, devices=None) -> Plan:
     import jax
 
     from k3jax.sharding import mesh_shape
-    from k3jax.tpu import program_cost
+    from k3jax.tpu import matmul_flops, program_cost
     from k3jax.training.layout import lay_out_run
     from k3jax.training.steps import make_train_step
 
@@ -218,13 +223,15 @@ def plan_train_step(config, compile: bool = True, devices=None) -> Plan:
     step = make_train_step(layout.parts, layout.optimizer, accumulation=config.train.grad_accum,
                            schedule=layout.schedule, shardings=layout.shardings)
     started = time.perf_counter()
-    compiled = step.lower(layout.state, batch, *frozen).compile()
+    traced = step.trace(layout.state, batch, *frozen)
+    compiled = traced.lower().compile()
     seconds = time.perf_counter() - started
     cost = program_cost(compiled)
     return Plan(
         **resident,
         arguments=cost.arguments, outputs=cost.outputs, aliased=cost.aliased, temporaries=cost.temporaries,
         flops=cost.flops, bytes_accessed=cost.bytes_accessed, generated_code=cost.generated_code,
+        matmul_flops=matmul_flops(traced.jaxpr) / mesh.size,
         collectives=collective_bytes(compiled.as_text()),
         compile_seconds=seconds,
     )
