@@ -131,10 +131,13 @@ def tpu_report(figures: dict, plan: Plan, target: Target) -> str:
         f"roofline {100 * figures['mfu']:.1f}%"])
 
 
-def fit_knobs(config) -> str:
+def fit_knobs(config, plan: Plan) -> str:
     """The settings that shrink a train step's bytes per device, those not already at their smallest."""
+    batch_devices = math.prod(plan.mesh[axis] for axis in config.mesh.rules.batch)
+    rows = config.train.batch_size // config.train.grad_accum // batch_devices
     knobs = ["a larger --tpu topology (mesh.fsdp / mesh.expert over more devices)",
-             "train.grad_accum (fewer sequences per micro-batch)"]
+             *(["train.grad_accum (fewer sequences per micro-batch)"] if rows > 1 else []),
+             f"data.seq_len (now {config.data.seq_len} tokens per sequence, {rows} per device and micro-batch)"]
     if config.model.remat != "full":
         knobs.append("model.remat=full")
     if not config.finetune.lora:
@@ -209,7 +212,7 @@ def main(argv=None) -> int:
     else:
         print(report(plan, config) + ("\n" + tpu_report(figures, plan, target) if target else ""))
     if refusal:
-        print(f"refused: {refusal}; to fit, try {fit_knobs(config)}", file=sys.stderr, flush=True)
+        print(f"refused: {refusal}; to fit, try {fit_knobs(config, plan)}", file=sys.stderr, flush=True)
         return 1
     return 0
 
