@@ -31,7 +31,6 @@ bound for their compute-bound parts. Writes the rows as JSON (atomically).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 
