@@ -2,7 +2,8 @@
 
 The TPU compiler runs here, on the CPU: the KDA Pallas kernels (Mosaic) compile within the core's
 VMEM, an oversized Pallas block is refused, and a tiny sharded train step fits a v5e's HBM with the
-FLOPs an independent count predicts. Skipped, with the reason, where libtpu is not installed.
+FLOPs an independent count predicts (slow; skipped, with the reason, where libtpu is not installed).
+The arithmetic (topology names, the roofline, the traced FLOP count) is checked everywhere.
 """
 import jax
 import jax.numpy as jnp
@@ -11,11 +12,45 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from k3jax.tpu import TargetError, compile_target, kernel_vmem_bytes, libtpu_missing, parse_topology
+from k3jax.tpu import (CHIPS, Target, TargetError, compile_target, implied_mfu, kernel_vmem_bytes, libtpu_missing,
+                       matmul_flops, parse_topology, roofline_seconds)
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(libtpu_missing() is not None, reason=str(libtpu_missing()))]
+needs_libtpu = pytest.mark.skipif(libtpu_missing() is not None, reason=str(libtpu_missing()))
 
 TOPOLOGY = "v5e:2x2"
+
+
+def test_topology_names_parse_or_fail_in_one_line():
+    assert parse_topology("v5p:4x4x4") == (CHIPS["v5p"], (4, 4, 4))
+    assert parse_topology("TPU7x:2x2x1") == (CHIPS["tpu7x"], (2, 2, 1))
+    for name, words in (("v5e", "expected GENERATION:AxB"), ("v9:2x2", "unknown TPU generation 'v9'"),
+                        ("v5e:2x", "expected GENERATION:AxB")):
+        with pytest.raises(TargetError, match=words) as error:
+            parse_topology(name)
+        assert "\n" not in str(error.value)
+
+
+def test_roofline_and_mfu_per_device_of_a_two_core_chip():
+    """TPU7x: 2 devices per chip, so each has half the chip's peak and bandwidth."""
+    target = Target("tpu7x:2x2x1", CHIPS["tpu7x"], 4, tuple(range(8)))
+    assert target.devices_per_chip == 2 and target.device_hbm == 96 * 2**30
+    flops, bytes_accessed = 2307e12 / 2, 7380e9 / 2 * 3   # 1 s of compute, 3 s of HBM traffic
+    assert roofline_seconds(flops, bytes_accessed, target) == pytest.approx(3.0)
+    assert implied_mfu(flops, 3.0, target) == pytest.approx(1 / 3)
+
+
+def test_matmul_flops_counts_scans_times_their_length():
+    """2 n^3 per product, times the scan's 10 steps; the cond's costlier branch; none for elementwise."""
+    def step(x, w):
+        return jnp.tanh(x @ w), None
+
+    def program(x, ws, flag):
+        y = jax.lax.scan(step, x, ws)[0]
+        return jax.lax.cond(flag, lambda y: y @ y @ y, lambda y: y, y)
+
+    n = 32
+    jaxpr = jax.make_jaxpr(program)(jnp.zeros((n, n)), jnp.zeros((10, n, n)), True)
+    assert matmul_flops(jaxpr) == 2 * n**3 * (10 + 2)
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +62,16 @@ def one_device(target):
     return NamedSharding(Mesh(np.array(target.devices[:1]), ("one",)), P())
 
 
-def test_bad_topologies_are_one_line_errors():
-    for name, words in (("v5e", "expected GENERATION:AxB"), ("v9:2x2", "unknown TPU generation"),
-                        ("v5e:3x3", "libtpu refuses it")):
-        with pytest.raises(TargetError, match=words) as error:
-            compile_target(name)
-        assert "\n" not in str(error.value)
-    assert parse_topology("v5p:4x4x4")[1] == (4, 4, 4)
+@pytest.mark.slow
+@needs_libtpu
+def test_a_topology_libtpu_refuses_is_one_line():
+    with pytest.raises(TargetError, match="libtpu refuses it") as error:
+        compile_target("v5e:3x3")                                       # not whole hosts of 2x2 chips
+    assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
+@needs_libtpu
 def test_kda_pallas_kernels_compile_within_vmem(target):
     """Forward and backward Mosaic kernels at Kimi Linear's head shape (128) and chunk (64)."""
     from k3jax.ops.kda import kda
@@ -55,6 +91,8 @@ def test_kda_pallas_kernels_compile_within_vmem(target):
     assert all(0 < used < target.chip.vmem_bytes for used in vmem)
 
 
+@pytest.mark.slow
+@needs_libtpu
 def test_an_oversized_pallas_block_is_refused(target):
     """An 8192 x 8192 fp32 block (256 MiB, double-buffered in and out) cannot fit 128 MiB of VMEM."""
     def copy(x_ref, o_ref):
@@ -71,6 +109,8 @@ def test_an_oversized_pallas_block_is_refused(target):
         jax.jit(lambda x: call(x, 8192)).lower(x).compile()
 
 
+@pytest.mark.slow
+@needs_libtpu
 def test_tiny_sharded_train_step_fits_and_counts_its_flops(target):
     """The tiny K3's train step (AdamW: less to compile than Muon) over 4 v5e devices (fsdp=4): its
     compiled bytes per device are positive and below the chip's HBM; the compiler's FLOPs and the traced matmul FLOPs
