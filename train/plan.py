@@ -131,15 +131,16 @@ def tpu_report(figures: dict, plan: Plan, target: Target) -> str:
         f"roofline {100 * figures['mfu']:.1f}%"])
 
 
-def fit_knobs(config, plan: Plan) -> str:
-    """The settings that shrink a train step's bytes per device, those not already at their smallest."""
+def fit_knobs(config, plan: Plan, device_memory: float) -> str:
+    """The settings that shrink a train step's bytes per device, those not already at their smallest;
+    when the resident shards alone overflow ``device_memory``, only those that shrink them."""
     batch_devices = math.prod(plan.mesh[axis] for axis in config.mesh.rules.batch)
     rows = config.train.batch_size // config.train.grad_accum // batch_devices
-    knobs = ["a larger --tpu topology (mesh.fsdp / mesh.expert over more devices)",
-             *(["train.grad_accum (fewer sequences per micro-batch)"] if rows > 1 else []),
-             f"data.seq_len (now {config.data.seq_len} tokens per sequence, {rows} per device and micro-batch)"]
-    if config.model.remat != "full":
-        knobs.append("model.remat=full")
+    knobs = ["a larger --tpu topology (mesh.fsdp / mesh.expert over more devices)"]
+    if plan.resident <= device_memory:
+        knobs += [*(["train.grad_accum (fewer sequences per micro-batch)"] if rows > 1 else []),
+                  f"data.seq_len (now {config.data.seq_len} tokens per sequence, {rows} per device and micro-batch)",
+                  *(["model.remat=full"] if config.model.remat != "full" else [])]
     if not config.finetune.lora:
         knobs.append("finetune.lora_rank (a frozen base without optimizer state)")
     if config.model.moe.expert_format != "mxfp4":
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
     else:
         print(report(plan, config) + ("\n" + tpu_report(figures, plan, target) if target else ""))
     if refusal:
-        print(f"refused: {refusal}; to fit, try {fit_knobs(config, plan)}", file=sys.stderr, flush=True)
+        print(f"refused: {refusal}; to fit, try {fit_knobs(config, plan, figures['device_hbm'])}", file=sys.stderr, flush=True)
         return 1
     return 0
 
