@@ -102,8 +102,16 @@ def mesh_of(args, model) -> dict[str, int]:
     return mesh_sizes(model, given, devices)
 
 
-def report(plan, model, description: str, stored: str, compiled=None, compiler: str = "XLA:CPU") -> str:
-    """The plan as a table, with each session pool's arithmetic (one device's block shape x bytes)."""
+def compiled_total(plan, compiled) -> float:
+    """The plan's total with its larger step as compiled instead of estimated."""
+    return plan.total - max(plan.decode, plan.prefill) + max(compiled)
+
+
+def report(plan, model, description: str, stored: str, compiled=None, compiler: str = "XLA:CPU",
+           target_compiled: bool = False) -> str:
+    """The plan as a table, with each session pool's arithmetic (one device's block shape x bytes);
+    ``target_compiled``: the steps were compiled for the target itself, so the total with them is
+    the one checked against the device memory."""
     num_mla = len(model.mla_layer_indices)
     moe = model.moe
 
@@ -132,11 +140,14 @@ def report(plan, model, description: str, stored: str, compiled=None, compiler: 
         *([row(f"decode step ({compiler} compiled)", compiled[0]),
            row(f"prefill piece ({compiler} compiled)", compiled[1])] if compiled else []),
         row("total", plan.total, "weights + sessions + the larger step"),
+        *([row(f"total ({compiler} compiled)", compiled_total(plan, compiled),
+               "weights + sessions + the larger compiled step")] if target_compiled and compiled else []),
     ]
+    total = compiled_total(plan, compiled) if target_compiled and compiled else plan.total
     if plan.device_memory is not None:
         rows.append(row("device memory", plan.device_memory,
-                        f"fits, {format_bytes(plan.device_memory - plan.total).strip()} to spare" if plan.fits
-                        else "does not fit"))
+                        f"fits, {format_bytes(plan.device_memory - total).strip()} to spare"
+                        if total <= plan.device_memory else "does not fit"))
     return "\n".join(rows)
 
 
@@ -176,7 +187,10 @@ def main(argv=None) -> int:
         return 2
     stored = ", ".join(sorted({str(array.dtype) for array in weights if array.castable}))
     compiler = f"TPU {target.chip.name}" if target else "XLA:CPU"
-    print(report(plan, config.model, description, stored, compiled, compiler), flush=True)
+    print(report(plan, config.model, description, stored, compiled, compiler, target_compiled=bool(target)), flush=True)
+    if target and compiled and compiled_total(plan, compiled) > device_memory:
+        refused = refused or (f"with the steps {compiler} compiled, {format_bytes(compiled_total(plan, compiled)).strip()}"
+                              f" per device > {format_bytes(device_memory).strip()}")
     refused = refused or refusal(config.model, weights, plan)
     if refused:
         print(f"refused: {refused}", file=sys.stderr, flush=True)
