@@ -141,7 +141,11 @@ def parse_args(argv):
                              "forward+VJP takes the TPU compiler minutes on 2 cores)")
     parser.add_argument("--decode-heads", nargs="+", type=int, default=[96, 32], help="KDA heads of the decode pools")
     parser.add_argument("--out", default="bench/tpu_compile.json")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    unknown = [f"{h}x{t}" for h, t in args.xla_shapes if (h, t) not in args.shapes]
+    if unknown:
+        parser.error(f"--xla-shapes {' '.join(unknown)} not among --shapes")
+    return args
 
 
 def row(generation: str, name: str, kind: str, result: dict, target) -> list:
