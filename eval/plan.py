@@ -14,7 +14,10 @@ and one prefill piece's activations and temporaries, and their total against ``-
 A layout that does not fit is refused (the table, then one line on stderr naming the knobs that
 would make it fit, status 1). ``--compile`` also compiles the real decode step and prefill piece
 for fake CPU devices and prints what XLA:CPU allocates (minutes for big models; an accelerator's
-compiler fuses and schedules differently). Bad input is one line on stderr and status 2.
+compiler fuses and schedules differently). ``--tpu TOPOLOGY`` (the ``tpu`` extra) compiles them for
+that TPU slice instead, with the TPU compiler on compile-only devices (`k3jax.tpu`): the mesh then
+spans the slice's devices and ``--device-memory`` defaults to a device's HBM. Bad input is one line
+on stderr and status 2.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from k3jax.inference.load import locate_checkpoint, saved_meta
 from k3jax.inference.plan import (compiled_activations, describe_mesh, model_weights, plan_running,
                                   refusal)
 from k3jax.memory import format_bytes
+from k3jax.tpu import TargetError, compile_target
 
 from .flags import OneLineParser, byte_count
 
@@ -62,6 +66,8 @@ def parse_args(argv):
     parser.add_argument("--step", type=int, default=None, help="a run directory's checkpoint (default: the newest)")
     parser.add_argument("--compile", action="store_true",
                         help="also compile the decode step and a prefill piece for fake CPU devices")
+    parser.add_argument("--tpu", metavar="TOPOLOGY", help="compile them for this TPU slice's compile-only devices "
+                        "instead, e.g. v6e:4x4 (needs the tpu extra; implies --compile)")
     return parser.parse_intermixed_args(argv)
 
 
@@ -96,8 +102,16 @@ def mesh_of(args, model) -> dict[str, int]:
     return mesh_sizes(model, given, devices)
 
 
-def report(plan, model, description: str, stored: str, compiled=None) -> str:
-    """The plan as a table, with each session pool's arithmetic (one device's block shape x bytes)."""
+def compiled_total(plan, compiled) -> float:
+    """The plan's total with its larger step as compiled instead of estimated."""
+    return plan.total - max(plan.decode, plan.prefill) + max(compiled)
+
+
+def report(plan, model, description: str, stored: str, compiled=None, compiler: str = "XLA:CPU",
+           target_compiled: bool = False) -> str:
+    """The plan as a table, with each session pool's arithmetic (one device's block shape x bytes);
+    ``target_compiled``: the steps were compiled for the target itself, so the total with them is
+    the one checked against the device memory."""
     num_mla = len(model.mla_layer_indices)
     moe = model.moe
 
@@ -123,14 +137,17 @@ def report(plan, model, description: str, stored: str, compiled=None) -> str:
         row("MLA pages", sessions.mla_pages.bytes, arithmetic(sessions.mla_pages, POOL_DIMENSIONS[2])),
         row("decode step (estimate)", plan.decode, "activations and temporaries"),
         row("prefill piece (estimate)", plan.prefill, f"{model.kda.chunk_size} tokens of one session"),
-        *([row("decode step (XLA:CPU compiled)", compiled[0]),
-           row("prefill piece (XLA:CPU compiled)", compiled[1])] if compiled else []),
+        *([row(f"decode step ({compiler} compiled)", compiled[0]),
+           row(f"prefill piece ({compiler} compiled)", compiled[1])] if compiled else []),
         row("total", plan.total, "weights + sessions + the larger step"),
+        *([row(f"total ({compiler} compiled)", compiled_total(plan, compiled),
+               "weights + sessions + the larger compiled step")] if target_compiled and compiled else []),
     ]
+    total = compiled_total(plan, compiled) if target_compiled and compiled else plan.total
     if plan.device_memory is not None:
         rows.append(row("device memory", plan.device_memory,
-                        f"fits, {format_bytes(plan.device_memory - plan.total).strip()} to spare" if plan.fits
-                        else "does not fit"))
+                        f"fits, {format_bytes(plan.device_memory - total).strip()} to spare"
+                        if total <= plan.device_memory else "does not fit"))
     return "\n".join(rows)
 
 
@@ -140,22 +157,41 @@ def main(argv=None) -> int:
         check_counts(args)
         jax.config.update("jax_platforms", "cpu")
         config, description = load_model_config(args)
+        target = compile_target(args.tpu) if args.tpu else None
+        if target and args.devices not in (None, len(target.devices)):
+            raise InputError(f"--devices {args.devices}: --tpu {target.topology} has {len(target.devices)} devices")
+        if target:
+            args.devices = len(target.devices)
         sizes = mesh_of(args, config.model)
         devices = math.prod(sizes.values())
-        if args.compile and devices > MAX_COMPILE_DEVICES:
+        if target and devices != len(target.devices):
+            raise InputError(f"--mesh {describe_mesh(sizes)} is {devices} devices; --tpu {target.topology} has "
+                             f"{len(target.devices)}")
+        if args.compile and not target and devices > MAX_COMPILE_DEVICES:
             raise InputError(f"--compile fakes at most {MAX_COMPILE_DEVICES} CPU devices, the mesh has {devices}")
-        if args.compile:
+        if args.compile and not target:
             jax.config.update("jax_num_cpu_devices", devices)
+        device_memory = args.device_memory if args.device_memory is not None or not target else target.device_hbm
         weights = model_weights(config.model, config.finetune)
-        plan = plan_running(config.model, weights, sizes, args.batch, args.context, args.dtype, args.device_memory)
-        compiled = compiled_activations(config.model, sizes, args.batch, args.context, args.dtype,
-                                        config.finetune) if args.compile else None
-    except (InputError, ConfigError, ConvertError, MeshError, CheckpointError) as error:
+        plan = plan_running(config.model, weights, sizes, args.batch, args.context, args.dtype, device_memory)
+        compiled, refused = None, None
+        try:
+            compiled = compiled_activations(config.model, sizes, args.batch, args.context, args.dtype, config.finetune,
+                                            target.devices if target else None) if args.compile or target else None
+        except jax.errors.JaxRuntimeError as error:   # the TPU compiler's own refusal: it does not fit
+            if not (target and str(error).startswith("RESOURCE_EXHAUSTED")):
+                raise
+            refused = f"the TPU compiler: {str(error).splitlines()[0]}"
+    except (InputError, ConfigError, ConvertError, MeshError, CheckpointError, TargetError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     stored = ", ".join(sorted({str(array.dtype) for array in weights if array.castable}))
-    print(report(plan, config.model, description, stored, compiled), flush=True)
-    refused = refusal(config.model, weights, plan)
+    compiler = f"TPU {target.chip.name}" if target else "XLA:CPU"
+    print(report(plan, config.model, description, stored, compiled, compiler, target_compiled=bool(target)), flush=True)
+    if target and compiled and compiled_total(plan, compiled) > device_memory:
+        refused = refused or (f"with the steps {compiler} compiled, {format_bytes(compiled_total(plan, compiled)).strip()}"
+                              f" per device > {format_bytes(device_memory).strip()}")
+    refused = refused or refusal(config.model, weights, plan)
     if refused:
         print(f"refused: {refused}", file=sys.stderr, flush=True)
         return 1

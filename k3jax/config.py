@@ -80,7 +80,7 @@ class KDAConfig:
     output_norm_eps: float = 1e-5         # of the per-head output RMSNorm (SPEC §1.6)
     chunk_size: int = 64                  # tokens per chunk, a power of two >= 16 (k3jax.ops.kda.kda)
     # the KDA kernels of the forward, the one-token decode and the pooled decode (k3jax.ops.kda);
-    # auto: Pallas kernels where lowered for GPU/TPU, the XLA forms on CPU
+    # auto: Pallas kernels where lowered for a GPU, the XLA forms on CPU and TPU (k3jax.ops.kda)
     implementation: Literal["auto", "reference", "chunk", "pallas"] = "auto"
 
     def __post_init__(self):

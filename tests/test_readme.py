@@ -53,6 +53,18 @@ SUBSTITUTIONS = {
     "--process-id 0": (
         None, "needs a second host; its localhost equivalent (two processes of one jax.distributed run) runs in "
               "tests/convert/test_import_processes.py"),
+    'pip install -e ".[tpu]"': (
+        None, "CI does not install libtpu (README: it slows every process's start where JAX_PLATFORMS is unset), "
+              "and from a test it would repoint the environment at the scratch copy"),
+    "python -m train.plan configs/tiny.yaml --tpu v5e:2x2 mesh.fsdp=4 optimizer.name=adamw": (
+        None, "needs libtpu (the tpu extra); tests/test_tpu.py compiles this step where it is installed"),
+    "python -m train.plan configs/kimi-linear-48b.yaml --tpu v6e:4x4 mesh.fsdp=4 mesh.expert=4 mesh.moe_dispatch=capacity "
+    "train.batch_size=16 data.seq_len=4096 model.remat=full finetune.lora_rank=16 model.moe.expert_format=mxfp4 "
+    "optimizer.name=adamw": (
+        None, "needs libtpu, and the TPU compiler takes 40 minutes over it on 2 cores"),
+    "python -m eval.plan configs/kimi-linear-48b.yaml --tpu v6e:2x2 --mesh tensor=4 --dtype bfloat16 --batch 8 "
+    "--context 8192": (None, "needs libtpu (the tpu extra)"),
+    "python -m bench.tpu_compile": (None, "needs libtpu, and compiles 80 programs (an hour on 2 shared cores)"),
 }
 
 # README command prefix -> files (relative to the scratch copy; ~ is the scratch HOME) it must leave.

@@ -495,16 +495,18 @@ def _size(value: float) -> str:
 
 
 def compiled_activations(model: ModelConfig, sizes: dict[str, int], batch: int, context: int,
-                         dtype: str | None = None, finetune: FinetuneConfig | None = None) -> tuple[float, float]:
+                         dtype: str | None = None, finetune: FinetuneConfig | None = None,
+                         devices: Sequence[jax.Device] | None = None) -> tuple[float, float]:
     """``(decode, prefill)``: the temporaries plus the new outputs (``memory_analysis()``: temp +
     output - aliased) of the session store's compiled batched decode step of ``batch`` sessions at
-    ``context`` tokens and of one prefill piece, on the first ``prod(sizes)`` devices of this
-    process (fake CPU devices will do), from abstract weights and pools: the figures
-    `step_activations` estimates, as this platform's compiler allocates them."""
+    ``context`` tokens and of one prefill piece, on the first ``prod(sizes)`` of ``devices``
+    (default: this process's; fake CPU devices or compile-only TPU devices will do), from abstract
+    weights and pools: the figures `step_activations` estimates, as that platform's compiler
+    allocates them."""
     if dtype is not None:
         model = dataclasses.replace(model, compute_dtype=dtype)
     mesh_config = inference_mesh_config(model, sizes)
-    mesh = make_mesh(mesh_config, jax.devices()[: math.prod(sizes.values())])
+    mesh = make_mesh(mesh_config, list(devices or jax.devices())[: math.prod(sizes.values())])
 
     def placed(axes, shape, kind):
         return jax.ShapeDtypeStruct(shape, kind, sharding=NamedSharding(mesh, partition_spec(axes, shape,

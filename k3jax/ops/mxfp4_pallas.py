@@ -8,14 +8,19 @@ outside the kernel and nothing is interleaved inside it:
 
     forward   (grid: row blocks x output blocks of W_j^T [out, in])
         y = x_even (e2m1(lo) * s)^T + x_odd (e2m1(hi) * s)^T        s = 2^(scale - 127), per 32 inputs
-    transposed (``contract_output``, the backward pass; grid: row blocks x code-column blocks)
-        dx_even = dy (e2m1(lo) * s),  dx_odd = dy (e2m1(hi) * s)
+    transposed (``contract_output``, the backward pass; grid: row blocks x output blocks, the
+               second a reduction into fp32 VMEM accumulators)
+        dx_even = sum_j dy_j (e2m1(lo_j) * s_j),  dx_odd = sum_j dy_j (e2m1(hi_j) * s_j)
+
+Every block keeps whole rows of codes and scales (a scale block of in/32 columns), because
+Mosaic needs a block's last dimension to be a multiple of 128 or the array's own.
 
 The products accumulate in fp32 (``preferred_element_type``) and are returned in x's dtype. The
 grid spec is TPU's (scalar prefetch): compiled on TPU, interpreted elsewhere
 (``pltpu.InterpretParams``: the CPU tests; a GPU, slowly). `grouped_matmul` uses it with
-``implementation="pallas"``; it has not yet been compiled or timed on a TPU, so "auto" does not
-pick it yet.
+``implementation="pallas"``; both kernels compile for v5e, v5p, v6e and TPU7x at K3's shapes
+(`bench.tpu_compile`, compile-only devices) but have not been timed on a TPU, so "auto" does not
+pick them yet.
 """
 from __future__ import annotations
 
@@ -33,8 +38,10 @@ CODES_PER_SCALE = BLOCK // 2     # code bytes under one E8M0 scale
 
 def _decoded_halves(codes: jax.Array, scales: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """codes [rows, n] uint8, scales [rows, n/16] -> (low-nibble values, high-nibble values) [rows, n]
-    in ``dtype``, each times its block's scale."""
+    in ``dtype``, each times its block's scale. The bytes are widened to 32 bits before their nibbles
+    are split (Mosaic has no 8-bit vector shifts)."""
     factor = jnp.repeat(e8m0_values(scales), CODES_PER_SCALE, axis=1)
+    codes = codes.astype(jnp.uint32)
     return ((e2m1_values(codes & 0x0F) * factor).astype(dtype), (e2m1_values(codes >> 4) * factor).astype(dtype))
 
 
@@ -47,11 +54,23 @@ def _forward_kernel(block_expert, x_even, x_odd, codes, scales, y):
     y[...] = acc.astype(y.dtype)
 
 
-def _transposed_kernel(block_expert, dy, codes, scales, dx_even, dx_odd):
+def _transposed_kernel(block_expert, dy, codes, scales, dx_even, dx_odd, even_sum, odd_sum):
     del block_expert
-    low, high = _decoded_halves(codes[...], scales[...], dy.dtype)            # [out, block_codes]
-    dx_even[...] = jnp.dot(dy[...], low, preferred_element_type=jnp.float32).astype(dx_even.dtype)
-    dx_odd[...] = jnp.dot(dy[...], high, preferred_element_type=jnp.float32).astype(dx_odd.dtype)
+    j = pl.program_id(1)
+
+    @pl.when(j == 0)
+    def _():
+        even_sum[...] = jnp.zeros_like(even_sum)
+        odd_sum[...] = jnp.zeros_like(odd_sum)
+
+    low, high = _decoded_halves(codes[...], scales[...], dy.dtype)            # [block_out, in/2]
+    even_sum[...] += jnp.dot(dy[...], low, preferred_element_type=jnp.float32)
+    odd_sum[...] += jnp.dot(dy[...], high, preferred_element_type=jnp.float32)
+
+    @pl.when(j == pl.num_programs(1) - 1)
+    def _():
+        dx_even[...] = even_sum[...].astype(dx_even.dtype)
+        dx_odd[...] = odd_sum[...].astype(dx_odd.dtype)
 
 
 def _block(size: int, preferred: int, multiple: int = 1) -> int:
@@ -102,15 +121,18 @@ def pallas_grouped_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, gro
         y = pl.pallas_call(_forward_kernel, grid_spec=spec, out_shape=jax.ShapeDtypeStruct((padded_rows, out), x.dtype),
                            **params)(block_expert, padded[:, 0::2], padded[:, 1::2], codes, scales)
     else:
-        block_codes = _block(half, 128, CODES_PER_SCALE)
+        block_out = _block(out, 128)
         spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(row_blocks, half // block_codes),
-            in_specs=[pl.BlockSpec((block_rows, out), lambda i, j, e: (i, 0)),
-                      pl.BlockSpec((None, out, block_codes), lambda i, j, e: (e[i], 0, j)),
-                      pl.BlockSpec((None, out, block_codes // CODES_PER_SCALE), lambda i, j, e: (e[i], 0, j))],
-            out_specs=[pl.BlockSpec((block_rows, block_codes), lambda i, j, e: (i, j))] * 2)
+            num_scalar_prefetch=1, grid=(row_blocks, out // block_out),
+            in_specs=[pl.BlockSpec((block_rows, block_out), lambda i, j, e: (i, j)),
+                      pl.BlockSpec((None, block_out, half), lambda i, j, e: (e[i], j, 0)),
+                      pl.BlockSpec((None, block_out, half // CODES_PER_SCALE), lambda i, j, e: (e[i], j, 0))],
+            out_specs=[pl.BlockSpec((block_rows, half), lambda i, j, e: (i, 0))] * 2,
+            scratch_shapes=[pltpu.VMEM((block_rows, half), jnp.float32)] * 2)
         halves = jax.ShapeDtypeStruct((padded_rows, half), x.dtype)
-        even, odd = pl.pallas_call(_transposed_kernel, grid_spec=spec, out_shape=[halves, halves],
-                                   **params)(block_expert, padded, codes, scales)
+        even, odd = pl.pallas_call(
+            _transposed_kernel, grid_spec=spec, out_shape=[halves, halves],
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+            **params)(block_expert, padded, codes, scales)
         y = jnp.stack([even, odd], axis=-1).reshape(padded_rows, 2 * half)
     return jnp.take(y, positions, axis=0, mode="fill", fill_value=0)

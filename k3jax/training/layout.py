@@ -1,7 +1,7 @@
 """A run's layout before any array exists: the mesh, the model's parts, the optimizer, the shapes."""
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 from k3jax.config import Config
 from k3jax.sharding import StepShardings, abstract, check_run_fits, make_mesh, named_shardings, step_shardings
@@ -36,9 +36,10 @@ class RunLayout(NamedTuple):
     frozen: Any = None
 
 
-def lay_out_run(config: Config) -> RunLayout:
-    """The `RunLayout` of ``config`` on all devices (shapes only; nothing is allocated)."""
-    mesh = make_mesh(config.mesh)
+def lay_out_run(config: Config, devices: Sequence[Any] | None = None) -> RunLayout:
+    """The `RunLayout` of ``config`` on ``devices`` (default: all devices; e.g. the compile-only TPU
+    devices of `k3jax.tpu.compile_target`), from shapes only: nothing is allocated."""
+    mesh = make_mesh(config.mesh, devices)
     check_run_fits(config, mesh)
     frozen = None
     if config.finetune.lora:

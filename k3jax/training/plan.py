@@ -7,8 +7,13 @@ program (`plan_train_step`), read from its input shardings, ``memory_analysis()`
                                   the frozen routed experts (0.53 B/weight: codes + scales; no
                                   optimizer state)
     arguments, outputs, temporaries  ``compiled.memory_analysis()``: temporaries are the
-                                  activations and workspace of forward + backward + update
-    FLOPs                         ``compiled.cost_analysis()``
+                                  activations and workspace of forward + backward + update;
+                                  generated code likewise (it sits in a TPU's HBM)
+    FLOPs, bytes accessed         ``compiled.cost_analysis()``, which counts the body of every loop
+                                  once (the scanned layers, gradient accumulation, KDA's chunks):
+                                  with loops, far less than a step does
+    matmul FLOPs                  2 per multiply-add of the traced step, loops times their trip
+                                  counts (`k3jax.tpu.matmul_flops`), over the devices
     collectives                   result bytes of every all-to-all / all-gather / all-reduce /
                                   reduce-scatter / collective-permute in the optimized HLO, each
                                   times the trip counts of the loops around it (scanned layers,
@@ -138,6 +143,9 @@ class Plan(NamedTuple):
     frozen_parameters: float = 0.0     # a LoRA run's base (no optimizer state)
     trainable_count: int = 0           # parameters the optimizer trains (all devices)
     frozen_count: int = 0              # parameters held frozen (all devices)
+    bytes_accessed: float = math.nan   # ``cost_analysis()``: bytes read and written per step
+    matmul_flops: float = math.nan     # `k3jax.tpu.matmul_flops` of the traced step, per device
+    generated_code: float = math.nan   # the program's code (on a TPU it occupies HBM too)
 
     @property
     def peak(self) -> float:
@@ -184,16 +192,18 @@ def _frozen_weights(layout) -> int:
     return sum(per_element[key] * math.prod(value.shape) for key, value in layout.frozen.items())
 
 
-def plan_train_step(config, compile: bool = True) -> Plan:
-    """Compile ``config``'s train step for the current devices (abstract inputs only) and measure it;
-    without ``compile`` only the resident shards (parameters, frozen base, optimizer state)."""
+def plan_train_step(config, compile: bool = True, devices=None) -> Plan:
+    """Compile ``config``'s train step for ``devices`` (default: the current ones; e.g. compile-only
+    TPU devices, `k3jax.tpu.compile_target`) from abstract inputs only, and measure it; without
+    ``compile`` only the resident shards (parameters, frozen base, optimizer state)."""
     import jax
 
     from k3jax.sharding import mesh_shape
+    from k3jax.tpu import matmul_flops, program_cost
     from k3jax.training.layout import lay_out_run
     from k3jax.training.steps import make_train_step
 
-    layout = lay_out_run(config)
+    layout = lay_out_run(config, devices)
     rows, length = config.train.batch_size, config.data.seq_len
     mesh, state = layout.mesh, layout.state
     frozen = () if layout.frozen is None else (layout.frozen,)
@@ -213,16 +223,15 @@ def plan_train_step(config, compile: bool = True) -> Plan:
     step = make_train_step(layout.parts, layout.optimizer, accumulation=config.train.grad_accum,
                            schedule=layout.schedule, shardings=layout.shardings)
     started = time.perf_counter()
-    compiled = step.lower(layout.state, batch, *frozen).compile()
+    traced = step.trace(layout.state, batch, *frozen)
+    compiled = traced.lower().compile()
     seconds = time.perf_counter() - started
-    memory = compiled.memory_analysis()
+    cost = program_cost(compiled)
     return Plan(
         **resident,
-        arguments=float(memory.argument_size_in_bytes),
-        outputs=float(memory.output_size_in_bytes),
-        aliased=float(memory.alias_size_in_bytes),
-        temporaries=float(memory.temp_size_in_bytes),
-        flops=float(compiled.cost_analysis().get("flops", 0.0)),
+        arguments=cost.arguments, outputs=cost.outputs, aliased=cost.aliased, temporaries=cost.temporaries,
+        flops=cost.flops, bytes_accessed=cost.bytes_accessed, generated_code=cost.generated_code,
+        matmul_flops=matmul_flops(traced.jaxpr) / mesh.size,
         collectives=collective_bytes(compiled.as_text()),
         compile_seconds=seconds,
     )

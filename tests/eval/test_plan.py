@@ -141,6 +141,7 @@ def test_the_cli_reads_a_run_directory(untrained_run, capsys):
     ([MICRO, "--step", "3"], "--step applies to a run directory only"),
     ([MICRO, "model.no_such_key=1"], "no_such_key"),
     (["BAD_JSON"], "not readable JSON"),
+    ([MICRO, "--tpu", "v9:2x2"], "unknown TPU generation 'v9'"),      # checked before libtpu is needed
 ])
 def test_bad_input_is_one_line_and_status_2(argv, message, tmp_path, capsys):
     (tmp_path / "config.json").write_text("{not json")

@@ -20,6 +20,18 @@ def test_plan_refuses_a_device_count_it_cannot_create(capsys):
         assert capsys.readouterr().err.strip() == f"error: --devices: must be in 1..16384, got {devices}"
 
 
+@pytest.mark.parametrize("arguments, message", [
+    (["--tpu", "v9:2x2"], "error: --tpu 'v9:2x2': unknown TPU generation 'v9'; known: v4, v5e, v5p, v6e, tpu7x"),
+    (["--tpu", "v5p"], "error: --tpu 'v5p': expected GENERATION:AxB or GENERATION:AxBxC"),
+    (["--tpu", "v5e:2x2", "--devices", "4"], "error: --devices: --tpu takes its devices from the topology"),
+])
+def test_plan_tpu_target_errors_are_one_line(capsys, arguments, message):
+    """Checked before libtpu is needed: they hold on any installation."""
+    assert plan_cli.main(["configs/tiny.yaml", "--layout-only", *arguments]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(message) and "\n" not in error
+
+
 @pytest.mark.parametrize("overrides, message", [
     ([], "prompts.jsonl:17: no 'answer' field (rl.reward=contains compares"),
     (["rl.reward=nowhere_module:f"], "rl.reward: cannot import 'nowhere_module'"),

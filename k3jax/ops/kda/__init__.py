@@ -21,8 +21,13 @@ its value to all three paths of the layer):
       (`decode_pool`)
 
 (a chunk of one token is the token step). "auto" (or None) is "pallas" where the computation is
-lowered for a GPU or TPU and the XLA form ("chunk") for CPUs: one rule for every path,
-`by_implementation`. Pallas kernels are Mosaic on TPU, Triton on GPU and interpreted elsewhere
+lowered for a GPU and the XLA form ("chunk") for CPUs and TPUs: one rule for every path,
+`by_implementation`. Not Pallas on TPU: XLA cannot partition a Mosaic kernel over a mesh ("Mosaic
+kernels cannot be automatically partitioned", so any sharded program with one fails to compile;
+the kernels are not wrapped in a shard_map yet). Compiled for one device, neither form has the
+lower roofline on every generation (`bench.tpu_compile`; the README's table: the kernels' on v5p
+and v6e, the XLA form's forward+VJP on v5e and TPU7x), so a one-device TPU program may ask for
+"pallas". Pallas kernels are Mosaic on TPU, Triton on GPU and interpreted elsewhere
 (`pallas.on_target_platform`; tests force a family with `pallas.forced_kernels`). Every
 implementation serves every path; another word is a ValueError naming the path. "chunk" and
 "pallas" share one definition of the block math (`blocks`) and one meaning of ``chunk_size``.
@@ -46,6 +51,7 @@ from k3jax.ops.norms import l2_normalize
 __all__ = ["kda", "kda_step", "kda_steps", "kda_gate", "l2_normalize", "IMPLEMENTATIONS", "segment_starts"]
 
 IMPLEMENTATIONS = ("auto", "reference", "chunk", "pallas")
+XLA_PLATFORMS = ("cpu", "tpu")   # where "auto" is the XLA form (module docstring)
 
 
 def _require_shape(name: str, x, expected: tuple, meaning: str) -> None:
@@ -109,13 +115,13 @@ def by_implementation(implementation: str | None, *args, path: str, xla, pallas)
     """``pallas(*args)`` or ``xla(*args)`` (the path's XLA form) as ``implementation`` says: the one
     rule of every KDA path (module docstring). "pallas" -> pallas; "reference", "chunk" -> xla;
     "auto" or None -> chosen by `jax.lax.platform_dependent` when the computation is lowered:
-    pallas for a GPU or TPU, xla for a CPU (xla directly, without tracing pallas, when JAX's
-    default backend is the CPU). ValueError naming ``path`` for any other word."""
+    pallas for a GPU, xla for a CPU or TPU (xla directly, without tracing pallas, when JAX's
+    default backend is a CPU or TPU). ValueError naming ``path`` for any other word."""
     implementation = check_implementation(implementation, path)
     if implementation == "pallas":
         return pallas(*args)
-    if implementation == "auto" and jax.default_backend() != "cpu":
-        return jax.lax.platform_dependent(*args, cpu=xla, default=pallas)
+    if implementation == "auto" and jax.default_backend() not in XLA_PLATFORMS:
+        return jax.lax.platform_dependent(*args, cpu=xla, tpu=xla, default=pallas)
     return xla(*args)
 
 
@@ -203,7 +209,7 @@ def kda_step(
     ``implementation`` (module docstring): "reference" and "chunk" run the XLA token step
     (`reference.recurrent_step`); "pallas" runs the Pallas decode kernel
     (`pallas_decode.pallas_kda_pool_step`) with the B states as a pool of B rows; "auto" (or
-    None) is the Pallas kernel where lowered for a GPU or TPU, the XLA step for a CPU.
+    None) is the Pallas kernel where lowered for a GPU, the XLA step for a CPU or TPU.
     """
     _, value_heads, key_dim, _ = _check_inputs(q, k, v, g, beta, state, token_axis=False)
     scale = key_dim**-0.5 if scale is None else scale

@@ -16,7 +16,7 @@ the slots of one call must be distinct (a session is stepped once per call). Don
 "reference" and "chunk" gather the slots, step them in XLA (`kda_step`; a window sum for the
 conv) and scatter them back with ``.at[].set``; "pallas" runs the kernels of `pallas_decode`,
 which read and write only the addressed slots of the aliased pool; "auto" (or None) is "pallas"
-where lowered for a GPU or TPU, the XLA form for a CPU.
+where lowered for a GPU, the XLA form for a CPU or TPU.
 """
 from __future__ import annotations
 
