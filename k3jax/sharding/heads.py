@@ -13,9 +13,10 @@ convolution's channel pool splits its channels the same way (a depthwise convolu
 channel). Each method has the signature of the op it runs (`k3jax.ops.kda`), so a layer calls
 either; outputs are the same numbers as the op on the whole arrays.
 
-`parallelize` sets one on each KDA layer when the mesh rules split both head counts and the conv
-channels alike and no context axis splits the sequence (`k3jax.sharding.context` runs those
-calls instead).
+`parallelize` sets one on each KDA layer of a mesh of more than one device — the batch alone may
+be split, a kernel still sees only its device's operands — when the rules split both head counts
+and the conv channels alike and no context axis splits the sequence (`k3jax.sharding.context`
+runs those calls instead).
 """
 from __future__ import annotations
 
@@ -50,10 +51,12 @@ CONV_WEIGHT = ("heads", None)                       # [C, W]
 
 def head_parallel_for(mesh: Mesh, rules: AxisRules, heads: int, value_heads: int, channels: int) -> HeadParallel | None:
     """The `HeadParallel` of a KDA layer with these head and conv-channel counts on ``mesh`` with
-    ``rules``; None when the rules do not split them, or not alike."""
-    specs = {partition_spec(("heads",), (heads,), rules, mesh), partition_spec(("value_heads",), (value_heads,), rules, mesh),
-             partition_spec(("heads",), (channels,), rules, mesh)}
-    if len(specs) != 1 or specs == {PartitionSpec(None)}:
+    ``rules``: on any mesh of more than one device (a Pallas kernel cannot be partitioned however
+    the mesh splits its operands), unless the rules would split the query-key heads, the value
+    heads and the conv channels unalike (then None: the ops on whole arrays)."""
+    if mesh.size == 1:
+        return None
+    if len({partition_spec(("heads",), (count,), rules, mesh) for count in (heads, value_heads, channels)}) != 1:
         return None
     return HeadParallel(mesh, rules)
 

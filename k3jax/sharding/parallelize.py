@@ -14,9 +14,9 @@ reuses a program traced for another mesh or dispatch):
                         a `ContextParallel` splitting the sequence over it, MLA by
                         ``mesh_config.context_attention`` (None otherwise); batches and the residual
                         stream then split their sequence over it too (the "sequence" rule)
-    head_parallel       on each KDA layer, when ``mesh`` splits its heads and no context axis does
-                        its sequence: a `HeadParallel` running its KDA ops on each device's heads
-                        (a Pallas kernel cannot be split by XLA); None otherwise
+    head_parallel       on each KDA layer of a mesh of several devices whose context axis does not
+                        split the sequence: a `HeadParallel` running its KDA ops on each device's
+                        rows and heads (XLA cannot split a Pallas kernel); None otherwise
 
 Parameters are not moved: their placement comes from the same rules (`step_shardings`).
 """

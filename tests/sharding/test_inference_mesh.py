@@ -43,13 +43,14 @@ def test_server_equals_one_device(result):
 
 def test_kda_runs_on_each_devices_heads():
     """`HeadParallel` (tests/sharding/programs/head_parallel.py): every KDA op on data=2 x tensor=4
-    equals the op on whole arrays, gradients too; parallelize sets it where tensor splits the heads."""
+    equals the op on whole arrays, gradients too; parallelize sets it on every mesh but where the
+    heads and channels would split unalike or a context axis splits the sequence."""
     found = program_result(program("head_parallel"))
     assert set(found["errors"]) == {f"{impl}/{op}" for impl in ("chunk", "pallas", "tpu-pallas")
                                     for op in ("kda", "kda_step", "kda_pool_step", "conv_pool_step")}
     assert max(found["errors"].values()) <= 1e-5, found["errors"]
     assert max(found["gradients"].values()) <= 1e-5, found["gradients"]
     assert found["pool_spec"] == ["P(None, 'tensor')"]          # each device updated its own heads' rows
-    assert found["layers"] == {"data=2,tensor=4": ["4"], "data=8": ["None"],
-                               "tensor=8": ["None"],             # 4 heads do not split 8 ways: whole arrays
+    assert found["layers"] == {"data=2,tensor=4": ["4"], "data=8": ["1"],   # rows split, heads whole
+                               "tensor=8": ["None"],             # 4 heads but 8-way channels: whole arrays
                                "context=2,tensor=4": ["None"]}   # the context-parallel calls instead

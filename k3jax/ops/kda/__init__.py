@@ -22,12 +22,12 @@ its value to all three paths of the layer):
 
 (a chunk of one token is the token step). "auto" (or None) is "pallas" where the computation is
 lowered for a GPU and the XLA form ("chunk") for CPUs and TPUs: one rule for every path,
-`by_implementation`. Not Pallas on TPU: XLA cannot partition a Mosaic kernel over a mesh ("Mosaic
-kernels cannot be automatically partitioned", so any sharded program with one fails to compile;
-the kernels are not wrapped in a shard_map yet). Compiled for one device, neither form has the
-lower roofline on every generation (`bench.tpu_compile`; the README's table: the kernels' on v5p
-and v6e, the XLA form's forward+VJP on v5e and TPU7x), so a one-device TPU program may ask for
-"pallas". Pallas kernels are Mosaic on TPU, Triton on GPU and interpreted elsewhere
+`by_implementation`. Not Pallas on TPU: compiled for one device, neither form has the lower
+roofline on every generation (`bench.tpu_compile`; the README's table: the kernels' on v5p and v6e,
+the XLA form's forward+VJP on v5e and TPU7x), and the Mosaic kernels have only run interpreted; a
+TPU program may ask for "pallas" (under a mesh the layers run it head-parallel,
+`k3jax.sharding.heads`, as XLA cannot partition a Mosaic kernel). Pallas kernels are Mosaic on
+TPU, Triton on GPU and interpreted elsewhere
 (`pallas.on_target_platform`; tests force a family with `pallas.forced_kernels`). Every
 implementation serves every path; another word is a ValueError naming the path. "chunk" and
 "pallas" share one definition of the block math (`blocks`) and one meaning of ``chunk_size``.
