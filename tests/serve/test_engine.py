@@ -59,13 +59,20 @@ def test_a_full_queue_is_a_429_with_retry_after_and_the_rest_run(store):
         engine.shutdown(5)
 
 
+def started_job(engine, tokens: int):
+    """``(the store's sessions before, job, its events)`` of a job of ``tokens`` tokens submitted
+    to ``engine``, returned once it has sampled its first token."""
+    before = engine.call(lambda store: store.sessions()).result()
+    job, events = job_of(4, tokens)
+    engine.submit(job)
+    assert wait_for(events, "token")[0] == "token"
+    return before, job, events
+
+
 def test_cancel_frees_the_sessions_and_a_deadline_is_a_504(store):
     engine = Engine(store)
     try:
-        before = engine.call(lambda store: store.sessions()).result()
-        long, events = job_of(4, 10_000)
-        engine.submit(long)
-        assert wait_for(events, "token")[0] == "token"
+        before, long, events = started_job(engine, 10_000)
         engine.cancel(long)
         deadline = time.monotonic() + 30
         while engine.call(lambda store: store.sessions()).result() != before:

@@ -11,7 +11,7 @@ from eval.serve.engine import Engine, Job, Sequence, close_sessions
 from eval.serve.errors import ServeError
 from k3jax.sessions import Sampling, SessionStore
 from tests.serve.test_api import USER, post
-from tests.serve.test_engine import job_of, wait_for
+from tests.serve.test_engine import started_job, wait_for
 from tests.sessions.conftest import random_tokens
 
 
@@ -63,10 +63,7 @@ def failing_job(where: str, error: Exception):
 def test_an_error_in_one_jobs_work_ends_that_job_alone(store, where, error, status):
     engine = Engine(store)
     try:
-        before = engine.call(lambda store: store.sessions()).result()
-        long, long_events = job_of(4, 40)
-        engine.submit(long)
-        assert wait_for(long_events, "token")[0] == "token"
+        before, long, long_events = started_job(engine, 40)
         bad, bad_events = failing_job(where, error)
         engine.submit(bad)
         answer = wait_for(bad_events, "result", timeout=60)
