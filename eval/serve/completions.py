@@ -17,7 +17,8 @@ import uuid
 import numpy as np
 
 from k3jax.data import DataError
-from .engine import Job, Sequence, check_deadline, close_sessions, token_logprobs
+from k3jax.sessions import prefill_in_turns
+from .engine import PREFILL_TURN_TOKENS, Job, Sequence, close_sessions, token_logprobs
 from .errors import ServeError, bad
 from .model import ServedModel
 from .protocol import ChatRequest, Choices, CompletionRequest
@@ -94,27 +95,25 @@ class CompletionPlan(_Choices):
         self.logprobs = request.logprobs
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.prompt_scores: dict[int, list] = {}
-        self.deadline: float | None = None       # the job's (`job`)
 
     def job(self, notify, deadline) -> Job:
-        self.deadline = deadline
         return Job(self.prepare, self.finish, notify, sequences=len(self.prompts) * self.n, stopped=self.stopped,
                    deadline=deadline)
 
     # ---------------------------------------------------------------- engine thread
-    def prepare(self, store) -> list[Sequence]:
-        """Each prompt prefilled (``echo`` with ``logprobs``: scored), its other choices forked; the
-        deadline checked between prompts (a failure here closes what was opened: the engine's)."""
+    def prepare(self, store):
+        """Each prompt prefilled in turns (``echo`` with ``logprobs``: scored), its other choices
+        forked: a generator (`Job`); a failure here closes what was opened (the engine's)."""
         sequences = []
         for number, prompt in enumerate(self.prompts):
-            check_deadline(self.deadline)
             if self.echo and self.logprobs is not None:
                 first = store.open(prompt[:1])         # every prompt position's logits: no prefix reuse
-                logits = [store.logits(first)[None]] + ([store.append(first, prompt[1:])] if len(prompt) > 1 else [])
+                logits = [store.logits(first)[None]]
+                yield from prefill_in_turns(store, prompt[1:], PREFILL_TURN_TOKENS, sid=first, logits=logits)
                 scores = token_logprobs(np.concatenate(logits)[:-1], prompt[1:], self.logprobs) if len(prompt) > 1 else []
                 self.prompt_scores[number] = [None] + scores
             else:
-                first = store.open(prompt)
+                first = yield from prefill_in_turns(store, prompt, PREFILL_TURN_TOKENS)
             sids = [first] + [store.fork(first) for _ in range(self.n - 1)]
             sequences += [self.sequence(sid, choice, self.logprobs) for choice, sid in enumerate(sids)]
         return sequences
@@ -244,8 +243,9 @@ class ChatPlan(_Choices):
     def job(self, notify, deadline) -> Job:
         return Job(self.prepare, self.finish, notify, sequences=self.n, stopped=self.stopped, deadline=deadline)
 
-    def prepare(self, store) -> list[Sequence]:
-        first = store.open(self.prompts[0])
+    def prepare(self, store):
+        """The prompt prefilled in turns, its other choices forked: a generator (`Job`)."""
+        first = yield from prefill_in_turns(store, self.prompts[0], PREFILL_TURN_TOKENS)
         sids = [first] + [store.fork(first) for _ in range(self.n - 1)]
         return [self.sequence(sid, choice, self.top_logprobs if self.logprobs else None)
                 for choice, sid in enumerate(sids)]

@@ -1,11 +1,16 @@
 """The serving engine: one thread owns the model's `SessionStore` and runs continuous batching.
 
     submit(job)   any thread; past ``max_queue`` waiting jobs -> `ServeError` 429
-    each turn     expire jobs past their deadline; admit waiting jobs while the running sequences
-                  stay within ``max_batch`` (``job.prepare(store)`` prefills, opening or forking
-                  sessions -> its `Sequence`s); one `SessionStore.step` over every running sequence
-                  (requests join and leave between steps); each token goes to its job's ``notify``;
-                  a job whose sequences all ended runs ``job.finish(store)`` and sends its result
+    each turn     expire jobs past their deadline; admit waiting jobs while their sequences stay
+                  within ``max_batch``; one turn of each admitted job's preparation (``job.prepare
+                  (store)`` prefills, opening or forking sessions -> its `Sequence`s; a generator
+                  prefills a long prompt in turns of about `PREFILL_TURN_TOKENS`); one
+                  `SessionStore.step` over every running sequence (requests join and leave between
+                  steps); each token goes to its job's ``notify``; a job whose sequences all ended
+                  runs ``job.finish(store)`` and sends its result
+
+So a long prefill holds no one up: it advances one turn at a time beside every other job's
+prefill turns and decode steps (chunked prefill), and a deadline is checked at every turn.
 
 With a ``speculator`` (`k3jax.sessions.speculate.Speculator`) each turn is one speculative round
 instead: every running sequence emits one or more tokens (up to its remaining ``max_tokens``, none
@@ -28,6 +33,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import inspect
 import logging
 import queue
 import threading
@@ -41,6 +47,8 @@ from k3jax.sessions import Sampling, SessionStore
 from .errors import ServeError, job_error, server_error
 
 log = logging.getLogger("k3jax.serve")
+
+PREFILL_TURN_TOKENS = 512   # prompt tokens a job prefills per engine turn (`k3jax.sessions.prefill_in_turns`)
 
 
 class TokenLogprob(NamedTuple):
@@ -79,7 +87,8 @@ class Sequence:
 class Job:
     """One request's work on the engine thread.
 
-    ``prepare(store) -> [Sequence]`` prefills (may raise `ServeError` or ValueError, a 400);
+    ``prepare(store) -> [Sequence]`` prefills (may raise `ServeError` or ValueError, a 400); a
+    generator function's ``prepare`` yields between its turns of work and returns the sequences;
     ``stopped(sequence) -> bool`` says whether text-level stop conditions end a sequence after its
     latest token; ``finish(store, sequences) -> result`` runs when every sequence has ended (close
     or keep the sessions); ``abort(store, sequences)`` when the job is cancelled or fails (close
@@ -93,19 +102,14 @@ class Job:
         self.deadline = deadline
         self.cancelled = False
         self.running: list[Sequence] = []
+        self.preparation = None             # while admitted and preparing: its generator
+        self.opened: set[int] = set()       # sessions its work opened (closed if it fails)
 
 
 def close_sessions(store: SessionStore, sequences) -> None:
     for sequence in sequences:
         if sequence.sid in store.sessions():
             store.close(sequence.sid)
-
-
-def check_deadline(deadline: float | None) -> None:
-    """A 504 once ``deadline`` (`time.monotonic`) has passed: long work of one job (a request's many
-    prompts) checks it between its pieces, as the engine does between steps."""
-    if deadline is not None and time.monotonic() > deadline:
-        raise ServeError(504, "the request passed its deadline", "timeout_error")
 
 
 class Engine:
@@ -121,6 +125,7 @@ class Engine:
         self._queued = 0                      # submitted and not yet admitted (guarded by _lock)
         self._lock = threading.Lock()
         self._accepting = True
+        self._preparing: list[Job] = []       # admitted, prefilling in turns
         self._jobs: list[Job] = []            # admitted, running
         self.counters = collections.Counter()
         self.last_batch = 0
@@ -169,7 +174,7 @@ class Engine:
         with self._lock:
             self._accepting = False
         deadline = time.monotonic() + drain_seconds
-        while time.monotonic() < deadline and (self._jobs or self._waiting or self._queued):
+        while time.monotonic() < deadline and (self._jobs or self._preparing or self._waiting or self._queued):
             time.sleep(0.05)
         self._inbox.put(("stop", on_stop))
         self._thread.join()
@@ -177,7 +182,7 @@ class Engine:
     # ------------------------------------------------------------------ the engine thread
     def _loop(self) -> None:
         while True:
-            for command in self._commands(block=not self._jobs and not self._waiting):
+            for command in self._commands(block=not self._jobs and not self._preparing and not self._waiting):
                 if command[0] == "stop":
                     self._stop(command[1])
                     return
@@ -185,6 +190,8 @@ class Engine:
             try:
                 self._expire()
                 self._admit()
+                for job in list(self._preparing):
+                    self._advance(job)
                 if self._jobs:
                     self._step()
             except Exception as error:              # the batched step itself: fail the running jobs, keep serving
@@ -210,7 +217,7 @@ class Engine:
             if job in self._waiting:
                 self._waiting.remove(job)
                 self._dequeued()
-            if job in self._jobs:
+            if job in self._jobs or job in self._preparing:
                 self._drop(job)
         elif kind == "call":
             _, function, future = command
@@ -226,7 +233,8 @@ class Engine:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for job in [job for job in (*self._waiting, *self._jobs) if job.deadline is not None and now > job.deadline]:
+        for job in [job for job in (*self._waiting, *self._preparing, *self._jobs)
+                    if job.deadline is not None and now > job.deadline]:
             if job in self._waiting:
                 self._waiting.remove(job)
                 self._dequeued()
@@ -237,7 +245,8 @@ class Engine:
                 self._fail(job, ServeError(504, "the request passed its deadline", "timeout_error"))
 
     def _running_sequences(self) -> int:
-        return sum(len(job.running) for job in self._jobs)
+        """The sequences of running jobs, and those preparing jobs will bring."""
+        return sum(len(job.running) for job in self._jobs) + sum(job.sequences for job in self._preparing)
 
     def _admit(self) -> None:
         while self._waiting:
@@ -246,21 +255,44 @@ class Engine:
                 self._waiting.popleft()
                 self._dequeued()
                 continue
-            if self._jobs and self._running_sequences() + job.sequences > self.max_batch:
+            if (self._jobs or self._preparing) and self._running_sequences() + job.sequences > self.max_batch:
                 return
             self._waiting.popleft()
             self._dequeued()
-            prepared, running = self._alone(job, lambda: list(job.prepare(self.store)))
+            prepared, preparation = self._alone(job, lambda: job.prepare(self.store))
             if not prepared:
                 continue
-            job.running = running
-            self.counters["prompt_tokens"] += sum(len(self.store.tokens(s.sid)) for s in job.running)
-            self._jobs.append(job)
-            for index, sequence in enumerate(job.running):
-                if sequence.max_tokens == 0:
-                    sequence.finish_reason = "length"
-                    job.notify(("end", index, "length"))
-            self._finish_if_done(job)
+            if inspect.isgenerator(preparation):
+                job.preparation = preparation
+                self._preparing.append(job)
+            else:
+                self._start(job, list(preparation))
+
+    def _advance(self, job: Job) -> None:
+        """One turn of ``job``'s preparation; at its end the job runs."""
+        def turn():
+            try:
+                next(job.preparation)
+            except StopIteration as done:
+                return list(done.value)
+            return None
+        advanced, running = self._alone(job, turn)
+        if not advanced or running is not None:
+            self._preparing.remove(job)
+            job.preparation = None
+        if advanced and running is not None:
+            self._start(job, running)
+
+    def _start(self, job: Job, running: list[Sequence]) -> None:
+        """``job`` prepared: its ``running`` sequences join the decode (those of no tokens end now)."""
+        job.running = running
+        self.counters["prompt_tokens"] += sum(len(self.store.tokens(s.sid)) for s in job.running)
+        self._jobs.append(job)
+        for index, sequence in enumerate(job.running):
+            if sequence.max_tokens == 0:
+                sequence.finish_reason = "length"
+                job.notify(("end", index, "length"))
+        self._finish_if_done(job)
 
     def _step(self) -> None:
         """One turn of every running sequence: a plain step, or a speculative round (see the
@@ -363,20 +395,27 @@ class Engine:
                 job.notify(("result", result))
 
     def _alone(self, job: Job, work: Callable[[], Any]) -> tuple[bool, Any]:
-        """``work()``, a step of ``job``'s own (its preparation or finishing) -> (True, its result).
-        Whatever it raises ends this job alone: the sessions it opened and the job's are closed,
+        """``work()``, a step of ``job``'s own (a turn of its preparation, or its finishing) ->
+        (True, its result); the sessions it opened join ``job.opened``. Whatever it raises ends this
+        job alone: the sessions it and the job's earlier turns opened, and the job's, are closed,
         the job is answered with the error (`job_error`) -> (False, None)."""
         before = set(self.store.sessions())
         try:
-            return True, work()
+            result = work()
         except Exception as error:
+            job.opened |= set(self.store.sessions()) - before
             failure = self._failure(error)
-            opened = set(self.store.sessions()) - before
-            left = opened | {sequence.sid for sequence in job.running}
-            for sid in left & set(self.store.sessions()):
-                self.store.close(sid)
+            self._close_opened(job)
             job.notify(("error", failure))
             return False, None
+        job.opened |= set(self.store.sessions()) - before
+        return True, result
+
+    def _close_opened(self, job: Job) -> None:
+        """Close what is left of the sessions ``job`` opened and its running ones."""
+        left = job.opened | {sequence.sid for sequence in job.running}
+        for sid in left & set(self.store.sessions()):
+            self.store.close(sid)
 
     def _failure(self, error: Exception) -> ServeError:
         """`job_error` of what one job's work raised; an unexpected one (a 500) logged with its traceback."""
@@ -386,12 +425,17 @@ class Engine:
         return failure
 
     def _drop(self, job: Job) -> None:
+        if job in self._preparing:                  # mid-preparation: no sequence runs yet
+            self._preparing.remove(job)
+            job.preparation.close()
+            self._close_opened(job)
+            return
         self._jobs.remove(job)
         self._leave(job.running)
         job.abort(self.store, job.running)
 
     def _fail(self, job: Job, error: ServeError) -> None:
-        if job in self._jobs:
+        if job in self._jobs or job in self._preparing:
             self._drop(job)
         job.notify(("error", error))
 
@@ -400,7 +444,7 @@ class Engine:
             job.notify(("error", ServeError(503, "the server shut down before the request ran", "server_error")))
             self._dequeued()
         self._waiting.clear()
-        for job in list(self._jobs):
+        for job in [*self._preparing, *self._jobs]:
             self._fail(job, ServeError(503, "the server shut down during the request", "server_error"))
         while True:                                 # answer what is still in the inbox
             try:

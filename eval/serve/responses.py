@@ -33,10 +33,10 @@ import uuid
 
 from k3jax.data import DataError
 from k3jax.data.chat_format import reply_segments
-from k3jax.sessions import SessionStore
+from k3jax.sessions import SessionStore, prefill_in_turns
 from k3jax.sessions.tiers import remove_spill_files
 from .completions import tool_calls
-from .engine import Job, Sequence
+from .engine import PREFILL_TURN_TOKENS, Job, Sequence
 from .errors import ServeError
 from .journal import JOURNAL_DIR, Journal, remove_interrupted_writes, write_json_atomically
 from .limits import shown
@@ -266,7 +266,7 @@ class ResponsePlan:
     def job(self, notify, deadline) -> Job:
         return Job(self.prepare, self.finish, notify, deadline=deadline)
 
-    def prepare(self, store: SessionStore) -> list[Sequence]:
+    def prepare(self, store: SessionStore):
         previous = self.responses.get(self.previous_id) if self.previous_id is not None else None
         self.messages = (previous.messages if previous is not None else []) + self.new_messages
         try:
@@ -279,9 +279,9 @@ class ResponsePlan:
         stored = store.tokens(previous.sid).tolist() if previous is not None else None
         if stored is not None and len(stored) < len(self.prompt) and self.prompt[: len(stored)] == stored:
             sid = store.fork(previous.sid)
-            store.append(sid, self.prompt[len(stored):])
+            yield from prefill_in_turns(store, self.prompt[len(stored):], PREFILL_TURN_TOKENS, sid=sid)
         else:
-            sid = store.open(self.prompt)
+            sid = yield from prefill_in_turns(store, self.prompt, PREFILL_TURN_TOKENS)
         eos = frozenset() if self.served.eos_id is None else frozenset([self.served.eos_id])
         return [Sequence(sid, params.choice_sampling(self.temperature, self.top_p, self.seed, 0), max_tokens, eos)]
 

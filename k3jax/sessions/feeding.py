@@ -51,8 +51,9 @@ class Feeder:
         self.gathered_decode = False
 
     # ------------------------------------------------------------------ one session, one step
-    def prefill(self, value: Value, tokens: list[int]) -> np.ndarray:
-        """Prefill ``tokens`` after ``value``'s history in chunk-aligned pieces -> logits [T, vocab]."""
+    def prefill(self, value: Value, tokens: list[int], every_position: bool = True) -> np.ndarray | None:
+        """Prefill ``tokens`` after ``value``'s history in chunk-aligned pieces -> logits [T, vocab]
+        (``every_position`` False: None, only the last position's are read back, into ``value``)."""
         outputs, done = [], 0
         for size in paged.piece_lengths(value.length, value.length + len(tokens), self.chunk_size):
             self.tiers.writable(value, size)
@@ -68,10 +69,9 @@ class Feeder:
                 value.logits = logits[-1]
                 self.remember_prefix(value)
         self.counts["prefill_tokens"] += len(tokens)
-        logits = np.asarray(jnp.concatenate(outputs))
-        value.logits = logits[-1]
+        value.logits = np.asarray(outputs[-1][-1])
         self.remember_prefix(value)
-        return logits
+        return np.asarray(jnp.concatenate(outputs)) if every_position else None
 
     def remember_prefix(self, value: Value) -> None:
         """Cache ``value``'s state (it is on device) and pages at its current length (with the prefix cache on)."""

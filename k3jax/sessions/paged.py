@@ -87,6 +87,14 @@ def piece_lengths(start: int, stop: int, chunk: int) -> list[int]:
     return pieces
 
 
+def turn_stop(position: int, stop: int, turn_tokens: int, chunk: int) -> int:
+    """Where a prefill of [position, stop) that feeds about ``turn_tokens`` per turn ends this turn:
+    ``stop``, or an earlier multiple of ``chunk`` (at least one past ``position``), so that turns cut
+    only where `piece_lengths` cuts anyway -- a prefill in turns runs the same pieces as one in a go."""
+    end = max((position + turn_tokens) // chunk, position // chunk + 1) * chunk
+    return min(end, stop)
+
+
 # Logical axes of the pools' dimensions (`k3jax.layers.params` names): on a mesh the KDA states
 # split over the value heads as the model's KDA weights do, and the conv tails' channels (q, k
 # and v of every head) as the projections that write them; the MLA latent (one compressed row per

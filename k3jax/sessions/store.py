@@ -4,6 +4,8 @@ rolled back and moved between device, host and disk.
     store = SessionStore(model, device_bytes=None, host_bytes=None, disk_dir=None)
     sid = store.open(prompt)            # prefill (resuming from the longest cached prefix)
     store.append(sid, tokens)           # -> logits [T, vocab]; store.logits(sid) -> [vocab]
+    store.extend(sid, tokens)           # the same without reading back every position's logits
+    for _ in prefill_in_turns(store, prompt, 512): ...   # a long prompt in turns (a server's chunked prefill)
     store.generate([sid, ...], 32)      # one batched jitted step per token over all the sessions
     store.step({sid: Sampling(...), ...})  # one token for each (a server's continuous batching)
     store.feed({sid: token, ...})       # the same step, feeding given tokens (teacher forcing)
@@ -54,7 +56,31 @@ from k3jax.sessions.registry import Registry, Snapshot
 from k3jax.sessions.tiers import HostTier, HostValue, Tiers, Value
 
 _INITIAL_SLOTS, _INITIAL_PAGES = 8, 32
-__all__ = ["SessionStore", "Snapshot", "model_fingerprint"]
+__all__ = ["SessionStore", "Snapshot", "model_fingerprint", "prefill_in_turns"]
+
+
+def prefill_in_turns(store: "SessionStore", tokens, turn_tokens: int, sid: int | None = None,
+                     logits: list | None = None):
+    """A generator that opens a session on ``tokens`` (``sid`` None) or feeds them after session
+    ``sid``'s history, about ``turn_tokens`` per turn (`paged.turn_stop`), yielding between turns
+    -> the session's id (its return value). A server runs other requests' steps at each yield, and
+    stops one whose deadline passed; the pieces, state and logits are those of one `open` /
+    `extend`. ``logits`` (with ``sid``): a list that receives each turn's `append` logits [t, vocab]."""
+    tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
+    if sid is None:
+        if logits is not None:
+            raise ValueError("logits are collected when feeding an open session (give sid)")
+        sid, offset = store.open(tokens, limit=turn_tokens), 0
+    else:
+        offset = len(store.tokens(sid))
+    while (length := len(store.tokens(sid))) < offset + len(tokens):
+        yield
+        piece = tokens[length - offset : paged.turn_stop(length, offset + len(tokens), turn_tokens, store.page_size) - offset]
+        if logits is None:
+            store.extend(sid, piece)
+        else:
+            logits.append(store.append(sid, piece))
+    return sid
 
 
 def model_fingerprint(model) -> str:
@@ -105,9 +131,14 @@ class SessionStore:
         self.feeder = Feeder(model, self._device, self._tiers, self._prefix, self._registry, prefix_cache)
 
     # ------------------------------------------------------------------ public API
-    def open(self, prompt_tokens) -> int:
-        """Prefill a new session with ``prompt_tokens`` ``[T]`` (T >= 1) -> its id."""
+    def open(self, prompt_tokens, limit: int | None = None) -> int:
+        """Prefill a new session with ``prompt_tokens`` ``[T]`` (T >= 1) -> its id. ``limit``: feed
+        about that many tokens past the cached prefix now (`paged.turn_stop`: whole chunks, at least
+        one); the session then holds a prefix of the prompt (`tokens`), and `extend` feeds the rest
+        (`prefill_in_turns`)."""
         self._collect()
+        if limit is not None and not (isinstance(limit, (int, np.integer)) and not isinstance(limit, bool) and limit >= 1):
+            raise ValueError(f"limit must be a positive integer or None, got {limit!r}")
         tokens = self._check_tokens(prompt_tokens)
         self._tiers.check_fits(len(tokens))
         entry = self._prefix.longest_prefix(tokens) if self.feeder.prefix_cache else None
@@ -123,8 +154,9 @@ class SessionStore:
         value.slot = self._device.start_slot(state, conv)
         sid = self._registry.add(value)
         self._clock.touch(value)
-        if start < len(tokens):
-            self.feeder.prefill(value, tokens[start:])
+        stop = len(tokens) if limit is None else paged.turn_stop(start, len(tokens), int(limit), self.page_size)
+        if start < stop:
+            self.feeder.prefill(value, tokens[start:stop], every_position=False)
         return sid
 
     def logits(self, sid) -> np.ndarray:
@@ -143,6 +175,15 @@ class SessionStore:
         tokens = self._check_tokens(tokens)
         self._tiers.check_fits(value.length + len(tokens))
         return self.feeder.prefill(value, tokens)
+
+    def extend(self, sid, tokens) -> None:
+        """`append` without reading back the logits of every position (`logits` gives the last
+        one's): a long prompt fed in turns (`prefill_in_turns`)."""
+        self._collect()
+        value = self._registry.session(sid)
+        tokens = self._check_tokens(tokens)
+        self._tiers.check_fits(value.length + len(tokens))
+        self.feeder.prefill(value, tokens, every_position=False)
 
     def generate(self, sids, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int = 0, eos_id: int | None = None,

@@ -12,7 +12,7 @@ import pytest
 
 from eval.serve.engine import Engine, Job, Sequence, close_sessions, token_logprobs
 from eval.serve.errors import ServeError
-from k3jax.sessions import Sampling, SessionStore
+from k3jax.sessions import Sampling, SessionStore, prefill_in_turns
 from tests.sessions.conftest import random_tokens
 
 
@@ -210,3 +210,61 @@ def test_a_waiting_request_looks_for_its_client_while_tokens_keep_coming():
         asyncio.run(asyncio.wait_for(server.run(Plan(), client), 10))
     assert error.value.status == 499 and engine.cancelled.is_set()
     assert time.monotonic() - client.leaves < DISCONNECT_POLL_SECONDS + 0.5
+
+
+def prefilling_job(seed: int, prompt_length: int, max_tokens: int, turn_tokens: int, notify, deadline=None):
+    """A job whose random prompt of ``prompt_length`` tokens (none cached: a ``seed`` of its own) is
+    prefilled in turns of ``turn_tokens``."""
+    def prepare(store):
+        sid = yield from prefill_in_turns(store, random_tokens(seed, prompt_length), turn_tokens)
+        return [Sequence(sid, Sampling(), max_tokens)]
+
+    def finish(store, sequences):
+        close_sessions(store, sequences)
+        return [s.tokens for s in sequences]
+    return Job(prepare, finish, notify, deadline=deadline)
+
+
+def test_a_small_request_is_not_stuck_behind_a_long_prefill(store):
+    """Admitted together, a long prompt's prefill turns and a short request's work interleave: the
+    short one finishes before the long one samples anything (one prefill in a go would not let it)."""
+    engine = Engine(store)
+    try:
+        order, done = [], threading.Event()
+        gate = threading.Event()
+        engine.call(lambda store: gate.wait(60))           # both arrive before either is admitted
+        engine.submit(prefilling_job(101, 8 * store.page_size, 2, 16, lambda event: order.append(("long", event[0]))))
+        engine.submit(prefilling_job(102, 8, 2, 16, lambda event: (order.append(("short", event[0])),
+                                                               event[0] == "result" and done.set())))
+        gate.set()
+        assert done.wait(120)
+        assert ("short", "result") in order and ("long", "token") not in order[: order.index(("short", "result"))]
+    finally:
+        engine.shutdown(30)
+
+
+def test_a_deadline_passing_inside_one_prompts_prefill_is_a_504(store, monkeypatch):
+    """Each turn of the prefill feeds one chunk and takes 0.1 s: the deadline stops the job after a
+    few of its 11 turns, its session closed, and the engine serves the next job."""
+    extend = store.extend
+
+    def slow_extend(sid, tokens):
+        time.sleep(0.1)
+        return extend(sid, tokens)
+    monkeypatch.setattr(store, "extend", slow_extend)
+    fed = store.feeder.counts["prefill_tokens"]
+    engine = Engine(store)
+    try:
+        before = engine.call(lambda store: store.sessions()).result()
+        events: queue.Queue = queue.Queue()
+        length = 12 * store.page_size
+        engine.submit(prefilling_job(103, length, 2, 16, events.put, deadline=time.monotonic() + 0.35))
+        event = wait_for(events, "result")
+        assert event[0] == "error" and event[1].status == 504
+        assert 0 < store.feeder.counts["prefill_tokens"] - fed <= length // 2
+        assert engine.call(lambda store: store.sessions()).result() == before
+        ok, ok_events = job_of(5, 3)
+        engine.submit(ok)
+        assert len(wait_for(ok_events, "result")[1][0]) == 3
+    finally:
+        engine.shutdown(5)

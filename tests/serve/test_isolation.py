@@ -169,27 +169,6 @@ def test_allowed_hosts_refuse_another_host_header(chat_run):
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "Host"
 
 
-def test_a_request_of_many_prompts_checks_its_deadline_between_them(serving):
-    """Its prefills stop at the deadline (a 504) instead of holding the engine for all of them."""
-    import time
-
-    from eval.serve.completions import CompletionPlan
-
-    class SlowStore:                      # each prefill takes 0.1 s
-        opened = 0
-
-        def open(self, prompt):
-            time.sleep(0.1)
-            SlowStore.opened += 1
-            return SlowStore.opened
-
-    plan = CompletionPlan(serving[1], {"prompt": ["a"] * 8, "max_tokens": 1})
-    plan.job(lambda event: None, time.monotonic() + 0.25)
-    with pytest.raises(ServeError) as late:
-        plan.prepare(SlowStore())
-    assert late.value.status == 504 and SlowStore.opened == 3
-
-
 def test_a_client_leaving_mid_upload_is_a_499_not_a_500():
     import asyncio
 

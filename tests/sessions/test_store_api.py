@@ -15,9 +15,9 @@ STATS_KEYS = [
 ]
 
 
-def test_the_package_exports_the_store_its_handles_sampling_and_the_fingerprint():
+def test_the_package_exports_the_store_its_handles_sampling_the_fingerprint_and_turns():
     assert k3jax.sessions.__all__ == ["DiskTierError", "DraftModel", "PromptLookup", "RoundResult", "Sampling", "SessionStore", "Snapshot",
-                                      "Speculator", "model_fingerprint"]
+                                      "Speculator", "model_fingerprint", "prefill_in_turns"]
 
 
 def test_stats_has_the_published_keys_in_order(model):
