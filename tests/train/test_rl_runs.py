@@ -6,6 +6,8 @@ with the training forward (``rl.update_logprobs=forward``); a resumed run repeat
 exactly; LoRA keeps its base bit for bit; on an 8-device mesh it samples with the sharded
 parameters; speculative rollouts (prompt lookup) log their speculation metrics."""
 import json
+import signal
+import time
 
 import jax
 import numpy as np
@@ -44,15 +46,18 @@ def letters(prompt, completion, record) -> float:
 
 
 def grpo(root, name, steps, *overrides):
-    config = load_config(MICRO, [
+    summary = RLTrainer(load_config(MICRO, grpo_overrides(root, name, steps, *overrides))).run()
+    return summary, read_jsonl(root / name / "rollouts.jsonl"), read_jsonl(root / name / "metrics.jsonl")
+
+
+def grpo_overrides(root, name, steps, *overrides) -> list[str]:
+    return [
         f"run_dir={root / name}", f"init_from={root / 'sft'}", "model.vocab_size=258", "train.objective=grpo",
         "data.kind=prompts", f"data.path={root / 'prompts.jsonl'}", "data.seq_len=16", "data.heldout_fraction=0.25",
         f"train.steps={steps}", "rl.prompts_per_step=2", "rl.group_size=3", "rl.max_new_tokens=5", "rl.eval_prompts=2",
         "rl.reward=tests.train.test_rl_runs:letters", "rl.advantage=dr_grpo", "checkpoint.every=1", "checkpoint.keep=10", "optimizer.learning_rate=3e-2",
         "optimizer.warmup_steps=0", "optimizer.schedule_steps=4", f"train.compilation_cache={root / 'xla'}",
-        *overrides])
-    summary = RLTrainer(config).run()
-    return summary, read_jsonl(root / name / "rollouts.jsonl"), read_jsonl(root / name / "metrics.jsonl")
+        *overrides]
 
 
 def read_jsonl(path):
@@ -143,3 +148,37 @@ def test_rl_on_a_mesh_samples_with_the_sharded_parameters():
     from tests.sharding.test_multi_device import program, program_result
     result = program_result(program("rl_mesh"))
     assert result["rollouts"] == 2 * 2 * 4 and result["mismatch"] == 0 and result["policy_vs_one_device"] <= 1e-5
+
+
+def hangs(prompt, completion, record) -> float:
+    time.sleep(120)
+    return 0.0
+
+
+def signalled_while_hanging(prompt, completion, record) -> float:
+    signal.raise_signal(signal.SIGTERM)         # as if sent while the reward hangs
+    time.sleep(120)
+    return 0.0
+
+
+@pytest.mark.parametrize("reward, timeout, code, line", [
+    ("hangs", "1", 2, r"error: .*prompts\.jsonl:\d+: the reward took longer than rl\.reward_timeout=1 seconds"),
+    ("signalled_while_hanging", "null", 0, r"SIGTERM received: stopped before the first step, nothing to save; run again to resume"),
+], ids=["timeout", "signal"])
+def test_a_hung_reward_ends_the_run_in_one_line(setting, capsys, reward, timeout, code, line):
+    """`python -m train` (its `main`, in this process) over a reward that never returns: past
+    ``rl.reward_timeout`` the run ends with one line naming the prompt's record; with no timeout a
+    SIGTERM stops it inside the reward call. Either way within seconds, and it resumes."""
+    import re
+
+    from train.cli import main
+    overrides = grpo_overrides(setting, f"hung-{reward}", 2, f"rl.reward=tests.train.test_rl_runs:{reward}",
+                               f"rl.reward_timeout={timeout}", "logging.progress=false")
+    started = time.monotonic()
+    assert main([str(MICRO), *overrides]) == code
+    captured = capsys.readouterr()
+    lines = [text for text in (captured.out + captured.err).splitlines() if text.strip()]
+    assert len(lines) == 1 and re.fullmatch(line, lines[0]), lines
+    assert time.monotonic() - started < 100
+    summary, _, _ = grpo(setting, f"hung-{reward}", 1)            # the same run directory resumes
+    assert summary["step"] == 1
