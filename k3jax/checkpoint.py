@@ -35,6 +35,7 @@ import inspect
 import json
 import logging
 import pathlib
+import shutil
 import sys
 from typing import Any, Callable
 
@@ -42,6 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from k3jax.disk import disk_full, free_space
 
 STATE, META = "state", "meta"
 CHECKSUMS, META_DIGEST = "checksums", "meta_sha256"
@@ -264,21 +267,31 @@ class RunCheckpoints:
                 force=force,
             )
         except Exception as error:  # noqa: BLE001
-            raise CheckpointError(f"saving checkpoint {step} in {self.directory} failed: {_one_line(error)}") from error
+            raise CheckpointError(f"saving checkpoint {step} in {self.directory} failed: {self._write_failure(error)}") from error
 
     def check(self) -> None:
         """Raise `CheckpointError` if an asynchronous save that has ended failed (cheap: no waiting)."""
         try:
             self._manager.check_for_errors()
         except Exception as error:  # noqa: BLE001
-            raise CheckpointError(f"saving a checkpoint in {self.directory} failed: {_one_line(error)}") from error
+            raise CheckpointError(f"saving a checkpoint in {self.directory} failed: {self._write_failure(error)}") from error
 
     def wait(self) -> None:
         """Block until pending saves are on disk."""
         try:
             self._manager.wait_until_finished()
         except Exception as error:  # noqa: BLE001
-            raise CheckpointError(f"saving a checkpoint in {self.directory} failed: {_one_line(error)}") from error
+            raise CheckpointError(f"saving a checkpoint in {self.directory} failed: {self._write_failure(error)}") from error
+
+    def _write_failure(self, error: BaseException) -> str:
+        """What a failed save says: a full disk named as one, with the space left once the failed
+        save's temporary directories are removed, else the error's first 300 characters."""
+        if disk_full(error):
+            for partial in self.directory.glob("*.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)
+            return (f"no space left on device ({free_space(self.directory)} free); free some space or "
+                    "point run_dir elsewhere, then run again to resume from the last checkpoint")
+        return _one_line(error)
 
     def meta(self, step: int | None = None) -> dict:
         """The JSON metadata of ``step`` (default: the latest)."""

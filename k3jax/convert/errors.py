@@ -2,19 +2,16 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import pathlib
 import shutil
 from typing import Iterator
 
+from k3jax.disk import disk_full
+
 
 class ConvertError(ValueError):
     """Bad conversion input or a failed write: a one-line message naming the file or tensor."""
-
-
-def _disk_full(error: BaseException) -> bool:
-    return (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left on device" in str(error)
 
 
 def require_new(path: pathlib.Path) -> None:
@@ -43,7 +40,7 @@ def atomic_directory(final: pathlib.Path) -> Iterator[pathlib.Path]:
 def conversion_error(final: pathlib.Path, error: BaseException) -> ConvertError | None:
     """The one-line `ConvertError` of a failed write of ``final`` (a full disk, another OSError),
     after its partial output was removed; None for any other error (raised as it is)."""
-    if _disk_full(error):
+    if disk_full(error):
         return ConvertError(f"disk full while writing {final} (nothing was left behind)")
     if isinstance(error, OSError):
         return ConvertError(f"cannot write {final}: {error.strerror or error}")
