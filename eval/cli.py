@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from k3jax.checkpoint import quiet_checkpoint_io
 from k3jax.data import DataError
+from k3jax.disk import disk_full, free_space
 from k3jax.host import keep_freed_memory
 from k3jax.inference import InputError, LoadedRun
 from k3jax.model import param_counts
@@ -98,23 +99,29 @@ def training_record(run_dir: pathlib.Path) -> tuple[dict, list[dict]]:
     return {"summary": summary, "logged_steps": len(losses), "last_loss": losses[-1] if losses else None}, records
 
 
-def evaluate(run: LoadedRun, tasks: list, seeds: int, out_dir: pathlib.Path, *, text=None,
-             show_progress: bool = True) -> dict:
-    """Run ``tasks`` (task definitions, `eval.tasks`) on ``run``'s model with seeds 0 … seeds-1,
-    write report.json, report.md and the plots into ``out_dir``; return the report."""
-    from .plots import write_plots   # matplotlib loads only when there is something to draw
-
+def evaluate(run: LoadedRun, tasks: list, seeds: int, *, text=None, show_progress: bool = True) -> tuple[dict, list]:
+    """Run ``tasks`` (task definitions, `eval.tasks`) on ``run``'s model with seeds 0 … seeds-1 ->
+    (the report, the run's training records for its plots)."""
     context = EvalContext(run.model, run.config, tuple(range(seeds)), text)
     results = []
     for task in tasks:
         with tqdm(desc=task.name, unit="step", file=sys.stderr, disable=not show_progress, dynamic_ncols=True) as bar:
             results.append(run_task(task, context, bar))
     training, records = training_record(run.run_dir)
-    report = build_report(run, param_counts(run.config.model), context.seeds, results, training)
-    report["plots"] = write_plots(report["tasks"], records, run.step, out_dir) if is_reporter() else []
-    if is_reporter():   # the other processes of a multi-process mesh ran the same tasks
+    return build_report(run, param_counts(run.config.model), context.seeds, results, training), records
+
+
+def write_outputs(report: dict, records: list, step: int, out_dir: pathlib.Path) -> None:
+    """The plots, report.json and report.md into ``out_dir`` (each file whole or not at all); a
+    failed write is a one-line `InputError` (a full disk named as one)."""
+    from .plots import write_plots   # matplotlib loads only when there is something to draw
+
+    try:
+        report["plots"] = write_plots(report["tasks"], records, step, out_dir)
         write_report(report, out_dir)
-    return report
+    except OSError as error:
+        reason = f"no space left on device ({free_space(out_dir)} free)" if disk_full(error) else error.strerror or error
+        raise InputError(f"cannot write the report into {out_dir}: {reason}; the results are above") from None
 
 
 def results_text(report: dict, config) -> str:
@@ -144,9 +151,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     tasks = [TASKS[name]() for name in task_names]
-    report = evaluate(run, tasks, args.seeds, out_dir, text=text, show_progress=not args.no_progress and is_reporter())
-    if not is_reporter():
+    report, records = evaluate(run, tasks, args.seeds, text=text, show_progress=not args.no_progress and is_reporter())
+    if not is_reporter():   # the other processes of a multi-process mesh ran the same tasks
         return 0
-    print(results_text(report, run.config))
+    print(results_text(report, run.config), flush=True)      # before any write: a failed one loses no result
+    try:
+        write_outputs(report, records, run.step, out_dir)
+    except InputError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 1
     print(f"wrote {out_dir / 'report.json'}, {out_dir / 'report.md'} and {len(report['plots'])} plots")
     return 0

@@ -12,6 +12,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
+from k3jax.disk import write_atomically  # noqa: E402
+
 
 def _means_and_errors(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     """Means of ``row[key]`` and their interval half widths (0 where there is none)."""
@@ -20,9 +22,12 @@ def _means_and_errors(rows: list[dict], key: str) -> tuple[list[float], list[flo
 
 
 def _save(figure, path: pathlib.Path) -> None:
+    """The figure as a PNG at ``path``, written whole or not at all."""
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    try:
+        write_atomically(path, lambda file: figure.savefig(file, format="png", dpi=120))
+    finally:
+        plt.close(figure)
 
 
 def plot_training_loss(records: list[dict], evaluated_step: int, path: pathlib.Path) -> bool:

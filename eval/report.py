@@ -23,6 +23,7 @@ from typing import Any
 import flax
 import jax
 
+from k3jax.disk import write_atomically
 from .stats import CONFIDENCE, Estimate
 from .tasks.common import TaskResult
 
@@ -162,7 +163,8 @@ def render_markdown(report: dict) -> str:
 
 
 def write_report(report: dict, out_dir: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """report.json and report.md in ``out_dir``, each written whole or not at all."""
     json_path, md_path = out_dir / "report.json", out_dir / "report.md"
-    json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    md_path.write_text(render_markdown(report), encoding="utf-8")
+    write_atomically(json_path, json.dumps(report, indent=2) + "\n")
+    write_atomically(md_path, render_markdown(report))
     return json_path, md_path

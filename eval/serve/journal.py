@@ -13,35 +13,15 @@ prefill of those tokens. `remove_interrupted_writes` clears what writes cut shor
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
 import shutil
-import uuid
+
+from k3jax.disk import write_atomically
 
 JOURNAL_DIR = "responses"
 _ENTRY = re.compile(r"(resp_[0-9a-f]{32})\.json")
 _TEMPORARY = re.compile(r"\..+\.[0-9a-f]{32}\.tmp|\.state\.json\.tmp")
-
-
-def write_json_atomically(path: pathlib.Path, value) -> None:
-    """``value`` as JSON at ``path``: a temporary file in the same directory, fsynced, renamed,
-    the directory fsynced; an OSError (a full disk) leaves no temporary file behind."""
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(temporary, "w", encoding="utf-8") as handle:
-            json.dump(value, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-        descriptor = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
 
 
 def remove_interrupted_writes(directory: pathlib.Path) -> list[str]:
@@ -67,7 +47,7 @@ class Journal:
 
     def write(self, entry: dict) -> None:
         """Keep ``entry`` (a stored response with its ``tokens``) durably: OSError when it cannot."""
-        write_json_atomically(self.directory / f"{entry['id']}.json", entry)
+        write_atomically(self.directory / f"{entry['id']}.json", json.dumps(entry), unique=True)
 
     def remove(self, response_id: str) -> None:
         (self.directory / f"{response_id}.json").unlink(missing_ok=True)

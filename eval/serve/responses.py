@@ -33,12 +33,13 @@ import uuid
 
 from k3jax.data import DataError
 from k3jax.data.chat_format import reply_segments
+from k3jax.disk import write_atomically
 from k3jax.sessions import SessionStore, prefill_in_turns
 from k3jax.sessions.tiers import remove_spill_files
 from .completions import tool_calls
 from .engine import PREFILL_TURN_TOKENS, Job, Sequence
 from .errors import ServeError
-from .journal import JOURNAL_DIR, Journal, remove_interrupted_writes, write_json_atomically
+from .journal import JOURNAL_DIR, Journal, remove_interrupted_writes
 from .limits import shown
 from .model import ServedModel
 from .protocol import FunctionCallOutputItem, MessageItem, ReasoningItem, ResponseRequest
@@ -120,8 +121,8 @@ class ResponseStore:
         previous = _read_state(directory)
         name = f"sessions-{time.time_ns()}"
         store.save(directory / name)
-        write_json_atomically(directory / STATE_FILE, {
-            "sessions": name, "responses": [dataclasses.asdict(item) for item in self.items.values()]})
+        write_atomically(directory / STATE_FILE, json.dumps({
+            "sessions": name, "responses": [dataclasses.asdict(item) for item in self.items.values()]}), unique=True)
         if previous is not None and previous["sessions"] != name:
             shutil.rmtree(directory / previous["sessions"], ignore_errors=True)
 

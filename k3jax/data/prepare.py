@@ -26,6 +26,7 @@ from typing import Iterator
 import numpy as np
 from tqdm import tqdm
 
+from k3jax.disk import write_atomically
 from k3jax.data.errors import DataError, require_int
 from k3jax.data.packing import concatenate_documents, document_tokens
 from k3jax.data.sources import find_data_files, read_documents
@@ -34,16 +35,6 @@ from k3jax.data.tokens import (FORMAT, FORMAT_VERSION, INDEX_NAME, SETTINGS_NAME
                                shard_name)
 
 DEFAULT_SHARD_TOKENS = 2**24   # 64 MiB of int32 tokens
-
-
-def write_atomically(path: Path, write) -> None:
-    """``write(file)`` into a temporary file beside ``path``, flushed to disk, then renamed to ``path``."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "wb") as file:
-        write(file)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
 
 
 def file_sha256(path: Path) -> str:

@@ -84,13 +84,3 @@ def set_aside(run_dir: pathlib.Path, steps: list[int], reason: str) -> None:
             destination, suffix = target / f"{step}.{suffix}", suffix + 1
         os.replace(run_dir / "checkpoints" / str(step), destination)
     say(f"moved checkpoints {', '.join(map(str, steps))} ({reason}) to {target}")
-
-
-def write_atomically(path: pathlib.Path, text: str) -> None:
-    """Replace ``path`` by ``text`` whole or not at all: written to a temporary file, fsynced, renamed."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "w", encoding="utf-8") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)

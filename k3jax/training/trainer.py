@@ -39,7 +39,8 @@ from k3jax.training.finetune import BASE_META
 from k3jax.training.layout import lay_out_run
 from k3jax.training.metrics import MetricsLog, Progress, TensorBoard, jsonable
 from k3jax.training.resume import start_run
-from k3jax.training.run_dir import RunError, RunLock, prepare_run_dir, remove_if_empty, write_atomically
+from k3jax.disk import write_atomically
+from k3jax.training.run_dir import RunError, RunLock, prepare_run_dir, remove_if_empty
 from k3jax.training.signals import StopSignals
 from k3jax.training.steps import make_eval_step, make_train_step
 

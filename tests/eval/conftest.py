@@ -17,7 +17,7 @@ import pytest
 from k3jax.config import Config, load_config
 from tests.helpers import CONFIGS
 from k3jax.training import Trainer
-from eval.cli import evaluate
+from eval.cli import evaluate, write_outputs
 from k3jax.inference import load_run
 from eval.tasks import DecodeCostTask, MQARLengthTask, PasskeyTask, PerplexityTask, SamplesTask
 
@@ -85,7 +85,10 @@ def untrained_run(tmp_path_factory) -> MicroRun:
 def small_report(trained_run, tmp_path_factory) -> tuple[dict, pathlib.Path]:
     """``(report, output directory)`` of `SMALL_TASKS` on the trained micro checkpoint."""
     out = tmp_path_factory.mktemp("report")
-    return evaluate(load_run(str(trained_run.path)), SMALL_TASKS, SEEDS, out, show_progress=False), out
+    run = load_run(str(trained_run.path))
+    report, records = evaluate(run, SMALL_TASKS, SEEDS, show_progress=False)
+    write_outputs(report, records, run.step, out)
+    return report, out
 
 
 def assert_params_equal(restored: dict, expected: dict) -> None:

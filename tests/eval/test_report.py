@@ -56,10 +56,8 @@ def test_bits_per_byte_on_a_text_file(trained_run, tmp_path):
     text = tmp_path / "heldout.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
     run = load_run(str(trained_run.path))
-    out = tmp_path / "out"
-    out.mkdir()
-    data = evaluate(run, [PerplexityTask(batches_per_seed=1, batch_size=32)], 2, out,
-                    text=open_text(str(text), run.config), show_progress=False)
+    data, _ = evaluate(run, [PerplexityTask(batches_per_seed=1, batch_size=32)], 2,
+                       text=open_text(str(text), run.config), show_progress=False)
     row = data["tasks"]["perplexity"]["results"][0]
     assert row["data"] == str(text)
     # byte tokens: one byte per scored token except the document's EOS, so bits/byte >= bits/token

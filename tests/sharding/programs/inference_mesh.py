@@ -144,10 +144,7 @@ def main() -> None:
     one, sharded = load_run(str(root / "run")), load_run(str(root / "run"), mesh=MESH)
     tokens = np.asarray([PROMPTS[1] * 4], np.int32)
     forward = jax.jit(lambda model, t: model(t).logits)
-    for name in ("one", "mesh"):
-        (root / f"eval-{name}").mkdir()
-    reports = [evaluate(run, TASKS, 1, root / f"eval-{name}", show_progress=False)
-               for name, run in (("one", one), ("mesh", sharded))]
+    reports = [evaluate(run, TASKS, 1, show_progress=False)[0] for run in (one, sharded)]
     values = [report_values(report) for report in reports]
     generated = [generate(run.model, np.asarray(PROMPTS[:1] * 2), max_new_tokens=6).tokens.tolist() for run in (one, sharded)]
     sampled = [generate(run.model, np.asarray(PROMPTS[:1] * 2), max_new_tokens=6, temperature=1.0, seed=5).tokens.tolist()
