@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import pathlib
+import re
 import uuid
 from typing import BinaryIO, Callable
 
@@ -42,10 +43,14 @@ def write_atomically(path: str | os.PathLike, data: str | bytes | Callable[[Bina
         raise
 
 
+_SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")   # NumPy's `tofile` on a full disk: no errno
+
+
 def disk_full(error: BaseException) -> bool:
     """Whether ``error`` (or one it was raised from) is a full disk."""
     while error is not None:
-        if (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left on device" in str(error):
+        if ((isinstance(error, OSError) and (error.errno == errno.ENOSPC or _SHORT_WRITE.search(str(error))))
+                or "No space left on device" in str(error)):
             return True
         error = error.__cause__ or error.__context__
     return False

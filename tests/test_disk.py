@@ -55,3 +55,36 @@ def test_eval_outputs_on_a_full_disk_are_one_line_and_leave_nothing(tmp_path, mo
                                          r"the results are above$"):
         cli.write_outputs(report, [], 0, tmp_path)
     assert os.listdir(tmp_path) == []
+
+
+def test_prepare_on_a_full_disk_is_one_line(tmp_path, monkeypatch, capsys):
+    from k3jax.data import prepare as prepare_module
+    assert disk_full(OSError("240001 requested and 23520 written"))        # NumPy's short write
+    monkeypatch.setattr(prepare_module, "prepare", full)
+    assert prepare_module.main([str(tmp_path / "corpus.txt"), str(tmp_path / "out")]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"prepare: error: cannot write {tmp_path / 'out'}: no space left on device (")
+
+
+def test_a_metrics_line_on_a_full_disk_is_one_line(tmp_path):
+    from k3jax.training import RunError
+    from k3jax.training.metrics import MetricsLog
+    log = MetricsLog(tmp_path / "metrics.jsonl", 0)
+    log.write({"step": 1, "loss": 2.0})
+
+    class FullFile:
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, text):
+            full()
+
+        def close(self):
+            self.file.close()
+            full()
+    log._file = FullFile(log._file)
+    with pytest.raises(RunError, match=r"^writing .*metrics.jsonl failed: no space left on device \(.* free\); "
+                                       r"the checkpoints saved so far are kept: make room and run again to resume$"):
+        log.write({"step": 2, "loss": 1.0})
+    log.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'

@@ -26,7 +26,7 @@ from typing import Iterator
 import numpy as np
 from tqdm import tqdm
 
-from k3jax.disk import write_atomically
+from k3jax.disk import disk_full, free_space, write_atomically
 from k3jax.data.errors import DataError, require_int
 from k3jax.data.packing import concatenate_documents, document_tokens
 from k3jax.data.sources import find_data_files, read_documents
@@ -169,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
                 shard_tokens=args.shard_tokens, seq_len=args.seq_len, log=lambda line: print(line, file=sys.stderr))
     except DataError as error:
         print(f"prepare: error: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:       # writing OUT: a full disk, a read-only directory
+        reason = f"no space left on device ({free_space(out)} free)" if disk_full(error) else error.strerror or error
+        print(f"prepare: error: cannot write {out}: {reason}; the complete shards are kept: make room and run again "
+              "to continue", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"prepare: interrupted; the complete shards in {out} are kept: run again to continue", file=sys.stderr)

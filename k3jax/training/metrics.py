@@ -19,6 +19,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from k3jax.disk import disk_full, free_space
+from k3jax.training.run_dir import RunError
+
 
 def parsed_lines(path: pathlib.Path) -> list[dict]:
     """The JSON objects of the lines of ``path`` that parse as one (torn or foreign lines skipped)."""
@@ -70,11 +73,20 @@ class MetricsLog:
         os.replace(temporary, self.path)
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps({k: jsonable(v) for k, v in record.items()}) + "\n")
-        self._file.flush()
+        """Append ``record`` as one line, flushed; a failed write (a full disk) is a one-line `RunError`."""
+        try:
+            self._file.write(json.dumps({k: jsonable(v) for k, v in record.items()}) + "\n")
+            self._file.flush()
+        except OSError as error:
+            reason = f"no space left on device ({free_space(self.path)} free)" if disk_full(error) else error.strerror or error
+            raise RunError(f"writing {self.path} failed: {reason}; the checkpoints saved so far are kept: make room "
+                           "and run again to resume") from None
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:          # its last flush failed: `write` already reported why
+            pass
 
 
 class TensorBoard:
