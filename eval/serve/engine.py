@@ -2,7 +2,8 @@
 
     submit(job)   any thread; past ``max_queue`` waiting jobs -> `ServeError` 429
     each turn     expire jobs past their deadline; admit waiting jobs while their sequences stay
-                  within ``max_batch``; one turn of each admitted job's preparation (``job.prepare
+                  within ``max_batch`` (one that fits may pass one that does not, a bounded number
+                  of times: `Engine._admit`); one turn of each admitted job's preparation (``job.prepare
                   (store)`` prefills, opening or forking sessions -> its `Sequence`s; a generator
                   prefills a long prompt in turns of about `PREFILL_TURN_TOKENS`); one
                   `SessionStore.step` over every running sequence (requests join and leave between
@@ -49,6 +50,7 @@ from .errors import ServeError, job_error, server_error
 log = logging.getLogger("k3jax.serve")
 
 PREFILL_TURN_TOKENS = 512   # prompt tokens a job prefills per engine turn (`k3jax.sessions.prefill_in_turns`)
+MAX_BYPASSES = 64           # jobs that may be admitted ahead of a waiting one too large for the batch's room
 
 
 class TokenLogprob(NamedTuple):
@@ -102,6 +104,7 @@ class Job:
         self.deadline = deadline
         self.cancelled = False
         self.running: list[Sequence] = []
+        self.bypassed = 0                   # jobs admitted ahead of it while it waited for room
         self.preparation = None             # while admitted and preparing: its generator
         self.opened: set[int] = set()       # sessions its work opened (closed if it fails)
 
@@ -249,15 +252,24 @@ class Engine:
         return sum(len(job.running) for job in self._jobs) + sum(job.sequences for job in self._preparing)
 
     def _admit(self) -> None:
-        while self._waiting:
-            job = self._waiting[0]
+        """Admit waiting jobs in order while their sequences fit ``max_batch``. A job that fits may
+        pass the first one that does not, up to `MAX_BYPASSES` times in all; then nothing passes it
+        until it runs (a small request is not stuck behind a large one, nor a large one starved)."""
+        blocked = None
+        for job in list(self._waiting):
             if job.cancelled:
-                self._waiting.popleft()
+                self._waiting.remove(job)
                 self._dequeued()
                 continue
             if (self._jobs or self._preparing) and self._running_sequences() + job.sequences > self.max_batch:
-                return
-            self._waiting.popleft()
+                if blocked is None:
+                    blocked = job
+                    if job.bypassed >= MAX_BYPASSES:
+                        return
+                continue
+            if blocked is not None:
+                blocked.bypassed += 1
+            self._waiting.remove(job)
             self._dequeued()
             prepared, preparation = self._alone(job, lambda: job.prepare(self.store))
             if not prepared:

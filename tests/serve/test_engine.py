@@ -268,3 +268,28 @@ def test_a_deadline_passing_inside_one_prompts_prefill_is_a_504(store, monkeypat
         assert len(wait_for(ok_events, "result")[1][0]) == 3
     finally:
         engine.shutdown(5)
+
+
+def test_a_job_that_fits_passes_one_waiting_for_room_a_bounded_number_of_times(store, monkeypatch):
+    """max_batch 2 with one sequence decoding: a two-sequence job waits for room, a one-sequence job
+    behind it runs at once -- until the waiting one has been passed `MAX_BYPASSES` times."""
+    from eval.serve import engine as engine_module
+    monkeypatch.setattr(engine_module, "MAX_BYPASSES", 1)
+    engine = Engine(store, max_batch=2)
+    try:
+        _, long, _ = started_job(engine, 10_000)
+        pair, pair_events = job_of(4, 2)
+        pair.sequences = 2                          # it claims the whole batch (prepare opens one)
+        engine.submit(pair)
+        small, small_events = job_of(4, 2)
+        engine.submit(small)
+        assert wait_for(small_events, "result")[0] == "result"      # passed the waiting pair
+        later, later_events = job_of(4, 2)
+        engine.submit(later)                        # the pair was passed once: its turn comes first
+        time.sleep(1.0)
+        assert pair_events.empty() and later_events.empty()
+        engine.cancel(long)
+        assert wait_for(pair_events, "result")[0] == "result"
+        assert wait_for(later_events, "result")[0] == "result"
+    finally:
+        engine.shutdown(5)
