@@ -101,6 +101,15 @@ def close_sessions(store: SessionStore, sequences) -> None:
             store.close(sequence.sid)
 
 
+def open_session(store: SessionStore, prompt: list[int]) -> tuple[int, int]:
+    """``store.open(prompt)`` -> (its session, how many of its tokens were resumed from the prefix
+    cache rather than prefilled: the rise of the store's ``prefix_tokens_reused`` counter, read on
+    the engine thread, which alone opens sessions)."""
+    before = store.stats()["prefix_tokens_reused"]
+    sid = store.open(prompt)
+    return sid, store.stats()["prefix_tokens_reused"] - before
+
+
 def check_deadline(deadline: float | None) -> None:
     """A 504 once ``deadline`` (`time.monotonic`) has passed: long work of one job (a request's many
     prompts) checks it between its pieces, as the engine does between steps."""
