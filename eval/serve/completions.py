@@ -19,7 +19,7 @@ import numpy as np
 from k3jax.data import DataError
 from k3jax.data.chat_format import ReplyReader
 from .engine import Job, Sequence, check_deadline, close_sessions, open_session, token_logprobs
-from .errors import ServeError, bad
+from .errors import ServeError, bad, error_body
 from .model import ServedModel
 from .params import HeldText, StopFinder
 from .protocol import ChatRequest, Choices, CompletionRequest
@@ -93,14 +93,21 @@ class _Choices:
                 "completion_tokens_details": {"reasoning_tokens": reasoning_tokens}}
 
     # ---------------------------------------------------------------- streaming
-    def opening_chunks(self) -> list[dict]:
+    named_events, done_marker = False, True      # server-sent events "data: ..." ending in "[DONE]" (`Server.chunks`)
+
+    def opening_chunks(self, state) -> list[dict]:
         """The chunks a stream starts with, before any token."""
         return []
 
-    def usage_chunk(self, usage: dict) -> dict:
-        """The last chunk with ``stream_options.include_usage``: no choices, the request's usage."""
-        return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.served.name,
-                "choices": [], "usage": usage}
+    def closing_chunks(self, event: tuple) -> list[dict]:
+        """The chunks of the job's end: its error, or (``stream_options.include_usage``) a last
+        chunk with no choices and the request's usage."""
+        if event[0] == "error":
+            return [error_body(event[1])]
+        if event[0] == "result" and self.include_usage:
+            return [{"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.served.name,
+                     "choices": [], "usage": event[1]["usage"]}]
+        return []
 
 
 class CompletionPlan(_Choices):
@@ -204,7 +211,7 @@ class CompletionPlan(_Choices):
         if event[0] == "end":
             _, index, reason = event
             return [self.chunk(index, state.advance(index, None)[1], finish_reason=reason)]
-        return []
+        return self.closing_chunks(event)
 
     def chunk(self, index: int, delta: str, logprob=None, token: int | None = None, finish_reason=None) -> dict:
         logprobs = None
@@ -318,7 +325,7 @@ class ChatPlan(_Choices):
     def stream_state(self) -> StreamState:
         return StreamState(self, self.n)
 
-    def opening_chunks(self) -> list[dict]:
+    def opening_chunks(self, state) -> list[dict]:
         return [self.chunk(index, {"role": "assistant", "content": ""}) for index in range(self.n)]
 
     def stream_chunks(self, state: StreamState, event: tuple) -> list[dict]:
@@ -336,7 +343,7 @@ class ChatPlan(_Choices):
             if message.get("tool_calls"):
                 delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
             return [self.chunk(index, delta, None, reason)]
-        return []
+        return self.closing_chunks(event)
 
     def delta(self, reasoning: str, content: str) -> dict:
         return {**({"reasoning_content": reasoning} if reasoning and self.thinking else {}),

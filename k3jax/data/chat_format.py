@@ -351,6 +351,7 @@ class ReplyReader:
         self.opening, self.call = False, None
         self.stack = [None, "think" if thinking else "response"]   # None: outside every element
         self.channels = {"think": [], "response": []}               # their text, joined by `close`
+        self.order: list[str] = []           # the channels in the order their text began
         self.reasoning_tokens = 0
 
     def feed(self, token: int) -> tuple[str, str]:
@@ -387,6 +388,8 @@ class ReplyReader:
         if self.header is not None:
             self.header += text
         elif where in self.channels:
+            if not self.channels[where]:
+                self.order.append(where)
             self.channels[where].append(text)
             return (text, "") if where == "think" else ("", text)
         elif self.call is not None and where in ("argument", "json"):

@@ -1,0 +1,163 @@
+"""Streamed replies read in linear time (`k3jax.data.chat_format.ReplyReader`, `eval.serve.params`):
+the pieces join to the whole decode and the plain reply, with characters and markup split across
+tokens; streamed ``/v1/responses`` through the official ``openai`` client; per-request thinking and
+effort; usage details."""
+import json
+import random
+
+import pytest
+
+from k3jax.data import ByteTokenizer, load_tokenizer
+from k3jax.data.chat_format import ChatEncoder, ReplyReader, generation_prompt, render_conversation, reply_segments
+from k3jax.data.tokenizers import TextDecoder
+from eval.serve.params import HeldText, StopFinder
+from tests.data.chat_tokenizer import write_chat_tokenizer
+from tests.serve.conftest import KEY
+
+USER = [{"role": "user", "content": "3 QWERTY"}]
+TRICKY = "é€😀 a<b> &quot; <|sep|> 中文"      # multi-byte characters, markup-like text
+
+
+def test_text_decoder_equals_the_whole_decode_for_split_and_invalid_bytes():
+    tokenizer, rng = ByteTokenizer(), random.Random(0)
+    pool = list("€😀é".encode()) + [0xFF, 0xC3, 0xED, 0xA0, 0x61]
+    for _ in range(2000):
+        ids = [rng.choice(pool) for _ in range(rng.randint(0, 12))]
+        decoder = TextDecoder(tokenizer.token_bytes)
+        pieces = [decoder.feed(token) for token in ids]
+        assert "".join(pieces) + decoder.flush() == bytes(ids).decode("utf-8", "replace")   # Python's own decode
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_reply_reader_streams_each_channel_exactly(tmp_path, thinking):
+    """Byte-level tokens split every multi-byte character and every tag header across tokens."""
+    encoder = ChatEncoder(load_tokenizer(write_chat_tokenizer(tmp_path)))
+    message = {"role": "assistant", "reasoning_content": "think " + TRICKY, "content": "say " + TRICKY,
+               "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": json.dumps({"q": TRICKY})}}]}
+    ids = encoder.encode(reply_segments(message, thinking))[0].tolist()
+    for cut in (len(ids), len(ids) - 7, len(ids) // 2, 3):        # whole, and cut short anywhere
+        reader = ReplyReader(encoder, thinking)
+        streamed = [reader.feed(token) for token in ids[:cut]] + [reader.close()]
+        whole = encoder.parse_reply(ids[:cut], thinking)
+        assert "".join(r for r, _ in streamed) == whole.reasoning and "".join(c for _, c in streamed) == whole.content
+        assert reader.reply == whole
+    whole = encoder.parse_reply(ids, thinking)
+    assert whole.content == message["content"] and whole.reasoning == (message["reasoning_content"] if thinking else "")
+    assert whole.tool_calls == [{"name": "f", "arguments": {"q": TRICKY}}]
+    assert whole.reasoning_tokens == (len(message["reasoning_content"].encode()) if thinking else 0)
+
+
+def test_stop_finder_and_held_text_equal_a_search_of_the_whole_text_so_far():
+    rng = random.Random(1)
+    for _ in range(3000):
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 20)))
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 6))))
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        expected = None                  # a search of the whole text so far, after each piece
+        for end in range(len(pieces)):
+            so_far = "".join(pieces[: end + 1])
+            found = [i for i in (so_far.find(stop) for stop in stops) if i >= 0]
+            if found:
+                expected = min(found)
+                break
+        finder, held, seen = StopFinder(stops), HeldText(stops), None
+        sent = ""
+        for number, piece in enumerate(pieces):
+            at = finder.feed(piece)
+            seen = at if seen is None else seen
+            sent += held.push(piece, final=number == len(pieces) - 1)
+        assert seen == expected, (text, stops, pieces)
+        assert sent == (text if expected is None else text[:expected])
+        assert StopFinder(stops).feed(text) == min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
+
+
+def test_streamed_chat_with_a_stop_string_equals_the_plain_reply(serving):
+    client, _, _ = serving
+    for seed in range(20):              # an untrained model: a seed whose reply has some content
+        request = {"messages": USER, "max_tokens": 48, "temperature": 1.0, "seed": seed,
+                   "chat_template_kwargs": {"thinking": False}}
+        text = client.post("/v1/chat/completions", json=request).json()["choices"][0]["message"]["content"] or ""
+        if len(text) > 4:
+            break
+    stop = text[2:4]
+    plain = client.post("/v1/chat/completions", json={**request, "stop": stop}).json()["choices"][0]
+    assert plain["message"]["content"] == text[: text.find(stop)] and plain["finish_reason"] == "stop"
+    streamed = ""
+    with client.stream("POST", "/v1/chat/completions", json={**request, "stop": stop, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                streamed += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+    assert streamed == plain["message"]["content"]
+
+
+def test_reasoning_effort_and_thinking_are_rendered_per_request(serving):
+    """The prompt a request is answered from is K3's rendering with its thinking and effort (the
+    effort note does not fit this tiny server's 256-token context: its 400 names the prompt's length)."""
+    client, served, _ = serving
+    encoder = served.chat.encoder
+
+    def prompt(thinking, effort):
+        return encoder.encode(render_conversation(USER, thinking=thinking, thinking_effort=effort)
+                              + generation_prompt(thinking))[0].tolist()
+    for path, body, thinking, effort in [
+            ("/v1/chat/completions", {"reasoning_effort": "high"}, True, "high"),
+            ("/v1/chat/completions", {"chat_template_kwargs": {"thinking_effort": "low"}}, True, "low"),
+            ("/v1/chat/completions", {"reasoning_effort": "none"}, False, None),
+            ("/v1/chat/completions", {"chat_template_kwargs": {"thinking": False}}, False, None),
+            ("/v1/chat/completions", {}, True, None),                  # the run's: thinking, no effort note
+            ("/v1/responses", {"reasoning": {"effort": "max"}}, True, "max"),
+            ("/v1/responses", {"reasoning": {"effort": "none"}}, False, None)]:
+        request = {"messages": USER} if path.endswith("completions") else {"input": USER[0]["content"]}
+        reply = client.post(path, json={**request, "max_tokens" if "messages" in request else "max_output_tokens": 1,
+                                        "temperature": 0, **body})
+        expected = len(prompt(thinking, effort))
+        if expected >= served.max_model_len:
+            assert reply.status_code == 400 and f"({expected} in the prompt" in reply.json()["error"]["message"]
+            continue
+        assert reply.status_code == 200, reply.text
+        usage = reply.json()["usage"]
+        assert usage.get("prompt_tokens", usage.get("input_tokens")) == expected, body
+        if path.endswith("completions"):
+            assert ("reasoning_content" in reply.json()["choices"][0]["message"]) == thinking
+        else:
+            assert reply.json()["reasoning"]["effort"] == "none"
+
+
+def openai_client(client):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=str(client.base_url) + "/v1", api_key=KEY, http_client=client)
+
+
+def test_streamed_responses_build_the_stored_response(serving):
+    """Through the official client: the events' deltas join to the stored response's texts, every
+    event is numbered in order, and the completed response is the one stored (and the one a plain
+    request with the same seed gives)."""
+    client, served, _ = serving
+    api = openai_client(client)
+    request = {"model": served.name, "input": "3 QWERTY", "max_output_tokens": 40, "temperature": 1.0}
+    events = list(api.responses.create(stream=True, **request, extra_body={"seed": 11}))
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] in ("response.completed",
+                                                                                     "response.incomplete")
+    final = events[-1].response
+    stored = client.get(f"/v1/responses/{final.id}").json()
+    assert final.to_dict() == stored                    # the event carries the stored response as it is
+    texts = {"response.reasoning_text.delta": "", "response.output_text.delta": ""}
+    for event in events:
+        if event.type in texts:
+            texts[event.type] += event.delta
+    by_type = {item["type"]: item for item in stored["output"]}
+    assert texts["response.output_text.delta"] == by_type.get("message", {"content": [{"text": ""}]})["content"][0]["text"]
+    assert texts["response.reasoning_text.delta"] == (by_type["reasoning"]["content"][0]["text"] if "reasoning" in by_type else "")
+    plain = client.post("/v1/responses", json={**request, "seed": 11}).json()
+    assert [item["type"] for item in plain["output"]] == [item["type"] for item in stored["output"]]
+    assert [item.get("content") for item in plain["output"]] == [item.get("content") for item in stored["output"]]
+    assert plain["usage"]["output_tokens"] == stored["usage"]["output_tokens"]
+
+    with api.responses.stream(**request, extra_body={"seed": 11}) as stream:   # its accumulator checks each item
+        helped = list(stream)
+        if helped[-1].type == "response.completed":          # (its final response needs a completed one)
+            assert stream.get_final_response().output_text == texts["response.output_text.delta"]
+    assert [event.type for event in helped] == kinds
