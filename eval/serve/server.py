@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from .engine import Engine
+from .latency import Latency
 from .errors import ServeError
 from .limits import MAX_JSON_DEPTH, check_nesting, clipped
 from .model import ServedModel
@@ -98,12 +99,16 @@ class Server:
     """The app's state: the model, the engine, stored responses, counters."""
 
     def __init__(self, served: ServedModel, engine: Engine, responses: ResponseStore, *, api_key: str | None,
-                 request_timeout: float, allowed_hosts: frozenset[str] | None = None):
-        """``allowed_hosts``: the Host header names answered (None: any)."""
+                 request_timeout: float, allowed_hosts: frozenset[str] | None = None,
+                 allowed_origins: list[str] | None = None):
+        """``allowed_hosts``: the Host header names answered (None: any); ``allowed_origins``: the
+        web origins CORS lets call it (None: no CORS headers)."""
         self.served, self.engine, self.responses = served, engine, responses
         self.api_key, self.request_timeout, self.allowed_hosts = api_key, request_timeout, allowed_hosts
         self.save_failure: str | None = None      # why the shutdown's save failed
+        self.allowed_origins = allowed_origins
         self.requests: dict[tuple[str, int], int] = {}
+        self.latency = Latency()
         self.started = time.time()
 
     def deadline(self) -> float:
@@ -118,6 +123,7 @@ class Server:
         events, notify = event_queue()
         job = plan.job(notify, self.deadline())
         self.engine.submit(job)
+        watch = self.latency.watch()
         loop = asyncio.get_running_loop()
         next_check = loop.time() + DISCONNECT_POLL_SECONDS
         try:
@@ -131,6 +137,7 @@ class Server:
                         self.engine.cancel(job)
                         raise ServeError(499, "the client closed the connection") from None
                     next_check = loop.time() + DISCONNECT_POLL_SECONDS
+                watch.on(event)
                 if event[0] == "result":
                     return event[1]
                 if event[0] == "error":
@@ -144,10 +151,10 @@ class Server:
         events, notify = event_queue()
         job = plan.job(notify, self.deadline())
         self.engine.submit(job)          # a full queue is still a plain 429
-        return StreamingResponse(self.chunks(plan, job, events), media_type="text/event-stream",
+        return StreamingResponse(self.chunks(plan, job, events, self.latency.watch()), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def chunks(self, plan, job, events: asyncio.Queue):
+    async def chunks(self, plan, job, events: asyncio.Queue, watch):
         """The events of ``plan``'s submitted ``job`` as server-sent events (`plan.stream_chunks`,
         ``event: TYPE`` lines where ``plan.named_events``); the result or an error ends the stream
         (then ``[DONE]`` where ``plan.done_marker``). A stream left before its end (the client went
@@ -159,6 +166,7 @@ class Server:
                 yield sse(chunk, plan.named_events)
             while True:
                 event = await events.get()
+                watch.on(event)
                 for chunk in plan.stream_chunks(state, event):
                     yield sse(chunk, plan.named_events)
                 if event[0] in ("result", "error"):

@@ -161,3 +161,31 @@ def test_streamed_responses_build_the_stored_response(serving):
         if helped[-1].type == "response.completed":          # (its final response needs a completed one)
             assert stream.get_final_response().output_text == texts["response.output_text.delta"]
     assert [event.type for event in helped] == kinds
+
+
+def test_metrics_have_the_latency_histograms_and_the_old_counters(serving):
+    client, _, _ = serving
+    client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "temperature": 0})
+    text = client.get("/metrics").text
+    for name in ("k3jax_requests_total", "k3jax_generation_tokens_total", "k3jax_prefix_cache_hits_total",
+                 "k3jax_time_to_first_token_seconds_count", "k3jax_inter_token_latency_seconds_bucket",
+                 "k3jax_e2e_request_latency_seconds_sum"):
+        assert name in text, name
+    count = float(next(line.split()[-1] for line in text.splitlines()
+                       if line.startswith("k3jax_e2e_request_latency_seconds_count")))
+    assert count >= 1
+
+
+def test_cors_is_off_by_default_and_answers_the_allowed_origins(chat_run):
+    from fastapi.testclient import TestClient
+
+    from eval.serve.cli import build, parse_args
+
+    preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    for extra, allowed in (([], False), (["--allowed-origins", "http://app.example"], True)):
+        app, _, _ = build(parse_args([str(chat_run), "--api-key", KEY, "--max-model-len", "256", *extra]))
+        with TestClient(app) as client:
+            response = client.options("/v1/chat/completions", headers=preflight)
+            assert (response.headers.get("access-control-allow-origin") == "http://app.example") == allowed
+            assert (response.status_code == 200) == allowed
