@@ -158,6 +158,17 @@ def output_text(response) -> str:
     return "".join(part["text"] for item in response["output"] if item["type"] == "message" for part in item["content"])
 
 
+def first_message(response) -> dict:
+    """The assistant message a response's output items write (as its stored session renders it)."""
+    output = response["output"]
+    message = {"role": "assistant", "content": output_text(response),
+               "reasoning_content": "".join(part["text"] for item in output if item["type"] == "reasoning"
+                                            for part in item["content"])}
+    calls = [{"type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    return {**message, "tool_calls": calls} if calls else message
+
+
 def prefilled(client) -> int:
     line = [l for l in client.get("/metrics").text.splitlines() if l.startswith("k3jax_prefill_tokens_total")]
     return int(float(line[0].split()[-1]))
@@ -171,7 +182,11 @@ def test_previous_response_id_equals_the_whole_history_without_prefilling_it(ser
     continued = responses(client, input=turn, previous_response_id=first["id"])
     new_tokens = prefilled(client) - before
     whole = responses(client, input=[{"role": "user", "content": "3 QWERTY"}, *first["output"], *turn], store=False)
-    assert output_text(continued) == output_text(whole) and continued["usage"] == whole["usage"]
+    details = "input_tokens_details"           # what each resumed: the stored session, the prefix cache
+    assert output_text(continued) == output_text(whole)
+    assert {**continued["usage"], details: None} == {**whole["usage"], details: None}
+    stored = served.chat.encoder.encode(reply_segments(first_message(first), True))[0]
+    assert continued["usage"][details]["cached_tokens"] == first["usage"]["input_tokens"] + len(stored)
     assert new_tokens < continued["usage"]["input_tokens"] - first["usage"]["input_tokens"] + 8, new_tokens
     assert client.get(f"/v1/responses/{continued['id']}").json()["id"] == continued["id"]
 

@@ -155,6 +155,9 @@ def test_streamed_responses_build_the_stored_response(serving):
     assert [item["type"] for item in plain["output"]] == [item["type"] for item in stored["output"]]
     assert [item.get("content") for item in plain["output"]] == [item.get("content") for item in stored["output"]]
     assert plain["usage"]["output_tokens"] == stored["usage"]["output_tokens"]
+    details = stored["usage"]["output_tokens_details"]
+    assert 0 < details["reasoning_tokens"] <= stored["usage"]["output_tokens"] if texts["response.reasoning_text.delta"] \
+        else details["reasoning_tokens"] == 0
 
     with api.responses.stream(**request, extra_body={"seed": 11}) as stream:   # its accumulator checks each item
         helped = list(stream)
@@ -189,3 +192,21 @@ def test_cors_is_off_by_default_and_answers_the_allowed_origins(chat_run):
             response = client.options("/v1/chat/completions", headers=preflight)
             assert (response.headers.get("access-control-allow-origin") == "http://app.example") == allowed
             assert (response.status_code == 200) == allowed
+
+
+def test_a_streamed_response_that_fails_ends_with_response_failed(serving):
+    client, _, _ = serving
+    events = []
+    with client.stream("POST", "/v1/responses", json={"input": "x", "stream": True,
+                                                      "previous_response_id": "resp_" + "0" * 32}) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line]
+    for name, data in zip(lines[::2], lines[1::2]):
+        event = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {event['type']}"
+        events.append(event)
+    assert [event["type"] for event in events] == ["response.created", "response.in_progress", "response.failed"]
+    assert [event["sequence_number"] for event in events] == [0, 1, 2]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and "no stored response" in failed["error"]["message"]
+    assert client.post("/v1/responses", json={"input": "x", "max_output_tokens": 1}).status_code == 200   # serving on
