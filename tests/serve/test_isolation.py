@@ -183,6 +183,9 @@ def test_a_request_of_many_prompts_checks_its_deadline_between_them(serving):
             SlowStore.opened += 1
             return SlowStore.opened
 
+        def stats(self):                  # read around each open: the prompt tokens the cache resumed
+            return {"prefix_tokens_reused": 0}
+
     plan = CompletionPlan(serving[1], {"prompt": ["a"] * 8, "max_tokens": 1})
     plan.job(lambda event: None, time.monotonic() + 0.25)
     with pytest.raises(ServeError) as late:
