@@ -426,6 +426,7 @@ class TokenizeRequest(Request):
     prompt: Annotated[str, Strict(), _described("give a string prompt or messages")] | None = None
     messages: Messages = None     # (absent: a text prompt)
     tools: ChatTools | None = None
+    chat_template_kwargs: Annotated[ChatTemplateKwargs, _described("must be an object")] | None = None   # as chat's
     add_special_tokens: unsupported(False, why="no special token is added; name one in the text to have it") = None
     add_generation_prompt: unsupported(True, why="messages are always rendered with the generation prompt") = None
     return_token_strs: unsupported(False, why="only token ids are returned") = None

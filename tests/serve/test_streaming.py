@@ -112,6 +112,9 @@ def test_reasoning_effort_and_thinking_are_rendered_per_request(serving):
         reply = client.post(path, json={**request, "max_tokens" if "messages" in request else "max_output_tokens": 1,
                                         "temperature": 0, **body})
         expected = len(prompt(thinking, effort))
+        if "chat_template_kwargs" in body:       # /tokenize renders them as chat does
+            tokens = client.post("/tokenize", json={"messages": USER, **body}).json()["tokens"]
+            assert tokens == prompt(thinking, effort)
         if expected >= served.max_model_len:
             assert reply.status_code == 400 and f"({expected} in the prompt" in reply.json()["error"]["message"]
             continue
