@@ -77,11 +77,8 @@ class _Choices:
             return False
         watch = self.watches.setdefault(sequence.sid, [self.reader(), StopFinder(self.stops), 0])
         reader, finder, read = watch
-        found = None
-        for token in sequence.tokens[read:]:
-            found = finder.feed(reader.feed(token)[1]) if found is None else found
         watch[2] = len(sequence.tokens)
-        return found is not None
+        return any(finder.feed(reader.feed(token)[1]) is not None for token in sequence.tokens[read:])
 
     def usage(self, sequences, reasoning_tokens: int = 0) -> dict:
         """OpenAI's usage, with the prompt tokens resumed from the prefix cache (``cached_tokens``)

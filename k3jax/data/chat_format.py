@@ -347,7 +347,7 @@ class ReplyReader:
         self.encoder, self.reply = encoder, Reply()
         self.names = {token: name for name, token in encoder.marker_ids.items()}
         self.text = TextDecoder(encoder.tokenizer.token_bytes)
-        self.header: str | None = None          # a tag's text between its marker and <|sep|>
+        self.header: list[str] | None = None    # a tag's text between its marker and <|sep|>, as read
         self.opening, self.call = False, None
         self.stack = [None, "think" if thinking else "response"]   # None: outside every element
         self.channels = {"think": [], "response": []}               # their text, joined by `close`
@@ -374,9 +374,7 @@ class ReplyReader:
         call left open counted as malformed; ``reply`` then holds the channels' text. Returns what
         `feed` does."""
         added = self._add(self.text.flush())
-        if self.call is not None:
-            self.reply.malformed.append("a tool call was cut short")
-            self.call = None
+        self._drop_open_call()
         self.reply.reasoning, self.reply.content = ("".join(self.channels[name]) for name in ("think", "response"))
         self.reply.reasoning_tokens = self.reasoning_tokens
         return added
@@ -386,7 +384,7 @@ class ReplyReader:
             return "", ""
         where = self.stack[-1]
         if self.header is not None:
-            self.header += text
+            self.header.append(text)
         elif where in self.channels:
             if not self.channels[where]:
                 self.order.append(where)
@@ -399,15 +397,19 @@ class ReplyReader:
     def _marker(self, marker: str) -> None:
         if marker == END_OF_MSG:
             self.reply.finished = True
-            if self.call is not None:
-                self.reply.malformed.append("a tool call was cut short")
-                self.call = None
+            self._drop_open_call()
         elif marker in (OPEN, CLOSE):
-            self.header, self.opening = "", marker == OPEN
+            self.header, self.opening = [], marker == OPEN
         elif self.header is not None:         # SEP ends a tag: <|open|>NAME attrs<|sep|> or <|close|>NAME<|sep|>
-            name, attributes = tag_header(self.header)
+            name, attributes = tag_header("".join(self.header))
             self.header = None
             self._tag(name, attributes)
+
+    def _drop_open_call(self) -> None:
+        """The reply ended inside a call: it is counted as malformed."""
+        if self.call is not None:
+            self.reply.malformed.append("a tool call was cut short")
+            self.call = None
 
     def _tag(self, name: str, attributes: dict) -> None:
         stack, call = self.stack, self.call
