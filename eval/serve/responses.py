@@ -349,7 +349,9 @@ class ResponsePlan:
         complete = sequence.finish_reason == "stop"
         usage = {"input_tokens": len(self.prompt), "output_tokens": len(sequence.tokens),
                  "total_tokens": len(self.prompt) + len(sequence.tokens),
-                 "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                 # cached: resumed from a stored session or the prefix cache; written: prefilled into the kept session
+                 "input_tokens_details": {"cached_tokens": self.cached_tokens,
+                                          "cache_write_tokens": len(self.prompt) - self.cached_tokens if self.keep else 0},
                  "output_tokens_details": {"reasoning_tokens": reply.reasoning_tokens}}
         return self.envelope("completed" if complete else "incomplete", output, usage)
 
@@ -377,6 +379,12 @@ class ResponsePlan:
         return state.on(event)
 
 
+def failure_code(status: int) -> str:
+    """A failed response's ``error.code`` (one of the Responses API's) for an HTTP status: 429
+    ``rate_limit_exceeded``, 5xx ``server_error``, any other (the request's own) ``invalid_prompt``."""
+    return "rate_limit_exceeded" if status == 429 else "server_error" if status >= 500 else "invalid_prompt"
+
+
 class ResponseEvents:
     """A streamed response's events (OpenAI's Responses streaming), each with its
     ``sequence_number``: response.created and .in_progress; per output item .output_item.added,
@@ -387,6 +395,7 @@ class ResponseEvents:
     stored response, or response.failed."""
 
     DELTA = {"think": "response.reasoning_text", "response": "response.output_text"}
+    LOGPROBS = {"think": {}, "response": {"logprobs": []}}      # output text events list log-probs (none here)
 
     def __init__(self, plan: ResponsePlan):
         self.plan, self.reader, self.number = plan, plan.reader(), 0
@@ -409,9 +418,8 @@ class ResponseEvents:
         if event[0] == "result":
             return self.closing(event[1])
         if event[0] == "error":
-            response = {**self.plan.envelope("failed", [], None), "error": {"code": event[1].kind,
-                                                                            "message": event[1].message}}
-            return [self.event("response.failed", response=response)]
+            error = {"code": failure_code(event[1].status), "message": event[1].message}
+            return [self.event("response.failed", response={**self.plan.envelope("failed", [], None), "error": error})]
         return []
 
     def text(self, reasoning: str, content: str) -> list[dict]:
@@ -422,7 +430,8 @@ class ResponseEvents:
             if channel not in self.open:
                 events += self.added(channel)
             events.append(self.event(f"{self.DELTA[channel]}.delta", item_id=self.plan.item_ids[channel],
-                                     output_index=self.open[channel], content_index=0, delta=delta))
+                                     output_index=self.open[channel], content_index=0, delta=delta,
+                                     **self.LOGPROBS[channel]))
         return events
 
     def added(self, channel: str) -> list[dict]:
@@ -445,7 +454,7 @@ class ResponseEvents:
                     events += self.added(channel)
                 part = item["content"][0]
                 events.append(self.event(f"{self.DELTA[channel]}.done", item_id=item["id"], output_index=index,
-                                         content_index=0, text=part["text"]))
+                                         content_index=0, text=part["text"], **self.LOGPROBS[channel]))
                 events.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                          content_index=0, part=part))
             else:

@@ -4,6 +4,7 @@ tokens; streamed ``/v1/responses`` through the official ``openai`` client; per-r
 effort; usage details."""
 import json
 import random
+import typing
 
 import pytest
 
@@ -210,6 +211,52 @@ def test_a_streamed_response_that_fails_ends_with_response_failed(serving):
         events.append(event)
     assert [event["type"] for event in events] == ["response.created", "response.in_progress", "response.failed"]
     assert [event["sequence_number"] for event in events] == [0, 1, 2]
+    types = pytest.importorskip("openai.types.responses")
+    types.ResponseFailedEvent.model_validate(events[-1])          # the official type, every field
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and "no stored response" in failed["error"]["message"]
     assert client.post("/v1/responses", json={"input": "x", "max_output_tokens": 1}).status_code == 200   # serving on
+
+
+def test_response_events_of_a_reply_with_a_tool_call_are_the_official_types(serving):
+    """A canned reply (reasoning, content, a tool call; every character split across byte tokens)
+    through `ResponseEvents`: each event validates as the ``openai`` client's `ResponseStreamEvent`,
+    the deltas join to the items' texts and arguments, and every item of the body is added and done
+    at its own output index, in order."""
+    types = pytest.importorskip("openai.types.responses")
+    from eval.serve.completions import tool_calls
+    from eval.serve.engine import Sequence
+    from eval.serve.responses import ResponseEvents, ResponsePlan
+
+    _, served, server = serving
+    message = {"role": "assistant", "reasoning_content": "think " + TRICKY, "content": "say " + TRICKY,
+               "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": "é"}'}}]}
+    ids = served.chat.encoder.encode(reply_segments(message, True))[0].tolist()
+    plan = ResponsePlan(served, {"input": "x", "tools": [{"type": "function", "name": "add"}]}, server.responses)
+    state = ResponseEvents(plan)
+    events = state.opening() + [event for token in ids for event in state.on(("token", 0, token, None))]
+    events += state.on(("end", 0, "stop"))
+    reader = plan.reader()
+    for token in ids:
+        reader.feed(token)
+    reader.close()
+    sequence = Sequence(0, None, 100, tokens=ids, finish_reason="stop")
+    body = plan.body(reader.reply, reader.order, tool_calls(reader.reply.tool_calls), sequence)
+    events += state.on(("result", body))
+    union = typing.get_args(types.ResponseStreamEvent)[0]          # Annotated[Union[...], discriminator]
+    kinds = {typing.get_args(model.model_fields["type"].annotation)[0]: model for model in typing.get_args(union)}
+    for event in events:
+        kinds[event["type"]].model_validate(event)      # the official type of its kind, every field
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    assert [item["type"] for item in body["output"]] == ["reasoning", "message", "function_call"]
+    added = [(e["output_index"], e["item"]["id"]) for e in events if e["type"] == "response.output_item.added"]
+    done = [(e["output_index"], e["item"]) for e in events if e["type"] == "response.output_item.done"]
+    assert added == [(index, item["id"]) for index, item in enumerate(body["output"])]
+    assert done == list(enumerate(body["output"]))
+    joined = {kind: "".join(e.get("delta", "") for e in events if e["type"] == kind)
+              for kind in ("response.reasoning_text.delta", "response.output_text.delta",
+                           "response.function_call_arguments.delta")}
+    assert joined == {"response.reasoning_text.delta": message["reasoning_content"],
+                      "response.output_text.delta": message["content"],
+                      "response.function_call_arguments.delta": json.dumps({"a": 1, "b": "é"}, ensure_ascii=False)}
+    assert events[-1]["type"] == "response.completed" and events[-1]["response"] is body
