@@ -5,8 +5,10 @@ Completions: one prompt (text, token ids) or a list of them; ``n`` choices each,
 a prompt prefilled and the others forked from it (KDA state copied, MLA pages shared). ``echo``
 with ``logprobs`` scores the prompt too (``token_logprobs[0]`` is null), which is what
 lm-evaluation-harness's loglikelihood requests read. Chat: the messages (and ``tools``) rendered
-in K3's chat format with the generation prompt; the reply read back (`ChatEncoder.parse_reply`)
-into ``content``, ``reasoning_content`` and ``tool_calls`` -- never chat markup in ``content``.
+in K3's chat format with the generation prompt (with the request's thinking and effort); the reply
+read back (`ChatEncoder.parse_reply`) into ``content``, ``reasoning_content`` and ``tool_calls`` --
+never chat markup in ``content``. Streams and stop strings read each token once (`StreamState`:
+`ReplyReader` or `CompletionText`, and `eval.serve.params.HeldText`), in time linear in the reply.
 """
 from __future__ import annotations
 
