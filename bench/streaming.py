@@ -1,7 +1,7 @@
-"""Streaming CPU per token: what the server spends turning each sampled token of a chat reply into
-its stream deltas (`eval.serve.completions.StreamState`: `k3jax.data.chat_format.ReplyReader`'s
-incremental UTF-8 decoding and markup parsing, and `eval.serve.params.HeldText`'s stop strings),
-driven by a token sequence alone -- no model, no HTTP. Replies of 1K and 16K tokens should cost the
+"""Streaming CPU per token: what reading each sampled token of a chat reply into its stream deltas
+costs (`k3jax.data.chat_format.ReplyReader`: incremental UTF-8 decoding and a stateful parser of
+thinking / content / tool-call markup, which the server's streams use), driven by a token sequence
+alone -- no model, no HTTP. Replies of 1K and 16K tokens should cost the
 same per token (linear time); the old way, the whole reply re-decoded and re-parsed after each
 token (`ChatEncoder.parse_reply` of the prefix), is timed beside it on the short replies for scale.
 
@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-import types
 from pathlib import Path
 
 from bench.common import table, write_json
-from eval.serve.completions import StreamState
 from k3jax.data import load_tokenizer
 from k3jax.data.chat_format import ChatEncoder, ReplyReader, reply_segments
 from tests.data.chat_tokenizer import write_chat_tokenizer
@@ -38,11 +36,11 @@ def reply_ids(encoder: ChatEncoder, length: int) -> list[int]:
 
 
 def streaming_seconds(encoder: ChatEncoder, ids: list[int]) -> float:
-    """CPU seconds of one streamed reply: every token through `StreamState` (stop strings on), then its end."""
-    plan = types.SimpleNamespace(reader=lambda: ReplyReader(encoder, True), stops=["\n\n\n", "STOP"])
-    state = StreamState(plan, 1)
+    """CPU seconds of one streamed reply: every token through a `ReplyReader`, then its end; the
+    deltas checked against the whole reply's parse."""
+    reader = ReplyReader(encoder, True)
     start = time.process_time()
-    sent = [state.advance(0, token) for token in ids] + [state.advance(0, None)]
+    sent = [reader.feed(token) for token in ids] + [reader.close()]
     elapsed = time.process_time() - start
     whole = encoder.parse_reply(ids, True)
     assert "".join(r for r, _ in sent) == whole.reasoning and "".join(c for _, c in sent) == whole.content
