@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import STATUS_KINDS, ServeError, error_response
@@ -118,5 +119,8 @@ def create_app(server: Server, on_shutdown=None) -> FastAPI:
     app.state.server = server
     answer_errors(app)
     app.add_middleware(AuthenticateAndCount, server=server)
+    if server.allowed_origins is not None:      # outside the key check: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=server.allowed_origins, allow_methods=["GET", "POST", "DELETE"],
+                           allow_headers=["Authorization", "Content-Type"])
     register(app, server)
     return app

@@ -79,6 +79,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--allowed-hosts", type=host_list, default=None, metavar="HOST,...",
                         help="answer only requests whose Host header names one of these (e.g. localhost,127.0.0.1); "
                              "default: any")
+    parser.add_argument("--allowed-origins", type=lambda text: [o.strip() for o in text.split(",") if o.strip()],
+                        default=None, metavar="ORIGIN,...",
+                        help="web origins allowed to call the API from a browser (CORS; '*' for any); default: none")
     parser.add_argument("--model-name", default=None, help="the model's name in the API (default: the run directory's)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest good one)")
     parser.add_argument("--device-bytes", type=byte_count, default=None, help="session state on the device (default: all that fits)")
@@ -175,7 +178,7 @@ def build(args: argparse.Namespace, parts=None, leader=None):
         speculator = None if speculator is None else Mirrored(speculator, "speculator", leader)
     engine = Engine(store, max_batch=args.max_batch, max_queue=args.max_queue, speculator=speculator)
     server = Server(served, engine, responses, api_key=args.api_key, request_timeout=args.request_timeout,
-                    allowed_hosts=args.allowed_hosts)
+                    allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins)
     state_dir = None if args.state_dir is None else pathlib.Path(args.state_dir)
 
     def save(store) -> None:

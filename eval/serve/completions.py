@@ -5,8 +5,10 @@ Completions: one prompt (text, token ids) or a list of them; ``n`` choices each,
 a prompt prefilled and the others forked from it (KDA state copied, MLA pages shared). ``echo``
 with ``logprobs`` scores the prompt too (``token_logprobs[0]`` is null), which is what
 lm-evaluation-harness's loglikelihood requests read. Chat: the messages (and ``tools``) rendered
-in K3's chat format with the generation prompt; the reply read back (`ChatEncoder.parse_reply`)
-into ``content``, ``reasoning_content`` and ``tool_calls`` -- never chat markup in ``content``.
+in K3's chat format with the generation prompt (with the request's thinking and effort); the reply
+read back (`ChatEncoder.parse_reply`) into ``content``, ``reasoning_content`` and ``tool_calls`` --
+never chat markup in ``content``. Streams and stop strings read each token once (`StreamState`:
+`ReplyReader` or `CompletionText`, and `eval.serve.params.HeldText`), in time linear in the reply.
 """
 from __future__ import annotations
 
@@ -17,10 +19,12 @@ import uuid
 import numpy as np
 
 from k3jax.data import DataError
+from k3jax.data.chat_format import ReplyReader
 from k3jax.sessions import prefill_in_turns
-from .engine import PREFILL_TURN_TOKENS, Job, Sequence, close_sessions, token_logprobs
-from .errors import ServeError, bad
+from .engine import PREFILL_TURN_TOKENS, Job, Sequence, close_sessions, open_in_turns, token_logprobs
+from .errors import ServeError, bad, error_body
 from .model import ServedModel
+from .params import HeldText, StopFinder
 from .protocol import ChatRequest, Choices, CompletionRequest
 from . import params
 
@@ -56,30 +60,54 @@ class _Choices:
             served.check_length(len(prompt), self.max_tokens)
         self.ignore_eos = request.ignore_eos
         self.created = int(time.time())
-        self.first_stop = params.text_stop(self.stops)
+        self.cached_tokens = 0        # prompt tokens resumed from the prefix cache (`prepare`)
+        self.watches: dict[int, list] = {}     # session id -> [reader, StopFinder, tokens read] (`stopped`)
 
     def sequence(self, sid: int, choice: int, top_logprobs: int | None) -> Sequence:
         stop_ids = frozenset() if self.ignore_eos or self.served.eos_id is None else frozenset([self.served.eos_id])
         return Sequence(sid, params.choice_sampling(self.temperature, self.top_p, self.seed, choice), self.max_tokens,
                         stop_ids, top_logprobs, text_stops=bool(self.stops))
 
-    def text_of(self, tokens: list[int]) -> str:
-        return self.served.decode(tokens)
+    def cut(self, text: str) -> str:
+        """``text`` up to its first stop string."""
+        found = StopFinder(self.stops).feed(text) if self.stops else None
+        return text if found is None else text[:found]
 
-    def usage(self, sequences) -> dict:
+    def stopped(self, sequence: Sequence) -> bool:
+        """Whether a stop string has appeared in the sequence's text (each token read once: a reader
+        and a `StopFinder` per sequence, kept on the engine thread)."""
+        if not self.stops:
+            return False
+        watch = self.watches.setdefault(sequence.sid, [self.reader(), StopFinder(self.stops), 0])
+        reader, finder, read = watch
+        watch[2] = len(sequence.tokens)
+        return any(finder.feed(reader.feed(token)[1]) is not None for token in sequence.tokens[read:])
+
+    def usage(self, sequences, reasoning_tokens: int = 0) -> dict:
+        """OpenAI's usage, with the prompt tokens resumed from the prefix cache (``cached_tokens``)
+        and the completion tokens written in the thinking channel (``reasoning_tokens``)."""
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(s.tokens) for s in sequences)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+                "completion_tokens_details": {"reasoning_tokens": reasoning_tokens}}
 
     # ---------------------------------------------------------------- streaming
-    def opening_chunks(self) -> list[dict]:
+    named_events, done_marker = False, True      # server-sent events "data: ..." ending in "[DONE]" (`Server.chunks`)
+
+    def opening_chunks(self, state) -> list[dict]:
         """The chunks a stream starts with, before any token."""
         return []
 
-    def usage_chunk(self, usage: dict) -> dict:
-        """The last chunk with ``stream_options.include_usage``: no choices, the request's usage."""
-        return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.served.name,
-                "choices": [], "usage": usage}
+    def closing_chunks(self, event: tuple) -> list[dict]:
+        """The chunks of the job's end: its error, or (``stream_options.include_usage``) a last
+        chunk with no choices and the request's usage."""
+        if event[0] == "error":
+            return [error_body(event[1])]
+        if event[0] == "result" and self.include_usage:
+            return [{"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.served.name,
+                     "choices": [], "usage": event[1]["usage"]}]
+        return []
 
 
 class CompletionPlan(_Choices):
@@ -113,13 +141,14 @@ class CompletionPlan(_Choices):
                 scores = token_logprobs(np.concatenate(logits)[:-1], prompt[1:], self.logprobs) if len(prompt) > 1 else []
                 self.prompt_scores[number] = [None] + scores
             else:
-                first = yield from prefill_in_turns(store, prompt, PREFILL_TURN_TOKENS)
+                first, cached = yield from open_in_turns(store, prompt)
+                self.cached_tokens += cached
             sids = [first] + [store.fork(first) for _ in range(self.n - 1)]
             sequences += [self.sequence(sid, choice, self.logprobs) for choice, sid in enumerate(sids)]
         return sequences
 
-    def stopped(self, sequence: Sequence) -> bool:
-        return bool(self.stops) and self.first_stop(self.text_of(sequence.tokens)) is not None
+    def reader(self) -> "CompletionText":
+        return CompletionText(self.served, None if self.ignore_eos else self.served.eos_id)
 
     def finish(self, store, sequences) -> dict:
         close_sessions(store, sequences)
@@ -131,9 +160,7 @@ class CompletionPlan(_Choices):
     def generated(self, sequence: Sequence) -> tuple[list[int], str]:
         """The tokens the choice's text shows (EOS left out) and that text, cut at a stop string."""
         tokens = [t for t in sequence.tokens if t != self.served.eos_id or self.ignore_eos]
-        text = self.text_of(tokens)
-        cut = self.first_stop(text) if self.stops else None
-        return tokens, text if cut is None else text[:cut]
+        return tokens, self.cut(self.served.decode(tokens))
 
     def choice(self, index: int, sequence: Sequence) -> dict:
         number = index // self.n
@@ -171,18 +198,18 @@ class CompletionPlan(_Choices):
                 "top_logprobs": top, "text_offset": offsets}
 
     # ---------------------------------------------------------------- streaming
-    def stream_state(self) -> "StreamText":
-        return StreamText(self, len(self.prompts) * self.n)
+    def stream_state(self) -> "StreamState":
+        return StreamState(self, len(self.prompts) * self.n)
 
-    def stream_chunks(self, state: "StreamText", event: tuple) -> list[dict]:
+    def stream_chunks(self, state: "StreamState", event: tuple) -> list[dict]:
         """The chunks an engine event streams: each token its text (maybe empty), the end the rest."""
         if event[0] == "token":
             _, index, token, logprob = event
-            return [self.chunk(index, state.advance(index, token), logprob, token)]
+            return [self.chunk(index, state.advance(index, token)[1], logprob, token)]
         if event[0] == "end":
             _, index, reason = event
-            return [self.chunk(index, state.advance(index, None, final=True), finish_reason=reason)]
-        return []
+            return [self.chunk(index, state.advance(index, None)[1], finish_reason=reason)]
+        return self.closing_chunks(event)
 
     def chunk(self, index: int, delta: str, logprob=None, token: int | None = None, finish_reason=None) -> dict:
         logprobs = None
@@ -192,31 +219,34 @@ class CompletionPlan(_Choices):
                 "choices": [{"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
-class StreamText:
-    """Per choice, the text sent so far: each new token sends what is certain (no trailing partial
-    UTF-8 character, nothing a stop string could still claim)."""
+class CompletionText:
+    """A completion's text read one token at a time (`ServedModel.text_decoder`; ``skip``, the EOS
+    id, left out), with `ReplyReader`'s interface: ``feed(token)`` / ``close()`` -> ("", text added)."""
+
+    def __init__(self, served: ServedModel, skip: int | None):
+        self.decoder, self.skip = served.text_decoder(), skip
+
+    def feed(self, token: int) -> tuple[str, str]:
+        return "", "" if token == self.skip else self.decoder.feed(token)
+
+    def close(self) -> tuple[str, str]:
+        return "", self.decoder.flush()
+
+
+class StreamState:
+    """Per choice of a streamed request: its reader (`ReplyReader` or `CompletionText`: each token
+    read once, so a stream costs time linear in its length) and its content held back for stop
+    strings (`HeldText`); reasoning is sent as it comes."""
 
     def __init__(self, plan, choices: int):
-        self.plan, self.tokens, self.sent = plan, [[] for _ in range(choices)], [""] * choices
-        self.hold = max((len(s) - 1 for s in plan.stops), default=0)
+        self.readers = [plan.reader() for _ in range(choices)]
+        self.content = [HeldText(plan.stops) for _ in range(choices)]
 
-    def advance(self, index: int, token: int, final: bool = False) -> str:
-        if token is not None:
-            self.tokens[index].append(token)
-        text = self.current(index)
-        cut = self.plan.first_stop(text) if self.plan.stops else None
-        if cut is not None:
-            text = text[:cut]
-        elif not final:
-            text = text.rstrip("\ufffd")
-            text = text[: max(len(self.sent[index]), len(text) - self.hold)]
-        delta = text[len(self.sent[index]):] if text.startswith(self.sent[index]) else ""
-        self.sent[index] += delta
-        return delta
-
-    def current(self, index: int) -> str:
-        tokens = [t for t in self.tokens[index] if t != self.plan.served.eos_id or self.plan.ignore_eos]
-        return self.plan.text_of(tokens)
+    def advance(self, index: int, token: int | None) -> tuple[str, str]:
+        """(reasoning, content) to send after ``token`` (None: the end, the rest)."""
+        reader = self.readers[index]
+        reasoning, content = reader.feed(token) if token is not None else reader.close()
+        return reasoning, self.content[index].push(content, final=token is None)
 
 
 class ChatPlan(_Choices):
@@ -228,9 +258,11 @@ class ChatPlan(_Choices):
         request = ChatRequest.parse(body)
         params.check_model(request, served.name)
         self.chat = served.require_chat()
+        self.thinking, self.effort = params.chat_reasoning(request.reasoning_effort, request.chat_template_kwargs,
+                                                            self.chat)
         tools = None if request.tool_choice == "none" else request.tools or None
         try:
-            prompt = served.chat_prompt(request.messages, tools)
+            prompt = served.chat_prompt(request.messages, tools, self.thinking, self.effort)
         except DataError as error:
             raise ServeError(400, str(error), param="messages") from None
         max_tokens = request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens
@@ -245,48 +277,39 @@ class ChatPlan(_Choices):
 
     def prepare(self, store):
         """The prompt prefilled in turns, its other choices forked: a generator (`Job`)."""
-        first = yield from prefill_in_turns(store, self.prompts[0], PREFILL_TURN_TOKENS)
+        first, self.cached_tokens = yield from open_in_turns(store, self.prompts[0])
         sids = [first] + [store.fork(first) for _ in range(self.n - 1)]
         return [self.sequence(sid, choice, self.top_logprobs if self.logprobs else None)
                 for choice, sid in enumerate(sids)]
 
-    def reply(self, tokens):
-        return self.chat.encoder.parse_reply(tokens, self.chat.thinking)
-
-    def text_of(self, tokens: list[int]) -> str:
-        return self.reply(tokens).content
-
-    def stopped(self, sequence: Sequence) -> bool:
-        return bool(self.stops) and self.first_stop(self.text_of(sequence.tokens)) is not None
+    def reader(self) -> ReplyReader:
+        return ReplyReader(self.chat.encoder, self.thinking)
 
     def finish(self, store, sequences) -> dict:
         for sequence in sequences:       # the next turn re-sends this history: let it resume here
             store.cache_prefix(sequence.sid)
         close_sessions(store, sequences)
-        choices = [self.choice(index, sequence) for index, sequence in enumerate(sequences)]
+        replies = [self.chat.encoder.parse_reply(sequence.tokens, self.thinking) for sequence in sequences]
+        choices = [self.choice(index, sequence, reply) for index, (sequence, reply) in enumerate(zip(sequences, replies))]
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.served.name,
-                "choices": choices, "usage": self.usage(sequences)}
+                "choices": choices, "usage": self.usage(sequences, sum(reply.reasoning_tokens for reply in replies))}
 
-    def message(self, tokens: list[int], finish_reason: str) -> tuple[dict, str]:
-        """The assistant message of a finished choice's ``tokens`` and its finish reason."""
-        reply = self.reply(tokens)
-        content = reply.content
-        cut = self.first_stop(content) if self.stops else None
-        if cut is not None:
-            content = content[:cut]
+    def message(self, reply, finish_reason: str) -> tuple[dict, str]:
+        """The assistant message of a finished choice's `Reply` and its finish reason."""
+        content = self.cut(reply.content)
         message = {"role": "assistant", "content": content}
-        if self.chat.thinking:
+        if self.thinking:
             message["reasoning_content"] = reply.reasoning
         reason = finish_reason
-        if reply.tool_calls and cut is None:
+        if reply.tool_calls and content == reply.content:
             message["tool_calls"] = tool_calls(reply.tool_calls)
             message["content"] = content or None
             if reason == "stop":
                 reason = "tool_calls"
         return message, reason
 
-    def choice(self, index: int, sequence: Sequence) -> dict:
-        message, reason = self.message(sequence.tokens, sequence.finish_reason)
+    def choice(self, index: int, sequence: Sequence, reply) -> dict:
+        message, reason = self.message(reply, sequence.finish_reason)
         logprobs = {"content": self.logprob_entries(sequence.tokens, sequence.logprobs)} if self.logprobs else None
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
@@ -298,64 +321,36 @@ class ChatPlan(_Choices):
                 for token, score in zip(tokens, scores)]
 
     # ---------------------------------------------------------------- streaming
-    def stream_state(self) -> "StreamReply":
-        return StreamReply(self)
+    def stream_state(self) -> StreamState:
+        return StreamState(self, self.n)
 
-    def opening_chunks(self) -> list[dict]:
+    def opening_chunks(self, state) -> list[dict]:
         return [self.chunk(index, {"role": "assistant", "content": ""}) for index in range(self.n)]
 
-    def stream_chunks(self, state: "StreamReply", event: tuple) -> list[dict]:
+    def stream_chunks(self, state: StreamState, event: tuple) -> list[dict]:
         """The chunks an engine event streams: a token's new reasoning or content (or log-prob);
         the end the rest, the tool calls and the finish reason."""
         if event[0] == "token":
             _, index, token, logprob = event
-            delta = state.advance(index, token)
+            delta = self.delta(*state.advance(index, token))
             logprobs = {"content": self.logprob_entries([token], [logprob])} if logprob else None
             return [self.chunk(index, delta, logprobs)] if delta or logprobs else []
         if event[0] == "end":
             _, index, reason = event
-            delta = state.advance(index, None, final=True)
-            message, reason = self.message(state.tokens[index], reason)
+            delta = self.delta(*state.advance(index, None))
+            message, reason = self.message(state.readers[index].reply, reason)
             if message.get("tool_calls"):
                 delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
             return [self.chunk(index, delta, None, reason)]
-        return []
+        return self.closing_chunks(event)
+
+    def delta(self, reasoning: str, content: str) -> dict:
+        return {**({"reasoning_content": reasoning} if reasoning and self.thinking else {}),
+                **({"content": content} if content else {})}
 
     def chunk(self, index: int, delta: dict, logprobs=None, finish_reason=None) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.served.name,
                 "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
-
-
-class StreamReply:
-    """Per choice, the reasoning and content sent so far (the reply re-read after each token)."""
-
-    def __init__(self, plan: ChatPlan):
-        self.plan = plan
-        self.tokens = [[] for _ in range(plan.n)]
-        self.sent = [{"reasoning_content": "", "content": ""} for _ in range(plan.n)]
-        self.hold = max((len(s) - 1 for s in plan.stops), default=0)
-
-    def advance(self, index: int, token: int | None, final: bool = False) -> dict:
-        """The delta after ``token`` (None: only flush, at the end)."""
-        if token is not None:
-            self.tokens[index].append(token)
-        reply = self.plan.reply(self.tokens[index])
-        delta = {}
-        for field, text in (("reasoning_content", reply.reasoning), ("content", reply.content)):
-            if field == "reasoning_content" and not self.plan.chat.thinking:
-                continue
-            cut = self.plan.first_stop(text) if field == "content" and self.plan.stops else None
-            if cut is not None:
-                text = text[:cut]
-            elif not final:
-                text = text.rstrip("\ufffd")
-                if field == "content":
-                    text = text[: max(len(self.sent[index][field]), len(text) - self.hold)]
-            sent = self.sent[index][field]
-            if text.startswith(sent) and len(text) > len(sent):
-                delta[field] = text[len(sent):]
-                self.sent[index][field] = text
-        return delta
 
 
 def tool_calls(calls: list[dict]) -> list[dict]:

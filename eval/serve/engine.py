@@ -44,7 +44,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from k3jax.sampling import log_softmax
-from k3jax.sessions import Sampling, SessionStore
+from k3jax.sessions import Sampling, SessionStore, prefill_in_turns
 from .errors import ServeError, job_error, server_error
 
 log = logging.getLogger("k3jax.serve")
@@ -113,6 +113,23 @@ def close_sessions(store: SessionStore, sequences) -> None:
     for sequence in sequences:
         if sequence.sid in store.sessions():
             store.close(sequence.sid)
+
+
+def open_in_turns(store: SessionStore, prompt: list[int]):
+    """A generator opening a session on ``prompt`` in turns (`prefill_in_turns`, a `Job`'s
+    ``prepare`` yields from it) -> (the session, how many prompt tokens were resumed from the prefix
+    cache rather than prefilled: the rise of the store's ``prefix_tokens_reused`` counter across the
+    first turn, whose `SessionStore.open` alone looks the prefix up; other jobs run only at yields)."""
+    before = store.stats()["prefix_tokens_reused"]
+    turns = prefill_in_turns(store, prompt, PREFILL_TURN_TOKENS)
+    try:
+        next(turns)
+    except StopIteration as done:
+        return done.value, store.stats()["prefix_tokens_reused"] - before
+    cached = store.stats()["prefix_tokens_reused"] - before
+    yield
+    sid = yield from turns
+    return sid, cached
 
 
 class Engine:

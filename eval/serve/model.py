@@ -13,6 +13,7 @@ import re
 import numpy as np
 
 from k3jax.data import load_tokenizer
+from k3jax.data.tokenizers import TextDecoder
 from k3jax.data.chat_format import generation_prompt, render_conversation
 from k3jax.inference.chat import chat_turns_for
 from .errors import ServeError
@@ -63,6 +64,19 @@ class ServedModel:
         return self.tokenizer.decode([i for i in ids if i < getattr(self.tokenizer, "vocab_size", self.vocab_size)
                                       and i not in self.special_names])
 
+    def text_decoder(self):
+        """A decoder of this model's ids one at a time (``feed(id) -> text``, ``flush() -> text``)
+        whose pieces join to `decode` of the ids."""
+        if self.tokenizer is None:
+            return IdsText()
+        return TextDecoder(self.token_bytes)
+
+    def token_bytes(self, token: int) -> bytes:
+        """A token's bytes as `decode` writes them (special tokens and ids past the tokenizer: none)."""
+        if token in self.special_names or token >= getattr(self.tokenizer, "vocab_size", self.vocab_size):
+            return b""
+        return self.tokenizer.token_bytes(token)
+
     def piece(self, token: int) -> str:
         """One token's text (a special token's name) for log-prob listings."""
         if token in self.special_names:
@@ -92,16 +106,35 @@ class ServedModel:
                              "whose tokenizer names K3's chat markers); use /v1/completions", param="messages")
         return self.chat
 
-    def chat_prompt(self, messages: list[dict], tools: list | None) -> np.ndarray:
-        """The conversation rendered in K3's chat format, then the assistant's generation prompt."""
+    def chat_prompt(self, messages: list[dict], tools: list | None, thinking: bool | None = None,
+                    effort: str | None = None) -> np.ndarray:
+        """The conversation rendered in K3's chat format, then the assistant's generation prompt;
+        ``thinking`` None: the run's thinking and effort, else ``thinking`` and ``effort`` (the
+        request's: `eval.serve.params.chat_reasoning`)."""
         chat = self.require_chat()
+        if thinking is None:
+            thinking, effort = chat.thinking, chat.thinking_effort
         for index, message in enumerate(messages if isinstance(messages, list) else []):
             if isinstance(message, dict) and "content" not in message and not message.get("tool_calls"):
                 raise ServeError(400, f"messages: message {index} has no content (only an assistant message "
                                  f"with tool_calls may leave it out)", param="messages")
         try:
-            segments = render_conversation(messages, tools or None, thinking=chat.thinking,
-                                           thinking_effort=chat.thinking_effort, where="messages")
+            segments = render_conversation(messages, tools or None, thinking=thinking, thinking_effort=effort,
+                                           where="messages")
         except RecursionError:        # JSON nested inside a string (tool call arguments)
             raise ServeError(400, "messages: a value nests too deeply to render", param="messages") from None
-        return chat.encoder.encode(segments + generation_prompt(chat.thinking))[0]
+        return chat.encoder.encode(segments + generation_prompt(thinking))[0]
+
+
+class IdsText:
+    """`ServedModel.text_decoder` of a model without a tokenizer: ids as space-separated integers."""
+
+    def __init__(self):
+        self.first = True
+
+    def feed(self, token: int) -> str:
+        text, self.first = ("" if self.first else " ") + str(int(token)), False
+        return text
+
+    def flush(self) -> str:
+        return ""

@@ -1,5 +1,6 @@
 """A checked request (`eval.serve.protocol`) as the engine takes it: the model's name, sampling,
-each choice's random stream, stop strings."""
+each choice's random stream, thinking and its effort, stop strings (found and held back in time
+linear in the streamed text)."""
 from __future__ import annotations
 
 import secrets
@@ -7,7 +8,7 @@ import secrets
 from k3jax.sessions import Sampling
 from .errors import ServeError
 from .limits import shown
-from .protocol import Request, Sampled
+from .protocol import ChatTemplateKwargs, Request, Sampled
 
 
 def check_model(request: Request, served: str) -> None:
@@ -23,15 +24,78 @@ def sampling(request: Sampled) -> tuple[float, float | None, int]:
     return request.temperature, (None if request.top_p >= 1.0 else request.top_p), seed
 
 
+def chat_reasoning(effort: str | None, template: ChatTemplateKwargs | None, chat,
+                   effort_param: str = "reasoning_effort") -> tuple[bool, str | None]:
+    """(thinking, thinking effort) a request asks for: ``effort`` (chat's ``reasoning_effort``, a
+    response's ``reasoning.effort``: "none" is no thinking) and ``chat_template_kwargs`` ``thinking``
+    / ``thinking_effort``, each left out taking the run's (``chat``: `k3jax.inference.chat.ChatTurns`).
+    A 400 naming the field when they disagree or ask for an effort without thinking."""
+    thinking = template.thinking if template is not None else None
+    template_effort = template.thinking_effort if template is not None else None
+    if effort is not None and template_effort is not None and effort != template_effort:
+        raise ServeError(400, f"{effort_param} {effort!r} and chat_template_kwargs.thinking_effort "
+                         f"{template_effort!r} disagree; send one", param=effort_param)
+    effort = effort if effort is not None else template_effort
+    if effort == "none":
+        if thinking:
+            raise ServeError(400, f"{effort_param} 'none' turns thinking off, but chat_template_kwargs.thinking is true",
+                             param=effort_param)
+        return False, None
+    thinking = chat.thinking if thinking is None else thinking
+    if effort is not None and not thinking:
+        raise ServeError(400, f"{effort_param} {effort!r} needs thinking, which is off for this request "
+                         "(chat_template_kwargs.thinking or the run's data.chat_thinking)", param=effort_param)
+    return thinking, effort if effort is not None else chat.thinking_effort if thinking else None
+
+
 def choice_sampling(temperature: float, top_p: float | None, seed: int, choice: int) -> Sampling:
     """Choice ``choice``'s sampling: its own stream of the request's seed, so a request's output
     depends on its seed and parameters, never on the requests it is batched with."""
     return Sampling(temperature, None, top_p, seed % 2**32, stream=choice)
 
 
-def text_stop(stops: list[str]):
-    """The earliest position where one of ``stops`` starts in a text -> None when there is none."""
-    def first(text: str) -> int | None:
-        found = [index for index in (text.find(stop) for stop in stops) if index >= 0]
-        return min(found) if found else None
-    return first
+class StopFinder:
+    """Where the earliest of ``stops`` starts in a text given piece by piece, each character looked
+    at O(1) times: a piece is searched together with the last ``max(len(stop)) - 1`` characters
+    before it (a stop that straddles pieces), never the text again (one found earlier would have
+    ended it). ``StopFinder(stops).feed(text)`` reads a whole text."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.keep = stops, max((len(stop) for stop in stops), default=1) - 1
+        self.tail, self.length = "", 0          # the text's last `keep` characters, its length
+
+    def feed(self, piece: str) -> int | None:
+        """``piece`` added -> where the earliest stop starts in the whole text, or None."""
+        window = self.tail + piece
+        found = [index for index in (window.find(stop) for stop in self.stops) if index >= 0]
+        start = self.length - len(self.tail)
+        self.length += len(piece)
+        self.tail = window[max(0, len(window) - self.keep):] if self.keep else ""
+        return start + min(found) if found else None
+
+
+class HeldText:
+    """A streamed text under stop strings: each piece sends what is certain -- up to a stop string
+    (then nothing more), else all but the last ``max(len(stop)) - 1`` characters, which a stop
+    string could still claim (sent at the end). The pieces sent join to the text cut at its first
+    stop, as a reply that is not streamed shows it."""
+
+    def __init__(self, stops: list[str]):
+        self.finder = StopFinder(stops) if stops else None
+        self.held, self.sent, self.stopped = "", 0, False
+
+    def push(self, piece: str, final: bool = False) -> str:
+        """``piece`` added (``final``: the text ends) -> the text to send now."""
+        if self.stopped:
+            return ""
+        text = self.held + piece
+        cut = self.finder.feed(piece) if self.finder is not None else None
+        if cut is not None:
+            self.stopped, send = True, text[: cut - self.sent]
+        elif final or self.finder is None:
+            send = text
+        else:
+            send = text[: max(0, len(text) - self.finder.keep)]
+        self.held = "" if self.stopped else text[len(send):]
+        self.sent += len(send)
+        return send

@@ -27,6 +27,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Di
                       Strict, Tag, ValidationError, WrapValidator)
 from pydantic_core import PydanticCustomError
 
+from k3jax.data.chat_format import THINKING_EFFORTS
 from .errors import ServeError
 from .limits import clipped, shown
 
@@ -106,6 +107,40 @@ def unsupported(*no_ops: Any, why: str):
         raise PydanticCustomError("unsupported", "{text}", {
             "text": f"is not supported by this server ({why}); {advice}, got {shown(value)}"})
     return Annotated[Any, AfterValidator(check)]
+
+
+def one_of(values: tuple[str, ...], text: str):
+    """A string among ``values`` (null: None), else a 400 ``"{text}, got ..."``."""
+    def check(value):
+        if value not in values:
+            raise PydanticCustomError("invalid_value", "{text}", {"text": f"{text}, got {shown(value)}"})
+        return value
+    return Annotated[str, Strict(), AfterValidator(check), _described(text)]
+
+
+# K3's chat format renders thinking_effort low, high or max (`k3jax.data.chat_format`); "none": no thinking
+Effort = one_of(("none", *THINKING_EFFORTS), f"must be none (no thinking) or one of K3's thinking efforts "
+                f"{', '.join(THINKING_EFFORTS)}")
+
+
+class ChatTemplateKwargs(BaseModel):
+    """vLLM's ``chat_template_kwargs`` as K3's chat format reads them: thinking on or off, its effort."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    thinking: flag(None) | None = None
+    thinking_effort: one_of(THINKING_EFFORTS, f"must be one of K3's thinking efforts {', '.join(THINKING_EFFORTS)}"
+                            ) | None = None
+
+
+class Reasoning(BaseModel):
+    """A responses request's ``reasoning``: its effort, as chat's ``reasoning_effort``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    effort: Effort | None = None
+    summary: unsupported(why="reasoning is returned whole as reasoning_text, not summarized") = None
+    generate_summary: unsupported(why="reasoning is returned whole as reasoning_text, not summarized") = None
 
 
 def _one_or_list(value):
@@ -254,7 +289,8 @@ class ChatRequest(Choices):
     metadata: Annotated[dict[str, Any], _described("must be an object")] | None = None
     parallel_tool_calls: unsupported(True, why="a reply may call several tools; it cannot be held to one") = None
     response_format: unsupported({"type": "text"}, why="output is not constrained to a format") = None
-    reasoning_effort: unsupported(why="the thinking effort is the run's: data.chat_thinking_effort") = None
+    reasoning_effort: Effort | None = None       # None: the run's (data.chat_thinking_effort)
+    chat_template_kwargs: Annotated[ChatTemplateKwargs, _described("must be an object")] | None = None   # vLLM's
     store: unsupported(False, why="chat completions are not stored; /v1/responses stores responses") = None
 
 
@@ -371,11 +407,11 @@ class ResponseRequest(Sampled):
     store: flag(True) = True
     max_output_tokens: integer(1) | None = None
     metadata: Annotated[dict[str, Any], _described("must be an object")] | None = None   # echoed in the response
-    stream: unsupported(False, why="streaming is offered on /v1/chat/completions and /v1/completions") = None
+    stream: flag(False) = False
     tool_choice: unsupported("auto", why="tools are the model's to call or not") = None
     parallel_tool_calls: unsupported(True, why="a reply may call several tools; it cannot be held to one") = None
     truncation: unsupported("disabled", why="a conversation past the context is refused, not cut") = None
-    reasoning: unsupported(why="the thinking effort is the run's: data.chat_thinking_effort") = None
+    reasoning: Annotated[Reasoning, _described("must be an object")] | None = None
     text: unsupported({"format": {"type": "text"}}, why="output is not constrained to a format") = None
     include: unsupported([], why="the response carries no extra data") = None
     background: unsupported(False, why="each response is answered while the client waits") = None
@@ -390,6 +426,7 @@ class TokenizeRequest(Request):
     prompt: Annotated[str, Strict(), _described("give a string prompt or messages")] | None = None
     messages: Messages = None     # (absent: a text prompt)
     tools: ChatTools | None = None
+    chat_template_kwargs: Annotated[ChatTemplateKwargs, _described("must be an object")] | None = None   # as chat's
     add_special_tokens: unsupported(False, why="no special token is added; name one in the text to have it") = None
     add_generation_prompt: unsupported(True, why="messages are always rendered with the generation prompt") = None
     return_token_strs: unsupported(False, why="only token ids are returned") = None

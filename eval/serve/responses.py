@@ -32,12 +32,12 @@ import time
 import uuid
 
 from k3jax.data import DataError
-from k3jax.data.chat_format import reply_segments
+from k3jax.data.chat_format import ReplyReader, reply_segments
 from k3jax.disk import write_atomically
 from k3jax.sessions import SessionStore, prefill_in_turns
 from k3jax.sessions.tiers import remove_spill_files
 from .completions import tool_calls
-from .engine import PREFILL_TURN_TOKENS, Job, Sequence
+from .engine import PREFILL_TURN_TOKENS, Job, Sequence, open_in_turns
 from .errors import ServeError
 from .journal import JOURNAL_DIR, Journal, remove_interrupted_writes
 from .limits import shown
@@ -247,22 +247,30 @@ def chat_tools(tools: list[dict] | None) -> list | None:
 
 class ResponsePlan:
     """A ``POST /v1/responses`` request (checked on the HTTP side; the stored state is read on the
-    engine thread, where `prepare` resolves ``previous_response_id``)."""
+    engine thread, where `prepare` resolves ``previous_response_id``). Streamed (``stream: true``),
+    its events (`ResponseEvents`) build the very response that is stored and that a plain request
+    answers: the same output items, ids and order."""
+
+    named_events, done_marker = True, False      # server-sent events "event: TYPE", no "[DONE]" (`Server.chunks`)
 
     def __init__(self, served: ServedModel, body: dict | ResponseRequest, responses: ResponseStore):
         request = ResponseRequest.parse(body)
         params.check_model(request, served.name)
         self.served, self.responses, self.chat = served, responses, served.require_chat()
+        effort = request.reasoning.effort if request.reasoning is not None else None
+        self.thinking, self.effort = params.chat_reasoning(effort, None, self.chat, "reasoning.effort")
         self.new_messages = input_messages(request.input)
         if request.instructions is not None:
             self.new_messages.insert(0, {"role": "system", "content": request.instructions})
         self.tools = chat_tools(request.tools)
         self.previous_id, self.keep, self.metadata = request.previous_response_id, request.store, request.metadata
         self.temperature, self.top_p, self.seed = params.sampling(request)
-        self.max_tokens = request.max_output_tokens
+        self.max_tokens, self.stream = request.max_output_tokens, request.stream
         self.id, self.created = new_response_id(), int(time.time())
+        self.item_ids = {"think": f"rs_{uuid.uuid4().hex}", "response": f"msg_{uuid.uuid4().hex}"}
         self.prompt: list[int] = []
         self.messages: list[dict] = []
+        self.cached_tokens = 0
 
     def job(self, notify, deadline) -> Job:
         return Job(self.prepare, self.finish, notify, deadline=deadline)
@@ -271,7 +279,7 @@ class ResponsePlan:
         previous = self.responses.get(self.previous_id) if self.previous_id is not None else None
         self.messages = (previous.messages if previous is not None else []) + self.new_messages
         try:
-            self.prompt = self.served.chat_prompt(self.messages, self.tools).tolist()
+            self.prompt = self.served.chat_prompt(self.messages, self.tools, self.thinking, self.effort).tolist()
         except DataError as error:
             raise ServeError(400, str(error), param="input") from None
         room = self.served.max_model_len - len(self.prompt)
@@ -280,26 +288,34 @@ class ResponsePlan:
         stored = store.tokens(previous.sid).tolist() if previous is not None else None
         if stored is not None and len(stored) < len(self.prompt) and self.prompt[: len(stored)] == stored:
             sid = store.fork(previous.sid)
+            self.cached_tokens = len(stored)
             yield from prefill_in_turns(store, self.prompt[len(stored):], PREFILL_TURN_TOKENS, sid=sid)
         else:
-            sid = yield from prefill_in_turns(store, self.prompt, PREFILL_TURN_TOKENS)
+            sid, self.cached_tokens = yield from open_in_turns(store, self.prompt)
         eos = frozenset() if self.served.eos_id is None else frozenset([self.served.eos_id])
         return [Sequence(sid, params.choice_sampling(self.temperature, self.top_p, self.seed, 0), max_tokens, eos)]
 
+    def reader(self) -> ReplyReader:
+        return ReplyReader(self.chat.encoder, self.thinking)
+
     def finish(self, store: SessionStore, sequences) -> dict:
         (sequence,) = sequences
-        reply = self.chat.encoder.parse_reply(sequence.tokens, self.chat.thinking)
+        reader = self.reader()
+        for token in sequence.tokens:
+            reader.feed(token)
+        reader.close()
+        reply = reader.reply
         calls = tool_calls(reply.tool_calls)
         message = {"role": "assistant", "content": reply.content}
-        if self.chat.thinking:
+        if self.thinking:
             message["reasoning_content"] = reply.reasoning
         if calls:
             message["tool_calls"] = calls
-        body = self.body(reply, calls, sequence)
+        body = self.body(reply, reader.order, calls, sequence)
         if not self.keep:
             store.close(sequence.sid)
             return body
-        canonical = self.prompt + self.chat.encoder.encode(reply_segments(message, self.chat.thinking))[0].tolist()
+        canonical = self.prompt + self.chat.encoder.encode(reply_segments(message, self.thinking))[0].tolist()
         sid = sequence.sid
         if store.tokens(sid).tolist() != canonical:
             store.close(sid)
@@ -307,31 +323,147 @@ class ResponsePlan:
         self.responses.add(store, StoredResponse(self.id, sid, self.messages + [message], self.tools, body))
         return body
 
-    def body(self, reply, calls: list[dict], sequence: Sequence) -> dict:
-        output = []
-        if self.chat.thinking and reply.reasoning:
-            output.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
-                           "content": [{"type": "reasoning_text", "text": reply.reasoning}]})
-        if reply.content or not calls:
-            output.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed",
-                           "role": "assistant",
-                           "content": [{"type": "output_text", "text": reply.content, "annotations": []}]})
+    def output_item(self, channel: str, text: str | None, status: str = "completed") -> dict:
+        """The reasoning (``channel`` think) or message (response) output item, ``text`` its one part
+        (None: no part yet, as a stream announces it)."""
+        if channel == "think":
+            parts = [] if text is None else [{"type": "reasoning_text", "text": text}]
+            return {"type": "reasoning", "id": self.item_ids[channel], "summary": [], "content": parts}
+        parts = [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]
+        return {"type": "message", "id": self.item_ids[channel], "status": status, "role": "assistant",
+                "content": parts}
+
+    def body(self, reply, order: list[str], calls: list[dict], sequence: Sequence) -> dict:
+        """The response: its reasoning (with thinking, when there is any) and message (when it has
+        text or calls nothing) in the order their text began (``order``: `ReplyReader.order`, as a
+        stream opens them), then its function calls."""
+        texts = {"think": reply.reasoning if self.thinking else "", "response": reply.content}
+        shown = [channel for channel in order if texts[channel]]
+        if not calls and "response" not in shown:
+            shown.append("response")
+        output = [self.output_item(channel, texts[channel]) for channel in shown]
         for call in calls:
             output.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
                            "name": call["function"]["name"], "arguments": call["function"]["arguments"],
                            "status": "completed"})
         complete = sequence.finish_reason == "stop"
+        usage = {"input_tokens": len(self.prompt), "output_tokens": len(sequence.tokens),
+                 "total_tokens": len(self.prompt) + len(sequence.tokens),
+                 # cached: resumed from a stored session or the prefix cache; written: prefilled into the kept session
+                 "input_tokens_details": {"cached_tokens": self.cached_tokens,
+                                          "cache_write_tokens": len(self.prompt) - self.cached_tokens if self.keep else 0},
+                 "output_tokens_details": {"reasoning_tokens": reply.reasoning_tokens}}
+        return self.envelope("completed" if complete else "incomplete", output, usage)
+
+    def envelope(self, status: str, output: list, usage: dict | None) -> dict:
+        """The response object around ``output`` (a stream's first events: in progress, no output)."""
         return {
             "id": self.id, "object": "response", "created_at": self.created, "model": self.served.name,
-            "status": "completed" if complete else "incomplete",
-            "incomplete_details": None if complete else {"reason": "max_output_tokens"},
+            "status": status, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "previous_response_id": self.previous_id, "output": output, "store": self.keep,
             "temperature": self.temperature, "top_p": 1.0 if self.top_p is None else self.top_p,
             "tools": [{"type": "function", **tool["function"]} for tool in self.tools or []],
             "parallel_tool_calls": True, "tool_choice": "auto", "error": None, "instructions": None,
-            "metadata": self.metadata or {},
-            "usage": {"input_tokens": len(self.prompt), "output_tokens": len(sequence.tokens),
-                      "total_tokens": len(self.prompt) + len(sequence.tokens),
-                      "input_tokens_details": {"cached_tokens": 0},
-                      "output_tokens_details": {"reasoning_tokens": 0}},
+            "reasoning": {"effort": self.effort if self.thinking else "none", "summary": None},
+            "metadata": self.metadata or {}, "usage": usage,
         }
+
+    # ---------------------------------------------------------------- streaming
+    def stream_state(self) -> "ResponseEvents":
+        return ResponseEvents(self)
+
+    def opening_chunks(self, state: "ResponseEvents") -> list[dict]:
+        return state.opening()
+
+    def stream_chunks(self, state: "ResponseEvents", event: tuple) -> list[dict]:
+        return state.on(event)
+
+
+def failure_code(status: int) -> str:
+    """A failed response's ``error.code`` (one of the Responses API's) for an HTTP status: 429
+    ``rate_limit_exceeded``, 5xx ``server_error``, any other (the request's own) ``invalid_prompt``."""
+    return "rate_limit_exceeded" if status == 429 else "server_error" if status >= 500 else "invalid_prompt"
+
+
+class ResponseEvents:
+    """A streamed response's events (OpenAI's Responses streaming), each with its
+    ``sequence_number``: response.created and .in_progress; per output item .output_item.added,
+    .content_part.added, text deltas (.reasoning_text.delta for reasoning, .output_text.delta for
+    the message) as the reply is read (`ReplyReader`: each token once), then their .done events and
+    .output_item.done; function calls (known once the reply has ended) as items with
+    .function_call_arguments.delta / .done; last response.completed (or .incomplete) carrying the
+    stored response, or response.failed."""
+
+    DELTA = {"think": "response.reasoning_text", "response": "response.output_text"}
+    LOGPROBS = {"think": {}, "response": {"logprobs": []}}      # output text events list log-probs (none here)
+
+    def __init__(self, plan: ResponsePlan):
+        self.plan, self.reader, self.number = plan, plan.reader(), 0
+        self.open: dict[str, int] = {}          # channel -> its item's output index, in the order opened
+
+    def event(self, kind: str, **fields) -> dict:
+        event = {"type": kind, "sequence_number": self.number, **fields}
+        self.number += 1
+        return event
+
+    def opening(self) -> list[dict]:
+        response = self.plan.envelope("in_progress", [], None)
+        return [self.event("response.created", response=response), self.event("response.in_progress", response=response)]
+
+    def on(self, event: tuple) -> list[dict]:
+        if event[0] == "token":
+            return self.text(*self.reader.feed(event[2]))
+        if event[0] == "end":
+            return self.text(*self.reader.close())
+        if event[0] == "result":
+            return self.closing(event[1])
+        if event[0] == "error":
+            error = {"code": failure_code(event[1].status), "message": event[1].message}
+            return [self.event("response.failed", response={**self.plan.envelope("failed", [], None), "error": error})]
+        return []
+
+    def text(self, reasoning: str, content: str) -> list[dict]:
+        events = []
+        for channel, delta in (("think", reasoning if self.plan.thinking else ""), ("response", content)):
+            if not delta:
+                continue
+            if channel not in self.open:
+                events += self.added(channel)
+            events.append(self.event(f"{self.DELTA[channel]}.delta", item_id=self.plan.item_ids[channel],
+                                     output_index=self.open[channel], content_index=0, delta=delta,
+                                     **self.LOGPROBS[channel]))
+        return events
+
+    def added(self, channel: str) -> list[dict]:
+        index = self.open[channel] = len(self.open)
+        item = self.plan.output_item(channel, None, "in_progress")
+        part = {"type": "reasoning_text", "text": ""} if channel == "think" else \
+            {"type": "output_text", "text": "", "annotations": []}
+        return [self.event("response.output_item.added", output_index=index, item=item),
+                self.event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
+                           part=part)]
+
+    def closing(self, body: dict) -> list[dict]:
+        """The .done events of every item of the finished ``body`` (announcing those not streamed:
+        function calls, an empty message), then response.completed / .incomplete."""
+        events = []
+        for index, item in enumerate(body["output"]):
+            channel = {"reasoning": "think", "message": "response"}.get(item["type"])
+            if channel is not None:
+                if channel not in self.open:
+                    events += self.added(channel)
+                part = item["content"][0]
+                events.append(self.event(f"{self.DELTA[channel]}.done", item_id=item["id"], output_index=index,
+                                         content_index=0, text=part["text"], **self.LOGPROBS[channel]))
+                events.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                                         content_index=0, part=part))
+            else:
+                events.append(self.event("response.output_item.added", output_index=index,
+                                         item={**item, "arguments": "", "status": "in_progress"}))
+                events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                         output_index=index, delta=item["arguments"]))
+                events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
+                                         output_index=index, arguments=item["arguments"]))
+            events.append(self.event("response.output_item.done", output_index=index, item=item))
+        kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
+        return events + [self.event(kind, response=body)]

@@ -17,7 +17,8 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from .engine import Engine
-from .errors import ServeError, error_body
+from .latency import Latency
+from .errors import ServeError
 from .limits import MAX_JSON_DEPTH, check_nesting, clipped
 from .model import ServedModel
 from .responses import ResponseStore
@@ -88,20 +89,26 @@ def event_queue():
     return events, notify
 
 
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def sse(payload: dict, named: bool = False) -> str:
+    """One server-sent event: ``data: JSON`` (``named``: after ``event: TYPE``, the payload's type)."""
+    data = f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"event: {payload['type']}\n{data}" if named else data
 
 
 class Server:
     """The app's state: the model, the engine, stored responses, counters."""
 
     def __init__(self, served: ServedModel, engine: Engine, responses: ResponseStore, *, api_key: str | None,
-                 request_timeout: float, allowed_hosts: frozenset[str] | None = None):
-        """``allowed_hosts``: the Host header names answered (None: any)."""
+                 request_timeout: float, allowed_hosts: frozenset[str] | None = None,
+                 allowed_origins: list[str] | None = None):
+        """``allowed_hosts``: the Host header names answered (None: any); ``allowed_origins``: the
+        web origins CORS lets call it (None: no CORS headers)."""
         self.served, self.engine, self.responses = served, engine, responses
         self.api_key, self.request_timeout, self.allowed_hosts = api_key, request_timeout, allowed_hosts
         self.save_failure: str | None = None      # why the shutdown's save failed
+        self.allowed_origins = allowed_origins
         self.requests: dict[tuple[str, int], int] = {}
+        self.latency = Latency()
         self.started = time.time()
 
     def deadline(self) -> float:
@@ -116,6 +123,7 @@ class Server:
         events, notify = event_queue()
         job = plan.job(notify, self.deadline())
         self.engine.submit(job)
+        watch = self.latency.watch()
         loop = asyncio.get_running_loop()
         next_check = loop.time() + DISCONNECT_POLL_SECONDS
         try:
@@ -129,6 +137,7 @@ class Server:
                         self.engine.cancel(job)
                         raise ServeError(499, "the client closed the connection") from None
                     next_check = loop.time() + DISCONNECT_POLL_SECONDS
+                watch.on(event)
                 if event[0] == "result":
                     return event[1]
                 if event[0] == "error":
@@ -137,35 +146,34 @@ class Server:
             self.engine.cancel(job)
             raise
 
-    def stream(self, plan, include_usage: bool) -> StreamingResponse:
-        """Submit ``plan``'s job and answer with server-sent events of its chunks, then ``[DONE]``."""
+    def stream(self, plan) -> StreamingResponse:
+        """Submit ``plan``'s job and answer with server-sent events of its chunks."""
         events, notify = event_queue()
         job = plan.job(notify, self.deadline())
         self.engine.submit(job)          # a full queue is still a plain 429
-        return StreamingResponse(self.chunks(plan, job, events, include_usage), media_type="text/event-stream",
+        return StreamingResponse(self.chunks(plan, job, events, self.latency.watch()), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def chunks(self, plan, job, events: asyncio.Queue, include_usage: bool):
-        """The events of ``plan``'s submitted ``job`` as server-sent events (`plan.stream_chunks`);
-        the result (its usage when asked for) or an error ends the stream. A stream left before its
-        end (the client went away) cancels the job."""
+    async def chunks(self, plan, job, events: asyncio.Queue, watch):
+        """The events of ``plan``'s submitted ``job`` as server-sent events (`plan.stream_chunks`,
+        ``event: TYPE`` lines where ``plan.named_events``); the result or an error ends the stream
+        (then ``[DONE]`` where ``plan.done_marker``). A stream left before its end (the client went
+        away) cancels the job."""
         finished = False
         state = plan.stream_state()
         try:
-            for chunk in plan.opening_chunks():
-                yield sse(chunk)
+            for chunk in plan.opening_chunks(state):
+                yield sse(chunk, plan.named_events)
             while True:
                 event = await events.get()
+                watch.on(event)
+                for chunk in plan.stream_chunks(state, event):
+                    yield sse(chunk, plan.named_events)
                 if event[0] in ("result", "error"):
                     finished = True
-                    if event[0] == "error":
-                        yield sse(error_body(event[1]))
-                    elif include_usage:
-                        yield sse(plan.usage_chunk(event[1]["usage"]))
-                    yield "data: [DONE]\n\n"
+                    if plan.done_marker:
+                        yield "data: [DONE]\n\n"
                     return
-                for chunk in plan.stream_chunks(state, event):
-                    yield sse(chunk)
         finally:
             if not finished:
                 self.engine.cancel(job)

@@ -55,6 +55,7 @@ from typing import Any, Literal, Sequence
 import numpy as np
 
 from k3jax.data.errors import DataError
+from k3jax.data.tokenizers import TextDecoder
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 MARKERS = (OPEN, CLOSE, SEP, END_OF_MSG)
@@ -313,20 +314,6 @@ class ChatEncoder:
             flags += [segment.assistant or loss == "all"] * len(piece)
         return np.asarray(ids, np.int32), np.asarray(flags, bool)
 
-    def pieces(self, ids: Sequence[int]) -> list[tuple[str | None, str]]:
-        """``ids`` as ``(marker name, "")`` for each marker and ``(None, text)`` for each run of other
-        tokens between them (decoded; ids beyond the tokenizer's vocabulary are left out)."""
-        names = {token: name for name, token in self.marker_ids.items()}
-        pieces, run = [], []
-        for token in map(int, ids):
-            if token in names:
-                pieces += [(None, self.tokenizer.decode(run))] if run else []
-                pieces.append((names[token], ""))
-                run = []
-            elif token < self.tokenizer.vocab_size:
-                run.append(token)
-        return pieces + ([(None, self.tokenizer.decode(run))] if run else [])
-
     def reply_message(self, ids: Sequence[int], thinking: bool = True) -> dict:
         """The assistant message that a reply (the ids sampled after `generation_prompt`) writes
         (`parse_reply`): ``content``, ``reasoning_content`` (with thinking) and ``tool_calls`` (when
@@ -335,51 +322,113 @@ class ChatEncoder:
 
     def parse_reply(self, ids: Sequence[int], thinking: bool = True) -> "Reply":
         """Read a reply back into its parts: the text of its ``think`` and ``response`` channels, and
-        its tool calls -- the inverse of `reply_segments` for a reply the renderer could write.
+        its tool calls -- the inverse of `reply_segments` for a reply the renderer could write
+        (`ReplyReader` fed every id, then closed)."""
+        reader = ReplyReader(self, thinking)
+        for token in ids:
+            reader.feed(int(token))
+        reader.close()
+        return reader.reply
 
-        Tags nest as the renderer writes them (module docstring); text outside a channel, tags of
-        unknown names and what follows ``<|end_of_msg|>`` are left out. A call is kept when it is
-        closed, names its tool and each typed argument's text reads as its type (a string raw, the
-        others as JSON); otherwise it is counted in ``Reply.malformed`` with the reason."""
-        reply = Reply()
-        header, opening, call = None, False, None
-        stack = [None, "think" if thinking else "response"]   # None: outside every element
-        for marker, text in self.pieces(ids):
-            if marker is None:
-                if header is not None:
-                    header += text
-                elif stack[-1] in ("think", "response"):
-                    setattr(reply, "reasoning" if stack[-1] == "think" else "content",
-                            getattr(reply, "reasoning" if stack[-1] == "think" else "content") + text)
-                elif call is not None and stack[-1] in ("argument", "json"):
-                    call.text += text
-            elif marker == END_OF_MSG:
-                reply.finished = True
-                break
-            elif marker in (OPEN, CLOSE):
-                header, opening = "", marker == OPEN
-            elif header is not None:          # SEP ends a tag: <|open|>NAME attrs<|sep|> or <|close|>NAME<|sep|>
-                name, attributes = tag_header(header)
-                header = None
-                if opening:
-                    stack.append(name)
-                    if name == "call":
-                        call = _CallReader(attributes.get("tool"))
-                    elif call is not None and name in ("argument", "json"):
-                        call.begin(name, attributes)
-                    continue
-                while len(stack) > 1 and stack[-1] != name:   # a tag left open closes with its parent
-                    stack.pop()
-                if len(stack) > 1:
-                    stack.pop()
-                if call is not None and name in ("argument", "json"):
-                    call.end()
-                elif call is not None and name == "call":
-                    reply.add_call(call)
-                    call = None
-        if call is not None:
-            reply.malformed.append("a tool call was cut short")
-        return reply
+
+class ReplyReader:
+    """A reply read as it is sampled, one token at a time, in time linear in its length (what a
+    streamed reply needs): `feed` returns the text a token adds to the reasoning and to the content.
+
+    Tags nest as the renderer writes them (module docstring); text outside a channel, tags of
+    unknown names and what follows ``<|end_of_msg|>`` are left out. A call is kept when it is
+    closed, names its tool and each typed argument's text reads as its type (a string raw, the
+    others as JSON); otherwise it is counted in ``Reply.malformed`` with the reason. Text between
+    two markers is decoded as one run (`TextDecoder`: a character split across tokens is whole;
+    bytes that are not UTF-8 at a marker or at the end are U+FFFD); ids beyond the tokenizer's
+    vocabulary are left out. ``reasoning_tokens`` counts the text tokens of the ``think`` channel."""
+
+    def __init__(self, encoder: ChatEncoder, thinking: bool = True):
+        self.encoder, self.reply = encoder, Reply()
+        self.names = {token: name for name, token in encoder.marker_ids.items()}
+        self.text = TextDecoder(encoder.tokenizer.token_bytes)
+        self.header: list[str] | None = None    # a tag's text between its marker and <|sep|>, as read
+        self.opening, self.call = False, None
+        self.stack = [None, "think" if thinking else "response"]   # None: outside every element
+        self.channels = {"think": [], "response": []}               # their text, joined by `close`
+        self.order: list[str] = []           # the channels in the order their text began
+        self.reasoning_tokens = 0
+
+    def feed(self, token: int) -> tuple[str, str]:
+        """``token`` read -> (text it added to the reasoning, text it added to the content)."""
+        if self.reply.finished:
+            return "", ""
+        marker = self.names.get(token)
+        if marker is None:
+            if token >= self.encoder.tokenizer.vocab_size:
+                return "", ""
+            if self.header is None and self.stack[-1] == "think":
+                self.reasoning_tokens += 1
+            return self._add(self.text.feed(token))
+        added = self._add(self.text.flush())
+        self._marker(marker)
+        return added
+
+    def close(self) -> tuple[str, str]:
+        """The end of the reply: the text still carried (U+FFFD for an incomplete character), and a
+        call left open counted as malformed; ``reply`` then holds the channels' text. Returns what
+        `feed` does."""
+        added = self._add(self.text.flush())
+        self._drop_open_call()
+        self.reply.reasoning, self.reply.content = ("".join(self.channels[name]) for name in ("think", "response"))
+        self.reply.reasoning_tokens = self.reasoning_tokens
+        return added
+
+    def _add(self, text: str) -> tuple[str, str]:
+        if not text:
+            return "", ""
+        where = self.stack[-1]
+        if self.header is not None:
+            self.header.append(text)
+        elif where in self.channels:
+            if not self.channels[where]:
+                self.order.append(where)
+            self.channels[where].append(text)
+            return (text, "") if where == "think" else ("", text)
+        elif self.call is not None and where in ("argument", "json"):
+            self.call.parts.append(text)
+        return "", ""
+
+    def _marker(self, marker: str) -> None:
+        if marker == END_OF_MSG:
+            self.reply.finished = True
+            self._drop_open_call()
+        elif marker in (OPEN, CLOSE):
+            self.header, self.opening = [], marker == OPEN
+        elif self.header is not None:         # SEP ends a tag: <|open|>NAME attrs<|sep|> or <|close|>NAME<|sep|>
+            name, attributes = tag_header("".join(self.header))
+            self.header = None
+            self._tag(name, attributes)
+
+    def _drop_open_call(self) -> None:
+        """The reply ended inside a call: it is counted as malformed."""
+        if self.call is not None:
+            self.reply.malformed.append("a tool call was cut short")
+            self.call = None
+
+    def _tag(self, name: str, attributes: dict) -> None:
+        stack, call = self.stack, self.call
+        if self.opening:
+            stack.append(name)
+            if name == "call":
+                self.call = _CallReader(attributes.get("tool"))
+            elif call is not None and name in ("argument", "json"):
+                call.begin(name, attributes)
+            return
+        while len(stack) > 1 and stack[-1] != name:   # a tag left open closes with its parent
+            stack.pop()
+        if len(stack) > 1:
+            stack.pop()
+        if call is not None and name in ("argument", "json"):
+            call.end()
+        elif call is not None and name == "call":
+            self.reply.add_call(call)
+            self.call = None
 
 
 class _CallReader:
@@ -387,15 +436,15 @@ class _CallReader:
 
     def __init__(self, tool: str | None):
         self.tool, self.arguments, self.raw, self.errors = tool, {}, None, []
-        self.text, self.current = "", None
+        self.parts, self.current = [], None      # the text of the current argument, as read
 
     def begin(self, element: str, attributes: dict) -> None:
-        self.text, self.current = "", (element, attributes)
+        self.parts, self.current = [], (element, attributes)
 
     def end(self) -> None:
         if self.current is None:
             return
-        (element, attributes), text = self.current, self.text
+        (element, attributes), text = self.current, "".join(self.parts)
         self.current = None
         if element == "json":            # raw text: kept unless it is JSON other than an object
             try:
@@ -427,10 +476,11 @@ class _CallReader:
 class Reply:
     """A reply read back (`ChatEncoder.parse_reply`). ``tool_calls`` are ``{"name", "arguments"}``
     with arguments a dict (or a string, for a call written as raw ``json`` text); ``finished``:
-    the reply ended with ``<|end_of_msg|>``."""
+    the reply ended with ``<|end_of_msg|>``; ``reasoning_tokens``: its text tokens in ``think``."""
 
     content: str = ""
     reasoning: str = ""
+    reasoning_tokens: int = 0
     tool_calls: list = dataclasses.field(default_factory=list)
     malformed: list = dataclasses.field(default_factory=list)
     finished: bool = False

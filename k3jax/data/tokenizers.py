@@ -1,9 +1,10 @@
 """Tokenizers: UTF-8 bytes by default, or a tiktoken-format BPE file such as K3's ``tiktoken.model``.
 
 Both have one small interface: ``encode(str) -> list[int]``, ``decode(list[int]) -> str``,
-``vocab_size``, ``bos_id``, ``eos_id`` and ``describe()``. ``encode`` treats all text as text (a
-special token's name in the input is not turned into the special token); ``decode`` skips special
-tokens and replaces byte sequences that are not UTF-8 with U+FFFD.
+``token_bytes(int) -> bytes`` (a text token's bytes, b"" for a special one), ``vocab_size``,
+``bos_id``, ``eos_id`` and ``describe()``. ``encode`` treats all text as text (a special token's
+name in the input is not turned into the special token); ``decode`` skips special tokens and
+replaces byte sequences that are not UTF-8 with U+FFFD; `TextDecoder` decodes ids one at a time.
 
     bytes:  0–255 the UTF-8 bytes, 256 BOS, 257 EOS                      vocab_size 258
     BPE:    ranks 0…n-1 from the file, then 256 special tokens as in K3:
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import codecs
 import hashlib
 import json
 import os
@@ -57,6 +59,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    def token_bytes(self, token: int) -> bytes: ...
+
     def describe(self) -> dict: ...
 
 
@@ -83,6 +87,9 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         text_bytes = bytes(i for i in _checked_ids(ids, self.vocab_size) if i < 256)
         return text_bytes.decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        return bytes([token]) if 0 <= token < 256 else b""
 
     def describe(self) -> dict:
         return {"kind": "bytes", "vocab_size": self.vocab_size}
@@ -148,8 +155,33 @@ class TiktokenTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._encoding.decode([i for i in _checked_ids(ids, self.vocab_size) if i < self.num_text_tokens])
 
+    def token_bytes(self, token: int) -> bytes:
+        return self._encoding.decode_single_token_bytes(token) if 0 <= token < self.num_text_tokens else b""
+
     def describe(self) -> dict:
         return {"kind": "tiktoken", "path": self.path, "sha256": self.file_sha256, "vocab_size": self.vocab_size}
+
+
+class TextDecoder:
+    """Token ids -> text one id at a time, in time linear in the text: a token's bytes
+    (``token_bytes(id)``) go through an incremental UTF-8 decoder, which carries the bytes of an
+    incomplete character to the next token and replaces invalid bytes with U+FFFD exactly as a
+    whole decode does: for every ids, ``"".join(map(feed, ids)) + flush()`` ==
+    ``b"".join(map(token_bytes, ids)).decode("utf-8", "replace")``."""
+
+    def __init__(self, token_bytes):
+        self.token_bytes = token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def feed(self, token: int) -> str:
+        """The text ``token`` completes (empty while a character is still incomplete)."""
+        return self._utf8.decode(self.token_bytes(token))
+
+    def flush(self) -> str:
+        """The end of the text: bytes still carried become U+FFFD; the decoder starts afresh."""
+        text = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        return text
 
 
 def _token_name(value, key: str, path) -> str:

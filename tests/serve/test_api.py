@@ -66,7 +66,9 @@ def test_greedy_completion_equals_generate_and_its_logprobs_the_full_forward(ser
                                rtol=0, atol=2e-5)
     for token_logprob, top in zip(logprobs["token_logprobs"], logprobs["top_logprobs"]):
         assert max(top.values()) == pytest.approx(token_logprob, abs=1e-9)     # greedy: the token is the top one
-    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 6, "total_tokens": len(prompt) + 6}
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 6, "total_tokens": len(prompt) + 6,
+                             "prompt_tokens_details": {"cached_tokens": 0},    # echo scores every position: no reuse
+                             "completion_tokens_details": {"reasoning_tokens": 0}}
 
 
 def test_echo_scores_the_prompt_like_the_full_forward(serving, reference):
@@ -123,7 +125,9 @@ def test_streamed_chat_equals_the_plain_reply(serving):
     reasoning = "".join(c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks if c["choices"])
     assert text == (choice["message"]["content"] or "") and reasoning == choice["message"]["reasoning_content"]
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == choice["finish_reason"]
-    assert chunks[-1]["usage"] == plain["usage"]
+    usage = chunks[-1]["usage"]          # the plain reply left its prompt in the prefix cache: resumed from there
+    assert 0 < usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"]
+    assert {**usage, "prompt_tokens_details": None} == {**plain["usage"], "prompt_tokens_details": None}
     streamed = stream_events(client, "/v1/completions", {"prompt": "abc", "max_tokens": 5, "temperature": 0})
     assert "".join(c["choices"][0]["text"] for c in streamed) == \
         post(client, "/v1/completions", {"prompt": "abc", "max_tokens": 5, "temperature": 0})["choices"][0]["text"]
@@ -137,12 +141,12 @@ def test_a_reply_with_tool_calls_becomes_openai_tool_calls_without_markup(servin
                "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": '{"a": 3, "b": "x"}'}}]}
     ids = served.chat.encoder.encode(reply_segments(message, True))[0].tolist()
     plan = ChatPlan(served, {"messages": USER, "tools": [{"type": "function", "function": {"name": "add"}}]})
-    reply, reason = plan.message(ids, "stop")
+    reply, reason = plan.message(served.chat.encoder.parse_reply(ids), "stop")
     assert reason == "tool_calls" and reply["content"] is None and reply["reasoning_content"] == "use the tool"
     (call,) = reply["tool_calls"]
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"]["name"] == "add" and json.loads(call["function"]["arguments"]) == {"a": 3, "b": "x"}
-    cut, reason = plan.message(ids[:-9], "length")
+    cut, reason = plan.message(served.chat.encoder.parse_reply(ids[:-9]), "length")
     assert reason == "length" and "<|" not in json.dumps(cut)
 
 
@@ -152,6 +156,17 @@ def responses(client, **body):
 
 def output_text(response) -> str:
     return "".join(part["text"] for item in response["output"] if item["type"] == "message" for part in item["content"])
+
+
+def first_message(response) -> dict:
+    """The assistant message a response's output items write (as its stored session renders it)."""
+    output = response["output"]
+    message = {"role": "assistant", "content": output_text(response),
+               "reasoning_content": "".join(part["text"] for item in output if item["type"] == "reasoning"
+                                            for part in item["content"])}
+    calls = [{"type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    return {**message, "tool_calls": calls} if calls else message
 
 
 def prefilled(client) -> int:
@@ -167,7 +182,11 @@ def test_previous_response_id_equals_the_whole_history_without_prefilling_it(ser
     continued = responses(client, input=turn, previous_response_id=first["id"])
     new_tokens = prefilled(client) - before
     whole = responses(client, input=[{"role": "user", "content": "3 QWERTY"}, *first["output"], *turn], store=False)
-    assert output_text(continued) == output_text(whole) and continued["usage"] == whole["usage"]
+    details = "input_tokens_details"           # what each resumed: the stored session, the prefix cache
+    assert output_text(continued) == output_text(whole)
+    assert {**continued["usage"], details: None} == {**whole["usage"], details: None}
+    stored = served.chat.encoder.encode(reply_segments(first_message(first), True))[0]
+    assert continued["usage"][details]["cached_tokens"] == first["usage"]["input_tokens"] + len(stored)
     assert new_tokens < continued["usage"]["input_tokens"] - first["usage"]["input_tokens"] + 8, new_tokens
     assert client.get(f"/v1/responses/{continued['id']}").json()["id"] == continued["id"]
 
@@ -250,7 +269,14 @@ BAD = [
     ("/v1/responses", {"input": "x", "previous_response_id": "resp_" + "0" * 32}, 404, "no stored response"),
     ("/v1/responses", {"input": "x", "previous_response_id": "../../etc/passwd"}, 404, "no stored response"),
     ("/v1/responses", {"input": [{"type": "image"}]}, 400, "unsupported item type"),
-    ("/v1/responses", {"input": "x", "stream": True}, 400, "stream"),
+    ("/v1/responses", {"input": "x", "stream": "yes"}, 400, "stream: must be true or false"),
+    ("/v1/chat/completions", {"messages": USER, "reasoning_effort": "medium"}, 400, "reasoning_effort: must be none"),
+    ("/v1/chat/completions", {"messages": USER, "chat_template_kwargs": {"thinking": False}, "reasoning_effort": "low"},
+     400, "needs thinking"),
+    ("/v1/chat/completions", {"messages": USER, "chat_template_kwargs": {"enable_thinking": True}}, 400,
+     "chat_template_kwargs.enable_thinking"),
+    ("/v1/responses", {"input": "x", "reasoning": {"effort": "minimal"}}, 400, "reasoning.effort"),
+    ("/v1/responses", {"input": "x", "reasoning": {"summary": "auto"}}, 400, "reasoning.summary"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/detokenize", {"tokens": [1, -1]}, 400, "outside"),
 ]

@@ -12,7 +12,7 @@ def register(app: FastAPI, server: Server) -> None:
     async def answer(plan_type, request: Request):
         plan = await off_loop(plan_type, server.served, await read_body(request))
         if plan.stream:
-            return server.stream(plan, plan.include_usage)
+            return server.stream(plan)
         return await server.run(plan, request)
 
     @app.post("/v1/completions")

@@ -27,7 +27,8 @@ def register(app: FastAPI, server: Server) -> None:
     @app.get("/metrics")
     async def metrics():
         stats, speculation = await server.on_engine(lambda store: (store.stats(), server.engine.speculation()))
-        return PlainTextResponse(prometheus_text(server, stats, speculation), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(prometheus_text(server, stats, speculation) + server.latency.text(),
+                                 media_type="text/plain; version=0.0.4")
 
 
 def prometheus_text(server: Server, stats: dict, speculation: dict | None = None) -> str:

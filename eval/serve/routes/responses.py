@@ -14,6 +14,8 @@ def register(app: FastAPI, server: Server) -> None:
     @app.post("/v1/responses")
     async def create_response(request: Request):
         plan = await off_loop(ResponsePlan, server.served, await read_body(request), stored)
+        if plan.stream:
+            return server.stream(plan)
         return await server.run(plan, request)
 
     @app.get("/v1/responses/{response_id}")

@@ -8,7 +8,7 @@ from fastapi import FastAPI, Request
 from k3jax.data import DataError
 from ..errors import ServeError, bad
 from ..model import ServedModel
-from ..params import check_model
+from ..params import chat_reasoning, check_model
 from ..protocol import DetokenizeRequest, TokenizeRequest
 from ..server import Server, off_loop, read_body
 
@@ -16,7 +16,8 @@ from ..server import Server, off_loop, read_body
 def tokenize(served: ServedModel, request: TokenizeRequest) -> list[int]:
     if request.messages is not None:
         try:
-            return served.chat_prompt(request.messages, request.tools or None).tolist()
+            thinking, effort = chat_reasoning(None, request.chat_template_kwargs, served.require_chat())
+            return served.chat_prompt(request.messages, request.tools or None, thinking, effort).tolist()
         except DataError as error:
             raise ServeError(400, str(error), param="messages") from None
     if request.prompt is None:
