@@ -294,9 +294,11 @@ class DataConfig:
     written by ``python -m k3jax.data.prepare`` (`k3jax.data.TokensDataset`), conversations in
     K3's chat format (`k3jax.data.ChatDataset`: JSONL or Parquet ``messages`` records), or prompts
     with answers for reinforcement learning (`k3jax.data.PromptDataset`: ``prompt`` or ``messages``
-    records with an ``answer``; ``train.objective=grpo``)."""
+    records with an ``answer``; ``train.objective=grpo``), or preference pairs
+    (`k3jax.data.PreferenceDataset`: ``prompt`` or ``messages`` records with ``chosen`` and
+    ``rejected`` replies; ``train.objective`` dpo, ipo, orpo or simpo)."""
 
-    kind: Literal["mqar", "text", "tokens", "chat", "prompts"] = "mqar"
+    kind: Literal["mqar", "text", "tokens", "chat", "prompts", "preferences"] = "mqar"
     seq_len: int = 128
     seed: int = 0
     prefetch: int = 2                     # batches read ahead of the train step on a thread; 0: off
@@ -314,7 +316,7 @@ class DataConfig:
     heldout_fraction: float = 0.05
     # chat and chat prompts (path, tokenizer and heldout_fraction as for text; the tokenizer must name K3's markers)
     chat_loss: Literal["assistant", "all"] = "assistant"    # which tokens the loss counts
-    chat_overflow: Literal["truncate", "drop"] = "truncate"  # a conversation longer than seq_len + 1
+    chat_overflow: Literal["truncate", "drop"] = "truncate"  # a conversation (preferences: a pair) longer than seq_len + 1
     chat_thinking: bool = True                              # render the <think> channel (K3's default)
     chat_thinking_effort: Literal["low", "high", "max"] | None = "max"   # None: no thinking-effort note
 
@@ -358,9 +360,11 @@ class TrainConfig:
     """The training loop. ``objective``: ``lm`` minimises the masked next-token loss of the data;
     ``grpo`` is reinforcement learning on prompts (`k3jax.training.rl`, settings in `RLConfig`):
     a step samples ``rl.prompts_per_step`` x ``rl.group_size`` completions, rewards them and makes
-    ``rl.updates_per_rollout`` optimizer updates on them (``batch_size`` is then unused)."""
+    ``rl.updates_per_rollout`` optimizer updates on them (``batch_size`` is then unused); ``dpo``,
+    ``ipo``, ``orpo`` and ``simpo`` tune on preference pairs (`k3jax.training.preference`, settings
+    in `PreferenceConfig`, ``data.kind=preferences``)."""
 
-    objective: Literal["lm", "grpo"] = "lm"
+    objective: Literal["lm", "grpo", "dpo", "ipo", "orpo", "simpo"] = "lm"
     steps: int = 1000
     batch_size: int = 32                  # sequences per optimizer step (global)
     grad_accum: int = 1                   # micro-batches per step
@@ -559,6 +563,25 @@ class RLConfig:
         return self.prompts_per_step * self.group_size
 
 
+PREFERENCE_OBJECTIVES = ("dpo", "ipo", "orpo", "simpo")
+REFERENCE_OBJECTIVES = ("dpo", "ipo")     # those that score against a reference policy
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceConfig:
+    """Preference tuning (``train.objective`` dpo | ipo | orpo | simpo; `k3jax.training.preference`
+    gives the losses). ``beta``: DPO's and IPO's beta, SimPO's; ``simpo_margin``: SimPO's gamma;
+    ``orpo_weight``: ORPO's lambda, the weight of its odds-ratio term beside the chosen reply's NLL."""
+
+    beta: float = 0.1
+    simpo_margin: float = 0.5
+    orpo_weight: float = 0.1
+
+    def __post_init__(self):
+        _positive(self, "beta", "orpo_weight")
+        _require(self.simpo_margin >= 0, "simpo_margin", f"must be non-negative, got {self.simpo_margin}")
+
+
 MESH_AXIS_NAMES = ("data", "fsdp", "expert", "context", "tensor")   # the mesh's axes, outermost first
 MeshAxis = Literal["data", "fsdp", "expert", "context", "tensor"]
 
@@ -654,6 +677,7 @@ class Config:
     mesh: MeshConfig = MeshConfig()
     finetune: FinetuneConfig = FinetuneConfig()
     rl: RLConfig = RLConfig()
+    preference: PreferenceConfig = PreferenceConfig()
     run_dir: str = "runs/default"         # checkpoints, the resolved config and metrics
     init_from: str | None = None          # fine-tune: parameters from this run or checkpoint directory
 
@@ -662,6 +686,12 @@ class Config:
         _require(grpo == prompts, "train.objective" if prompts else "data.kind",
                  "data.kind=prompts goes with train.objective=grpo" if prompts
                  else "train.objective=grpo samples from prompts: set data.kind=prompts")
+        preference, pairs = self.train.objective in PREFERENCE_OBJECTIVES, self.data.kind == "preferences"
+        _require(preference == pairs, "train.objective" if pairs else "data.kind",
+                 f"data.kind=preferences goes with train.objective {' | '.join(PREFERENCE_OBJECTIVES)}" if pairs
+                 else f"train.objective={self.train.objective} tunes on preference pairs: set data.kind=preferences")
+        _require(self.train.objective not in REFERENCE_OBJECTIVES or self.init_from is not None, "init_from",
+                 f"train.objective={self.train.objective} scores against the policy it starts from: set init_from=RUN_DIR")
         if not grpo:
             return
         _require(self.init_from is not None, "init_from",

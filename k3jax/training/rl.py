@@ -47,10 +47,9 @@ import pathlib
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from k3jax.checkpoint import CheckpointError, latest_meta, restore_subtree
+from k3jax.checkpoint import CheckpointError, latest_meta
 from k3jax.config import ConfigError, config_from_dict
 from k3jax.data import DataError
 from k3jax.layers.lora import set_adapter_dropout
@@ -125,7 +124,7 @@ def group_metrics(groups, threshold: float) -> dict:
 class RLTrainer(Trainer):
     """`Trainer` whose steps are rollouts and policy updates (module docstring)."""
 
-    objective = "grpo"
+    objectives = ("grpo",)
 
     @property
     def batch_size(self) -> int:
@@ -172,17 +171,6 @@ class RLTrainer(Trainer):
             if missing:
                 raise DataError(f"{prompt.where}: no {missing[0]!r} field ({setting}={getattr(self.config.rl, setting[3:])} reads it)")
 
-    def _reference_params(self):
-        """The KL penalty's reference parameters: zero adapters (LoRA: the frozen base), else init_from's."""
-        if self.base is not None:
-            return None
-        source = pathlib.Path(self.config.init_from).expanduser()
-        try:
-            params, _ = restore_subtree(source, "params", self.abstract_state.params)
-        except CheckpointError as error:
-            raise CheckpointError(f"init_from={source}: {error}") from None
-        return params
-
     # -- a step ----------------------------------------------------------------------------------
 
     def policy_model(self):
@@ -197,10 +185,6 @@ class RLTrainer(Trainer):
                        environment=self.environment, tool_retries=rl.tool_retries, max_turns=rl.max_turns,
                        fingerprint=f"{self.run_dir}@{self.position}", speculation=rl.speculation, draft=self.draft,
                        reward_timeout=rl.reward_timeout)
-
-    def _reference_logprobs(self, batch) -> jax.Array:
-        params = self.reference if self.reference is not None else jax.tree.map(jnp.zeros_like, self.state.params)
-        return self.logprob_step(params, self.state.buffers, batch, *self.frozen_args)
 
     def rl_step(self) -> tuple[list, dict]:
         """One rollout and its updates at the current position -> (groups, metrics record)."""
