@@ -17,7 +17,8 @@ t, l^ref_t the reference policy's:
 and the step minimises the mean over the batch's pairs. The implicit rewards logged are
 ``reward_y`` = beta (pi_y - rho_y) (dpo, ipo), beta mean_y (simpo) and mean_y (orpo); ``margin`` =
 reward_c - reward_r and ``accuracy`` the share of pairs with reward_c > reward_r, each a mean over
-pairs (beta = ``preference.beta``, gamma = ``preference.simpo_margin``, lambda = ``preference.orpo_weight``).
+pairs; ``logprob_accuracy`` is the share with pi_c > pi_r, the policy's own preference, meaningful
+before any step too (beta = ``preference.beta``, gamma = ``preference.simpo_margin``, lambda = ``preference.orpo_weight``).
 
 The reference (dpo, ipo) is the policy the run starts from: ``init_from``'s parameters, restored once
 more (a full fine-tune holds one more copy of the trained parameters, and computes their log-probs
@@ -38,7 +39,7 @@ from k3jax.training.grpo import make_logprob_step, token_logprobs
 from k3jax.training.steps import make_train_step
 from k3jax.training.trainer import Trainer
 
-PAIR_METRICS = ("reward_chosen", "reward_rejected", "margin", "accuracy")
+PAIR_METRICS = ("reward_chosen", "reward_rejected", "margin", "accuracy", "logprob_accuracy")
 
 
 def pair_sums(values: jax.Array, batch) -> tuple[jax.Array, jax.Array]:
@@ -91,7 +92,8 @@ def preference_sums(kind: str, settings: PreferenceConfig, logprobs, reference_l
     margin = jax.lax.stop_gradient(reward_c - reward_r)
     return total(loss), jnp.sum(present), {
         "reward_chosen": total(jax.lax.stop_gradient(reward_c)), "reward_rejected": total(jax.lax.stop_gradient(reward_r)),
-        "margin": total(margin), "accuracy": total((margin > 0).astype(jnp.float32))}
+        "margin": total(margin), "accuracy": total((margin > 0).astype(jnp.float32)),
+        "logprob_accuracy": total((pi[0] > pi[1]).astype(jnp.float32))}
 
 
 def preference_objective(kind: str, settings: PreferenceConfig):
@@ -136,6 +138,11 @@ class PreferenceTrainer(Trainer):
             return step(state, {**batch, "reference_logprobs": self._reference_logprobs(batch)}, *frozen)
 
         self.train_step = train_step
+
+    def _loop(self, signals, log, board, progress, *args) -> None:
+        if self.position == 0:
+            self._periodic_evaluation(log, board, progress)   # the policy before tuning too
+        super()._loop(signals, log, board, progress, *args)
 
     def _record(self, step: int, metrics: dict, *args) -> dict:
         record = super()._record(step, metrics, *args)
