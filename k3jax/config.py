@@ -534,7 +534,14 @@ class RLConfig:
     max_new_tokens: int = 32              # per completion (all turns together with an environment)
     advantage: Literal["grpo", "dr_grpo"] = "grpo"
     clip: float = 0.2                     # the ratio is clipped to [1 - clip, 1 + clip]
-    loss_average: Literal["token", "sequence"] = "token"   # over all completion tokens, or per sequence first
+    clip_low: float | None = None         # DAPO's separate bounds: [1 - clip_low, 1 + clip_high] (None: clip)
+    clip_high: float | None = None
+    ratio: Literal["token", "sequence"] = "token"   # per-token ratio (GRPO) or GSPO's per-sequence one
+    loss_average: Literal["token", "sequence", "dr_grpo"] = "token"   # over all completion tokens, per
+                                          # sequence first, or over rows x max_new_tokens (Dr. GRPO's constant)
+    dynamic_sampling: bool = False        # DAPO: groups whose rewards are all equal leave the update
+    overlong_filter: bool = False         # DAPO: completions cut at the length limit leave the update
+    overlong_penalty: int = 0             # DAPO's soft overlong penalty over the last N tokens before max_new_tokens (0: off)
     kl_coef: float = 0.0                  # weight of the k3 estimate of KL(policy || reference) per token
     updates_per_rollout: int = 1          # optimizer updates on each rollout (later ones: ratio to the recorded log-probs)
     update_logprobs: Literal["decode", "forward"] = "decode"   # the update's log-prob values: the rollout's decode
@@ -556,6 +563,19 @@ class RLConfig:
         _require(self.tool_retries >= 0, "tool_retries", f"must be non-negative, got {self.tool_retries}")
         _require(self.eval_prompts >= 0, "eval_prompts", f"must be non-negative, got {self.eval_prompts}")
         _require(bool(self.reward.strip()), "reward", "must name a built-in reward or module:function")
+        for name in ("clip_low", "clip_high"):
+            _require(getattr(self, name) is None or getattr(self, name) > 0, name,
+                     f"must be positive (or null: rl.clip), got {getattr(self, name)}")
+        _require(self.clip_range[0] < 1, "clip_low", f"must be below 1 (the ratio's lower bound 1 - clip_low > 0), "
+                                                     f"got {self.clip_range[0]}")
+        _require(0 <= self.overlong_penalty < self.max_new_tokens, "overlong_penalty",
+                 f"must be in [0, rl.max_new_tokens = {self.max_new_tokens}), got {self.overlong_penalty}")
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """``(clip_low, clip_high)``, each ``rl.clip`` where unset."""
+        return (self.clip if self.clip_low is None else self.clip_low,
+                self.clip if self.clip_high is None else self.clip_high)
 
     @property
     def rows(self) -> int:

@@ -56,7 +56,8 @@ from k3jax.layers.lora import set_adapter_dropout
 from k3jax.sessions import SessionStore
 from k3jax.sharding import compiled_together
 from k3jax.training.environments import load_environment
-from k3jax.training.grpo import group_advantages, logprob_rows, make_logprob_step, policy_objective, update_rows
+from k3jax.training.grpo import (group_advantages, kept_completions, logprob_rows, make_logprob_step, overlong_penalty,
+                                 policy_objective, update_rows)
 from k3jax.training.metrics import MetricsLog, Progress
 from k3jax.training.rewards import check_records, load_reward
 from k3jax.inference import draft_mismatch, restore_model
@@ -154,7 +155,7 @@ class RLTrainer(Trainer):
         self.train_step = compiled_together(
             make_train_step(self.parts, self.optimizer, accumulation=config.train.grad_accum, schedule=self.schedule,
                             shardings=self.shardings, dropout_seed=config.train.seed,
-                            objective=policy_objective(rl.clip, rl.kl_coef)), "train step")
+                            objective=policy_objective(*rl.clip_range, rl.kl_coef, rl.ratio)), "train step")
         self.logprob_step = make_logprob_step(self.parts, self.shardings) if rl.kl_coef else None
         self.reference = self._reference_params() if rl.kl_coef else None
         self.draft = self._draft() if rl.speculation.draft is not None else None
@@ -197,13 +198,21 @@ class RLTrainer(Trainer):
         stats = rollout.store.stats()
         capacity = stats["slot_capacity"], stats["page_capacity"]    # the replay's pool shape: the rollout's programs
         del rollout                                          # its store holds the parameters the update donates
-        advantages = group_advantages([[c.reward for c in group] for group in groups], rl.advantage)
-        for group, row in zip(groups, advantages):
+        shaping = self._shape_rewards(groups)
+        rewards = np.array([[c.reward for c in group] for group in groups], np.float64)
+        for group, row in zip(groups, group_advantages(rewards, rl.advantage)):
             for completion, advantage in zip(group, row):
                 completion.advantage = float(advantage)
+        keep = kept_completions(rewards, [[c.finish_reason for c in group] for group in groups],
+                                dynamic_sampling=rl.dynamic_sampling, overlong_filter=rl.overlong_filter)
+        shaping.update(kept_completions=int(keep.sum()))
+        if rl.dynamic_sampling:
+            shaping["groups_dropped"] = int((rewards.max(axis=1) == rewards.min(axis=1)).sum())
+        if rl.overlong_filter:
+            shaping["completions_filtered"] = sum(c.finish_reason == "length" for group in groups for c in group)
         rolled_out = time.perf_counter()
         batch = self._device_batch(update_rows([c for group in groups for c in group], self.config.data.seq_len,
-                                               rl.loss_average))
+                                               rl.loss_average, rl.max_new_tokens, keep.reshape(-1).tolist()))
         if self.logprob_step is not None:
             batch = {**batch, "reference_logprobs": self._reference_logprobs(batch)}
         updates, replay_seconds = [], 0.0
@@ -216,7 +225,19 @@ class RLTrainer(Trainer):
             updates.append(jax.device_get(metrics))
         updated = time.perf_counter()
         return groups, self._record(policy_step + 1, groups, updates, rolled_out - started, updated - rolled_out,
-                                    replay_seconds, speculation)
+                                    replay_seconds, {**speculation, **shaping})
+
+    def _shape_rewards(self, groups) -> dict:
+        """Add DAPO's soft overlong penalty (``rl.overlong_penalty``; `overlong_penalty`) to each
+        completion's reward -> the step's metrics of it (none when off)."""
+        rl = self.config.rl
+        if not rl.overlong_penalty:
+            return {}
+        completions = [c for group in groups for c in group]
+        penalties = overlong_penalty([c.length for c in completions], rl.max_new_tokens, rl.overlong_penalty)
+        for completion, penalty in zip(completions, penalties):
+            completion.reward += float(penalty)
+        return {"overlong_penalty_mean": float(penalties.mean())}
 
     def _replayed_logprobs(self, groups, capacity: tuple[int, int]) -> np.ndarray:
         """The policy's log-probs of the sampled tokens at the current parameters, by the rollout's
