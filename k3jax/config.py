@@ -500,6 +500,17 @@ class SpeculationConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RewardTermConfig:
+    """One of ``rl.rewards``: a reward (built-in name or ``module:function`` called on a batch) and its weight."""
+
+    name: str
+    weight: float = 1.0
+
+    def __post_init__(self):
+        _require(bool(self.name.strip()), "name", "must name a built-in reward or module:function")
+
+
+@dataclasses.dataclass(frozen=True)
 class RLConfig:
     """Reinforcement learning (``train.objective=grpo``; `k3jax.training.rl`). Each step samples
     ``group_size`` completions of each of ``prompts_per_step`` prompts (one prefill per prompt, its
@@ -508,8 +519,10 @@ class RLConfig:
     ``dr_grpo``: r - mean), optionally with the KL penalty to the reference policy (``init_from``'s
     parameters; with LoRA the frozen base, adapters off).
 
-    ``reward``: ``exact_match`` | ``contains`` | ``numeric`` (`k3jax.training.rewards`) or
-    ``module:function`` called with ``(prompt, completion, record)``. ``environment``: a multi-turn
+    ``reward``: ``exact_match`` (when unset) | ``contains`` | ``numeric`` | ``math``
+    (`k3jax.training.rewards`) or ``module:function`` called with ``(prompt, completion, record)``;
+    or ``rewards``: several, ``[{name, weight}, ...]``, summed with their weights (a ``module:function``
+    there is called once per step on the batch). ``environment``: a multi-turn
     tool environment for chat prompts, ``calculator`` or ``module:Class`` (`k3jax.training.environments`);
     it gives the reward then. A completion counts as a success (pass@1, pass@G) when its reward is at
     least ``pass_threshold``.
@@ -524,7 +537,8 @@ class RLConfig:
     ``speculation``: speculative rollouts (`SpeculationConfig`; the recorded log-probs stay the
     policy's), e.g. ``rl.speculation.prompt_lookup=2`` or ``rl.speculation.draft=runs/small``."""
 
-    reward: str = "exact_match"
+    reward: str | None = None             # None: exact_match (unless rewards)
+    rewards: tuple[RewardTermConfig, ...] = ()
     environment: str | None = None
     prompts_per_step: int = 8
     group_size: int = 8                   # G completions per prompt, >= 2
@@ -562,7 +576,10 @@ class RLConfig:
         _require(self.kl_coef >= 0, "kl_coef", f"must be non-negative, got {self.kl_coef}")
         _require(self.tool_retries >= 0, "tool_retries", f"must be non-negative, got {self.tool_retries}")
         _require(self.eval_prompts >= 0, "eval_prompts", f"must be non-negative, got {self.eval_prompts}")
-        _require(bool(self.reward.strip()), "reward", "must name a built-in reward or module:function")
+        _require(self.reward is None or bool(self.reward.strip()), "reward", "must name a built-in reward or module:function")
+        _require(self.reward is None or not self.rewards, "rewards", "set rl.reward or rl.rewards, not both")
+        _require(self.environment is None or not self.rewards, "rewards",
+                 "a tool environment gives the reward (rl.environment); leave rl.rewards empty")
         for name in ("clip_low", "clip_high"):
             _require(getattr(self, name) is None or getattr(self, name) > 0, name,
                      f"must be positive (or null: rl.clip), got {getattr(self, name)}")

@@ -59,7 +59,7 @@ from k3jax.training.environments import load_environment
 from k3jax.training.grpo import (group_advantages, kept_completions, logprob_rows, make_logprob_step, overlong_penalty,
                                  policy_objective, update_rows)
 from k3jax.training.metrics import MetricsLog, Progress
-from k3jax.training.rewards import check_records, load_reward
+from k3jax.training.rewards import check_records, load_rewards
 from k3jax.inference import draft_mismatch, restore_model
 from k3jax.training.rollout import Rollout, SamplingSettings, replay
 from k3jax.training.run_dir import RunError
@@ -98,6 +98,8 @@ def rollout_records(groups, policy_step: int) -> list[dict]:
                       "sample": c.sample, "prompt_tokens": c.prompt.tokens.tolist(), "completion_tokens": c.tokens,
                       "completion": c.text, "logprobs": c.logprobs, "reward": c.reward, "advantage": c.advantage,
                       "finish_reason": c.finish_reason}
+            if c.reward_terms:
+                record.update(rewards=c.reward_terms)
             if not all(c.sampled):
                 record.update(sampled=c.sampled)
             if c.tool_calls or c.retries:
@@ -107,8 +109,9 @@ def rollout_records(groups, policy_step: int) -> list[dict]:
 
 
 def group_metrics(groups, threshold: float) -> dict:
-    """Reward mean / std, pass@1 (completions with reward >= threshold), pass@G (prompts with one),
-    completion length, finish reasons and tool use of one step's groups."""
+    """Reward mean / std (with several rewards also each one's mean), pass@1 (completions with reward
+    >= threshold), pass@G (prompts with one), completion length, finish reasons and tool use of one
+    step's groups."""
     rewards = np.array([[c.reward for c in group] for group in groups], np.float64)
     completions = [c for group in groups for c in group]
     passed = rewards >= threshold
@@ -116,6 +119,8 @@ def group_metrics(groups, threshold: float) -> dict:
                "pass_at_1": float(passed.mean()), f"pass_at_{rewards.shape[1]}": float(passed.any(axis=1).mean()),
                "completion_length": float(np.mean([c.length for c in completions])),
                "finished_fraction": float(np.mean([c.finish_reason == "stop" for c in completions]))}
+    for name in completions[0].reward_terms:          # with several rewards: each one's mean
+        metrics[f"reward_{name}_mean"] = float(np.mean([c.reward_terms[name] for c in completions]))
     if any(c.tool_calls or c.retries for c in completions):
         metrics.update(tool_calls=sum(c.tool_calls for c in completions),
                        tool_retries=sum(c.retries for c in completions))
@@ -143,8 +148,9 @@ class RLTrainer(Trainer):
             self.environment, self.reward = load_environment(rl.environment), None
             self._check_fields(records, getattr(self.environment, "required_fields", ()), "rl.environment")
         else:
-            self.environment, self.reward = None, load_reward(rl.reward)
-            check_records(rl.reward, records)
+            self.environment, self.reward = None, load_rewards(rl.reward, rl.rewards)
+            for index, term in enumerate(self.reward):
+                check_records(term.name, records, f"rl.rewards[{index}].name" if rl.rewards else "rl.reward")
         if not self.data.num_prompts("train"):
             raise DataError(f"{self.config.data.path}: the train split has no prompts")
         self.draft_step = check_draft(self.config) if rl.speculation.draft is not None else None
