@@ -535,7 +535,12 @@ class RLConfig:
     rounding, up to about 1e-5 at logits of 30).
 
     ``speculation``: speculative rollouts (`SpeculationConfig`; the recorded log-probs stay the
-    policy's), e.g. ``rl.speculation.prompt_lookup=2`` or ``rl.speculation.draft=runs/small``."""
+    policy's), e.g. ``rl.speculation.prompt_lookup=2`` or ``rl.speculation.draft=runs/small``.
+
+    The GRPO family (`k3jax.training.grpo`'s equations): ``clip_low`` / ``clip_high`` (DAPO's
+    clip-higher), ``ratio=sequence`` (GSPO), ``loss_average`` ``token`` | ``sequence`` | ``dr_grpo``,
+    ``dynamic_sampling`` (drop groups without reward spread), ``overlong_filter`` and
+    ``overlong_penalty`` (DAPO's length handling)."""
 
     reward: str | None = None             # None: exact_match (unless rewards)
     rewards: tuple[RewardTermConfig, ...] = ()

@@ -6,9 +6,11 @@ holds exactly these parameters):
     rollout   ``rl.prompts_per_step`` prompts of the data's step n, each prefilled once and forked
               into ``rl.group_size`` sessions; all completions decode together on the session store
               with the train state's own parameters (`k3jax.training.rollout`), recording each
-              sampled token's log-prob; rewards (``rl.reward`` or the environment)
+              sampled token's log-prob; rewards (``rl.reward``, the weighted ``rl.rewards`` or the
+              environment; plus DAPO's soft overlong penalty with ``rl.overlong_penalty``)
     update    group-relative advantages and ``rl.updates_per_rollout`` optimizer steps on the clipped
-              policy-gradient objective (`k3jax.training.grpo`), the first with the very parameters
+              policy-gradient objective (`k3jax.training.grpo`: the DAPO / GSPO options, the groups and
+              completions that ``rl.dynamic_sampling`` / ``rl.overlong_filter`` leave out), the first with the very parameters
               that sampled (``logprob_mismatch`` = max |recomputed - recorded| log-prob); with
               ``rl.update_logprobs=decode`` each first replays the rollout's decode on the sampled
               tokens at its parameters for the log-probs' values (`k3jax.training.rollout.replay`:
