@@ -152,3 +152,27 @@ def test_bad_records_and_combinations_are_refused_in_one_line(tmp_path):
         load_config(config, ["train.objective=lm"])
     with pytest.raises(ConfigError, match="^preference.beta: must be positive"):
         load_config(config, ["init_from=x", "preference.beta=0"])
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_chat_pairs_are_the_rendered_conversation_with_each_reply(tmp_path, thinking):
+    from k3jax.data.chat_format import ChatEncoder, render_conversation
+    from k3jax.data.tokenizers import load_tokenizer
+    from tests.data.chat_tokenizer import write_chat_tokenizer
+
+    tokenizer = write_chat_tokenizer(tmp_path / "tok")
+    messages = [{"role": "system", "content": "Add."}, {"role": "user", "content": "2+2?"}]
+    chosen = {"role": "assistant", "content": "4", "reasoning_content": "two and two"}
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": messages, "chosen": chosen, "rejected": "5"}) + "\n")
+    data = PreferenceDataset(path, 512, heldout_fraction=0.0, tokenizer_path=tokenizer, thinking=thinking,
+                             thinking_effort=None)
+    batch = data.batch(0, 1)
+    encoder = ChatEncoder(load_tokenizer(tokenizer))
+    for number, reply in ((1, chosen), (2, {"role": "assistant", "content": "5"})):
+        ids, flags = encoder.encode(render_conversation(messages + [reply], thinking=thinking, thinking_effort=None))
+        where = np.flatnonzero(batch["segment_ids"][0] == number)
+        np.testing.assert_array_equal(batch["tokens"][0, where], ids)
+        # the loss counts the reply: the rendering's assistant output (the only assistant message)
+        np.testing.assert_array_equal(batch["loss_mask"][0, where] > 0, np.append(flags[1:], False))
+        assert ids[-1] == encoder.end_of_message_id and flags[-1]
