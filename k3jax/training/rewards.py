@@ -142,9 +142,9 @@ def score_completions(terms: Sequence[RewardTerm], completions: Sequence, timeou
                                               [c.prompt.record for c in completions]),
                         f"the reward {term.name}", where, timeout)
         if not isinstance(got, (list, tuple)) or len(got) != len(completions):
-            raise RewardError(f"{where}: the reward {term.name} returned {type(got).__name__} "
-                              f"{'of ' + str(len(got)) if isinstance(got, (list, tuple)) else ''}"
-                              f", not a list of {len(completions)} numbers (one per completion)")
+            got_what = f"{type(got).__name__} of {len(got)}" if isinstance(got, (list, tuple)) else type(got).__name__
+            raise RewardError(f"{where}: the reward {term.name} returned {got_what}, "
+                              f"not a list of {len(completions)} numbers (one per completion)")
         values.append([checked_reward(value, c.prompt.where) for value, c in zip(got, completions)])
     for index, completion in enumerate(completions):
         completion.reward = sum(term.weight * value[index] for term, value in zip(terms, values))
