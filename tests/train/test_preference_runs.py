@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.helpers import MICRO, ROOT
+from tests.helpers import MICRO
 from tests.train.test_lora import saved_state
 from tests.train.test_qlora import run
 
