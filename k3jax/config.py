@@ -294,9 +294,11 @@ class DataConfig:
     written by ``python -m k3jax.data.prepare`` (`k3jax.data.TokensDataset`), conversations in
     K3's chat format (`k3jax.data.ChatDataset`: JSONL or Parquet ``messages`` records), or prompts
     with answers for reinforcement learning (`k3jax.data.PromptDataset`: ``prompt`` or ``messages``
-    records with an ``answer``; ``train.objective=grpo``)."""
+    records with an ``answer``; ``train.objective=grpo``), or preference pairs
+    (`k3jax.data.PreferenceDataset`: ``prompt`` or ``messages`` records with ``chosen`` and
+    ``rejected`` replies; ``train.objective`` dpo, ipo, orpo or simpo)."""
 
-    kind: Literal["mqar", "text", "tokens", "chat", "prompts"] = "mqar"
+    kind: Literal["mqar", "text", "tokens", "chat", "prompts", "preferences"] = "mqar"
     seq_len: int = 128
     seed: int = 0
     prefetch: int = 2                     # batches read ahead of the train step on a thread; 0: off
@@ -314,7 +316,7 @@ class DataConfig:
     heldout_fraction: float = 0.05
     # chat and chat prompts (path, tokenizer and heldout_fraction as for text; the tokenizer must name K3's markers)
     chat_loss: Literal["assistant", "all"] = "assistant"    # which tokens the loss counts
-    chat_overflow: Literal["truncate", "drop"] = "truncate"  # a conversation longer than seq_len + 1
+    chat_overflow: Literal["truncate", "drop"] = "truncate"  # a conversation (preferences: a pair) longer than seq_len + 1
     chat_thinking: bool = True                              # render the <think> channel (K3's default)
     chat_thinking_effort: Literal["low", "high", "max"] | None = "max"   # None: no thinking-effort note
 
@@ -358,9 +360,11 @@ class TrainConfig:
     """The training loop. ``objective``: ``lm`` minimises the masked next-token loss of the data;
     ``grpo`` is reinforcement learning on prompts (`k3jax.training.rl`, settings in `RLConfig`):
     a step samples ``rl.prompts_per_step`` x ``rl.group_size`` completions, rewards them and makes
-    ``rl.updates_per_rollout`` optimizer updates on them (``batch_size`` is then unused)."""
+    ``rl.updates_per_rollout`` optimizer updates on them (``batch_size`` is then unused); ``dpo``,
+    ``ipo``, ``orpo`` and ``simpo`` tune on preference pairs (`k3jax.training.preference`, settings
+    in `PreferenceConfig`, ``data.kind=preferences``)."""
 
-    objective: Literal["lm", "grpo"] = "lm"
+    objective: Literal["lm", "grpo", "dpo", "ipo", "orpo", "simpo"] = "lm"
     steps: int = 1000
     batch_size: int = 32                  # sequences per optimizer step (global)
     grad_accum: int = 1                   # micro-batches per step
@@ -496,6 +500,17 @@ class SpeculationConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RewardTermConfig:
+    """One of ``rl.rewards``: a reward (built-in name or ``module:function`` called on a batch) and its weight."""
+
+    name: str
+    weight: float = 1.0
+
+    def __post_init__(self):
+        _require(bool(self.name.strip()), "name", "must name a built-in reward or module:function")
+
+
+@dataclasses.dataclass(frozen=True)
 class RLConfig:
     """Reinforcement learning (``train.objective=grpo``; `k3jax.training.rl`). Each step samples
     ``group_size`` completions of each of ``prompts_per_step`` prompts (one prefill per prompt, its
@@ -504,8 +519,10 @@ class RLConfig:
     ``dr_grpo``: r - mean), optionally with the KL penalty to the reference policy (``init_from``'s
     parameters; with LoRA the frozen base, adapters off).
 
-    ``reward``: ``exact_match`` | ``contains`` | ``numeric`` (`k3jax.training.rewards`) or
-    ``module:function`` called with ``(prompt, completion, record)``. ``environment``: a multi-turn
+    ``reward``: ``exact_match`` (when unset) | ``contains`` | ``numeric`` | ``math``
+    (`k3jax.training.rewards`) or ``module:function`` called with ``(prompt, completion, record)``;
+    or ``rewards``: several, ``[{name, weight}, ...]``, summed with their weights (a ``module:function``
+    there is called once per step on the batch). ``environment``: a multi-turn
     tool environment for chat prompts, ``calculator`` or ``module:Class`` (`k3jax.training.environments`);
     it gives the reward then. A completion counts as a success (pass@1, pass@G) when its reward is at
     least ``pass_threshold``.
@@ -518,9 +535,15 @@ class RLConfig:
     rounding, up to about 1e-5 at logits of 30).
 
     ``speculation``: speculative rollouts (`SpeculationConfig`; the recorded log-probs stay the
-    policy's), e.g. ``rl.speculation.prompt_lookup=2`` or ``rl.speculation.draft=runs/small``."""
+    policy's), e.g. ``rl.speculation.prompt_lookup=2`` or ``rl.speculation.draft=runs/small``.
 
-    reward: str = "exact_match"
+    The GRPO family (`k3jax.training.grpo`'s equations): ``clip_low`` / ``clip_high`` (DAPO's
+    clip-higher), ``ratio=sequence`` (GSPO), ``loss_average`` ``token`` | ``sequence`` | ``dr_grpo``,
+    ``dynamic_sampling`` (drop groups without reward spread), ``overlong_filter`` and
+    ``overlong_penalty`` (DAPO's length handling)."""
+
+    reward: str | None = None             # None: exact_match (unless rewards)
+    rewards: tuple[RewardTermConfig, ...] = ()
     environment: str | None = None
     prompts_per_step: int = 8
     group_size: int = 8                   # G completions per prompt, >= 2
@@ -530,7 +553,14 @@ class RLConfig:
     max_new_tokens: int = 32              # per completion (all turns together with an environment)
     advantage: Literal["grpo", "dr_grpo"] = "grpo"
     clip: float = 0.2                     # the ratio is clipped to [1 - clip, 1 + clip]
-    loss_average: Literal["token", "sequence"] = "token"   # over all completion tokens, or per sequence first
+    clip_low: float | None = None         # DAPO's separate bounds: [1 - clip_low, 1 + clip_high] (None: clip)
+    clip_high: float | None = None
+    ratio: Literal["token", "sequence"] = "token"   # per-token ratio (GRPO) or GSPO's per-sequence one
+    loss_average: Literal["token", "sequence", "dr_grpo"] = "token"   # over all completion tokens, per
+                                          # sequence first, or over rows x max_new_tokens (Dr. GRPO's constant)
+    dynamic_sampling: bool = False        # DAPO: groups whose rewards are all equal leave the update
+    overlong_filter: bool = False         # DAPO: completions cut at the length limit leave the update
+    overlong_penalty: int = 0             # DAPO's soft overlong penalty over the last N tokens before max_new_tokens (0: off)
     kl_coef: float = 0.0                  # weight of the k3 estimate of KL(policy || reference) per token
     updates_per_rollout: int = 1          # optimizer updates on each rollout (later ones: ratio to the recorded log-probs)
     update_logprobs: Literal["decode", "forward"] = "decode"   # the update's log-prob values: the rollout's decode
@@ -551,12 +581,47 @@ class RLConfig:
         _require(self.kl_coef >= 0, "kl_coef", f"must be non-negative, got {self.kl_coef}")
         _require(self.tool_retries >= 0, "tool_retries", f"must be non-negative, got {self.tool_retries}")
         _require(self.eval_prompts >= 0, "eval_prompts", f"must be non-negative, got {self.eval_prompts}")
-        _require(bool(self.reward.strip()), "reward", "must name a built-in reward or module:function")
+        _require(self.reward is None or bool(self.reward.strip()), "reward", "must name a built-in reward or module:function")
+        _require(self.reward is None or not self.rewards, "rewards", "set rl.reward or rl.rewards, not both")
+        _require(self.environment is None or not self.rewards, "rewards",
+                 "a tool environment gives the reward (rl.environment); leave rl.rewards empty")
+        for name in ("clip_low", "clip_high"):
+            _require(getattr(self, name) is None or getattr(self, name) > 0, name,
+                     f"must be positive (or null: rl.clip), got {getattr(self, name)}")
+        _require(self.clip_range[0] < 1, "clip_low", f"must be below 1 (the ratio's lower bound 1 - clip_low > 0), "
+                                                     f"got {self.clip_range[0]}")
+        _require(0 <= self.overlong_penalty < self.max_new_tokens, "overlong_penalty",
+                 f"must be in [0, rl.max_new_tokens = {self.max_new_tokens}), got {self.overlong_penalty}")
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """``(clip_low, clip_high)``, each ``rl.clip`` where unset."""
+        return (self.clip if self.clip_low is None else self.clip_low,
+                self.clip if self.clip_high is None else self.clip_high)
 
     @property
     def rows(self) -> int:
         """Completions per step: the rows of each update."""
         return self.prompts_per_step * self.group_size
+
+
+PREFERENCE_OBJECTIVES = ("dpo", "ipo", "orpo", "simpo")
+REFERENCE_OBJECTIVES = ("dpo", "ipo")     # those that score against a reference policy
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceConfig:
+    """Preference tuning (``train.objective`` dpo | ipo | orpo | simpo; `k3jax.training.preference`
+    gives the losses). ``beta``: DPO's and IPO's beta, SimPO's; ``simpo_margin``: SimPO's gamma;
+    ``orpo_weight``: ORPO's lambda, the weight of its odds-ratio term beside the chosen reply's NLL."""
+
+    beta: float = 0.1
+    simpo_margin: float = 0.5
+    orpo_weight: float = 0.1
+
+    def __post_init__(self):
+        _positive(self, "beta", "orpo_weight")
+        _require(self.simpo_margin >= 0, "simpo_margin", f"must be non-negative, got {self.simpo_margin}")
 
 
 MESH_AXIS_NAMES = ("data", "fsdp", "expert", "context", "tensor")   # the mesh's axes, outermost first
@@ -654,6 +719,7 @@ class Config:
     mesh: MeshConfig = MeshConfig()
     finetune: FinetuneConfig = FinetuneConfig()
     rl: RLConfig = RLConfig()
+    preference: PreferenceConfig = PreferenceConfig()
     run_dir: str = "runs/default"         # checkpoints, the resolved config and metrics
     init_from: str | None = None          # fine-tune: parameters from this run or checkpoint directory
 
@@ -662,6 +728,12 @@ class Config:
         _require(grpo == prompts, "train.objective" if prompts else "data.kind",
                  "data.kind=prompts goes with train.objective=grpo" if prompts
                  else "train.objective=grpo samples from prompts: set data.kind=prompts")
+        preference, pairs = self.train.objective in PREFERENCE_OBJECTIVES, self.data.kind == "preferences"
+        _require(preference == pairs, "train.objective" if pairs else "data.kind",
+                 f"data.kind=preferences goes with train.objective {' | '.join(PREFERENCE_OBJECTIVES)}" if pairs
+                 else f"train.objective={self.train.objective} tunes on preference pairs: set data.kind=preferences")
+        _require(self.train.objective not in REFERENCE_OBJECTIVES or self.init_from is not None, "init_from",
+                 f"train.objective={self.train.objective} scores against the policy it starts from: set init_from=RUN_DIR")
         if not grpo:
             return
         _require(self.init_from is not None, "init_from",

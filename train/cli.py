@@ -64,14 +64,15 @@ def main(argv=None) -> int:
             quiet_checkpoint_io(logging.CRITICAL)   # failures come as our one line
             from k3jax.config import load_config, resolve_config
             from k3jax.sharding import initialize_distributed
-            from k3jax.training import RLTrainer, Trainer  # after argument parsing: --help stays instant
+            from k3jax.training import PreferenceTrainer, RLTrainer, Trainer  # after parsing: --help stays instant
             from k3jax.training.metrics import jsonable
 
             signals.check()
             config = load_config(resolve_config(args.config), args.overrides)
             if not initialize_distributed(args.coordinator_address, args.num_processes, args.process_id):
                 use_cpu_cores(config)   # one process on CPU: a device per core, unless the mesh is set
-            summary = (RLTrainer if config.train.objective == "grpo" else Trainer)(config, signals).run()
+            trainer = {"lm": Trainer, "grpo": RLTrainer}.get(config.train.objective, PreferenceTrainer)
+            summary = trainer(config, signals).run()
         except StopRequested as stop:
             print(f"{stop} received while starting: stopped before training, nothing written; run again to start",
                   flush=True)

@@ -6,6 +6,7 @@
     ChatDataset(path, seq_len, tokenizer_path=..., loss="assistant", ...)  JSONL / Parquet conversations, K3's chat format
     PromptDataset(path, seq_len, tokenizer_path=..., ...)                  prompts with answers, for RL (not batches:
                                                                            ds.prompts(step, count))
+    PreferenceDataset(path, seq_len, tokenizer_path=..., ...)              preference pairs (chosen, rejected), packed
 
     ds.batch(step, batch_size, split="train", process_index=0, process_count=1) -> dict of [B/P, T]
         tokens, targets (int32), loss_mask (float32), segment_ids (int32; 0 = padding)
@@ -21,13 +22,14 @@ from k3jax.data.chat import ChatDataset
 from k3jax.data.errors import DataError
 from k3jax.data.mqar import MQARDataset, mqar_recall
 from k3jax.data.prefetch import Prefetcher
+from k3jax.data.preferences import PreferenceDataset
 from k3jax.data.prompts import Prompt, PromptDataset
 from k3jax.data.text import PackedDataset, TextDataset
 from k3jax.data.tokens import TokensDataset
 from k3jax.data.tokenizers import ByteTokenizer, TiktokenTokenizer, Tokenizer, load_tokenizer
 
 __all__ = ["SPLITS", "Batch", "ChatDataset", "Dataset", "DataError", "MQARDataset", "mqar_recall", "PackedDataset",
-           "Prefetcher", "Prompt", "PromptDataset", "TextDataset", "TokensDataset",
+           "PreferenceDataset", "Prefetcher", "Prompt", "PromptDataset", "TextDataset", "TokensDataset",
            "ByteTokenizer", "TiktokenTokenizer", "Tokenizer", "load_tokenizer", "make_dataset"]
 
 
@@ -48,6 +50,11 @@ def make_dataset(data_config, seq_len: int | None = None) -> Dataset:
         return PromptDataset(data_config.path, seq_len, seed=data_config.seed,
                              heldout_fraction=data_config.heldout_fraction, tokenizer_path=data_config.tokenizer,
                              thinking=data_config.chat_thinking, thinking_effort=data_config.chat_thinking_effort)
+    if data_config.kind == "preferences":
+        return PreferenceDataset(data_config.path, seq_len, seed=data_config.seed,
+                                 heldout_fraction=data_config.heldout_fraction, tokenizer_path=data_config.tokenizer,
+                                 overflow=data_config.chat_overflow, thinking=data_config.chat_thinking,
+                                 thinking_effort=data_config.chat_thinking_effort)
     if data_config.kind == "tokens":
         return TokensDataset(data_config.path, seq_len, seed=data_config.seed,
                              heldout_fraction=data_config.heldout_fraction, tokenizer_path=data_config.tokenizer)

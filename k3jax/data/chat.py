@@ -106,24 +106,33 @@ def _chat_files(path: PathLike) -> list:
     return files
 
 
-def pack_conversations(conversations: Sequence[tuple[np.ndarray, np.ndarray]], row_len: int) -> dict[str, np.ndarray]:
-    """Whole conversations ``(ids, loss flags)``, each at most ``row_len`` tokens, filled into rows in
-    order: ``tokens`` int32, ``assistant`` bool and ``conversation`` int32 (1, 2, ... in the row; 0 padding),
-    each ``[rows, row_len]``."""
-    starts, row, used = [], 0, 0
-    for ids, _ in conversations:
-        if used + ids.size > row_len:
-            row, used = row + 1, 0
-        starts.append((row, used))
-        used += ids.size
-    num_rows = row + 1 if conversations else 0
+def pack_units(units: Sequence[Sequence[tuple[np.ndarray, np.ndarray]]], row_len: int) -> dict[str, np.ndarray]:
+    """Units of sequences ``(ids, loss flags)``, each unit at most ``row_len`` tokens in all, filled into
+    rows in order, a unit's sequences side by side in one row: ``tokens`` int32, ``assistant`` bool and
+    ``conversation`` int32 (each sequence's number in the row, 1, 2, ...; 0 padding), each ``[rows, row_len]``."""
+    starts, row, used, number = [], 0, 0, 0
+    for unit in units:
+        size = sum(ids.size for ids, _ in unit)
+        if used + size > row_len:
+            row, used, number = row + 1, 0, 0
+        for ids, _ in unit:
+            number += 1
+            starts.append((row, used, number))
+            used += ids.size
+    num_rows = row + 1 if units else 0
     tokens = np.zeros((num_rows, row_len), np.int32)
     assistant = np.zeros((num_rows, row_len), bool)
     conversation = np.zeros((num_rows, row_len), np.int32)
-    for (ids, flags), (row, start) in zip(conversations, starts):
+    for (ids, flags), (row, start, number) in zip((piece for unit in units for piece in unit), starts):
         tokens[row, start:start + ids.size], assistant[row, start:start + ids.size] = ids, flags
-        conversation[row, start:start + ids.size] = conversation[row, max(start - 1, 0)] + 1 if start else 1
+        conversation[row, start:start + ids.size] = number
     return {"tokens": tokens, "assistant": assistant, "conversation": conversation}
+
+
+def pack_conversations(conversations: Sequence[tuple[np.ndarray, np.ndarray]], row_len: int) -> dict[str, np.ndarray]:
+    """Whole conversations ``(ids, loss flags)``, each at most ``row_len`` tokens, filled into rows in
+    order (`pack_units` of one conversation each)."""
+    return pack_units([[conversation] for conversation in conversations], row_len)
 
 
 def rows_batch(packed: dict[str, np.ndarray], rows: np.ndarray) -> Batch:

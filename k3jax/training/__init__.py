@@ -12,6 +12,7 @@ train``), tests, benchmarks and users' own scripts.
     resume     where a run starts: resumed from its checkpoints (checked against the config) or initialised
     evaluation held-out scores (loss, bits per byte, MQAR recall) and the evaluation's log lines
     rl         `RLTrainer` (``train.objective=grpo``): rollouts and policy updates, rollouts.jsonl
+    preference `PreferenceTrainer` (``train.objective`` dpo | ipo | orpo | simpo): the pair losses
     rollout    groups of completions on forked sessions, with the policy's log-probs; tool episodes
     grpo       group-relative advantages, the update's rows, the clipped policy-gradient objective
     rewards    built-in rewards and ``module:function`` ones
@@ -37,6 +38,7 @@ _EXPORTS = {
     "layout": ("RunLayout", "lay_out_run"),
     "trainer": ("Trainer",),
     "rl": ("RLTrainer",),
+    "preference": ("PreferenceTrainer",),
     "rollout": ("Completion", "Rollout"),
     "grpo": ("group_advantages", "policy_objective"),
     "rewards": ("RewardError",),

@@ -69,6 +69,9 @@ class HeldOutScores:
 def evaluation_line(step: int, result: dict) -> str:
     """``step N  held-out loss X  bits/byte Y  recall Z`` (the parts the evaluation has); for RL
     ``step N  held-out greedy reward X  pass P  (n prompts)``."""
+    if "heldout_accuracy" in result:
+        return (f"step {step}  held-out preference accuracy {result['heldout_accuracy']:.3f}  margin "
+                f"{result['heldout_margin']:.4f}  log-prob accuracy {result['heldout_logprob_accuracy']:.3f}  loss {result['heldout_loss']:.4f}  ({result['heldout_pairs']} pairs)")
     if "heldout_reward" in result:
         return (f"step {step}  held-out greedy reward {result['heldout_reward']:.4f}  pass "
                 f"{result['heldout_pass']:.3f}  ({result['heldout_prompts']} prompts)")

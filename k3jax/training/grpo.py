@@ -1,8 +1,14 @@
 """GRPO-family policy optimisation: group-relative advantages, the update's rows, the clipped
 policy-gradient objective with an optional KL penalty (DeepSeekMath, arXiv 2402.03300; Dr. GRPO,
-arXiv 2503.20783).
+arXiv 2503.20783; DAPO, arXiv 2503.14476; GSPO, arXiv 2507.18071).
 
-For a group of G completions of one prompt with rewards r_1..r_G:
+For a group of G completions of one prompt with rewards r_1..r_G (``rl.rewards``: r_i = sum_k w_k
+r_k,i, each function called on the step's batch; with ``rl.overlong_penalty`` = L_c > 0, DAPO's
+soft overlong penalty of a completion of |y_i| sampled tokens, L = ``rl.max_new_tokens``, is added:
+
+    R_len(y) = 0                          |y| <= L - L_c
+             = (L - L_c - |y|) / L_c      L - L_c < |y| <= L      (0 down to -1 at the limit)
+             = -1                         |y| > L)
 
     grpo      A_i = (r_i - mean(r)) / (std(r) + 1e-6)      (population std)
     dr_grpo   A_i = r_i - mean(r)
@@ -10,13 +16,24 @@ For a group of G completions of one prompt with rewards r_1..r_G:
 Each sampled token t of completion i, with policy log-prob l_t under the update's parameters, the
 log-prob recorded while sampling o_t and the reference's l^ref_t:
 
-    ratio_t = exp(l_t - o_t)
-    pg_t    = -min(ratio_t A_i, clip(ratio_t, 1 - eps, 1 + eps) A_i)
+    ratio_t = exp(l_t - o_t)                                   (``rl.ratio=token``)
+            = s_i = exp(mean_{u in i} (l_u - o_u))             (``sequence``: GSPO, every token of i)
+    pg_t    = -min(ratio_t A_i, clip(ratio_t, 1 - eps_low, 1 + eps_high) A_i)
     kl_t    = exp(l^ref_t - l_t) - (l^ref_t - l_t) - 1           (k3, an unbiased KL(policy || ref) >= 0)
-    loss    = sum_t w_t (pg_t + beta kl_t) / sum_t w_t
+    loss    = sum_t w_t (pg_t + beta kl_t) / sum_t c_t
 
-with w_t = 1 on every sampled token (``loss_average=token``) or 1 / |completion i| (``sequence``:
-each completion weighs the same).
+with eps_low = ``rl.clip_low``, eps_high = ``rl.clip_high`` (each ``rl.clip`` unset; DAPO's
+clip-higher raises eps_high) and, on every sampled token of a kept completion (``rl.loss_average``):
+
+    token     w_t = 1,            c_t = 1            (the mean over all sampled tokens)
+    sequence  w_t = 1 / |y_i|,    c_t = 1 / |y_i|    (each completion weighs the same)
+    dr_grpo   w_t = 1,            c_t = L / |y_i|    (sum over the batch / (completions x L): a constant)
+
+A completion leaves the update (w_t = c_t = 0 on its tokens, the rows keep their shape) when its
+group's rewards are all equal and ``rl.dynamic_sampling`` is on (DAPO's dynamic sampling, dropping
+rather than resampling: such a group's advantages are all 0), or when it was cut at the length
+limit (finish reason ``length``) and ``rl.overlong_filter`` is on. A step that keeps no completion
+updates with zero gradients.
 
 Where l_t's value comes from (``rl.update_logprobs``):
 
@@ -44,6 +61,27 @@ from k3jax.layers.lora import set_adapter_dropout
 ADVANTAGE_EPS = 1e-6
 
 
+def overlong_penalty(lengths: np.ndarray, max_tokens: int, cache: int) -> np.ndarray:
+    """DAPO's soft overlong penalty R_len (module docstring) of completions of ``lengths`` sampled
+    tokens, limit ``max_tokens`` = L, ramp ``cache`` = L_c > 0, float64."""
+    lengths = np.asarray(lengths, np.float64)
+    ramp = (max_tokens - cache - lengths) / cache
+    return np.where(lengths <= max_tokens - cache, 0.0, np.where(lengths <= max_tokens, ramp, -1.0))
+
+
+def kept_completions(rewards: np.ndarray, finish_reasons, *, dynamic_sampling: bool, overlong_filter: bool
+                     ) -> np.ndarray:
+    """Which completions ``[P, G]`` stay in the update (module docstring): not in a group of equal
+    rewards (with ``dynamic_sampling``), not cut at the length limit (with ``overlong_filter``)."""
+    rewards = np.asarray(rewards, np.float64)
+    keep = np.ones(rewards.shape, bool)
+    if dynamic_sampling:
+        keep &= (rewards.max(axis=1) > rewards.min(axis=1))[:, None]
+    if overlong_filter:
+        keep &= np.asarray(finish_reasons) != "length"
+    return keep
+
+
 def group_advantages(rewards: np.ndarray, kind: str) -> np.ndarray:
     """Advantages ``[P, G]`` of rewards ``[P, G]`` (one row per prompt's group), float64."""
     rewards = np.asarray(rewards, np.float64)
@@ -69,14 +107,18 @@ def logprob_rows(completions: Sequence, seq_len: int, logprobs: Sequence) -> np.
     return rows
 
 
-def update_rows(completions: Sequence, seq_len: int, loss_average: str) -> dict[str, np.ndarray]:
+def update_rows(completions: Sequence, seq_len: int, loss_average: str, max_tokens: int = 0,
+                keep: Sequence[bool] | None = None) -> dict[str, np.ndarray]:
     """The update's batch ``[N, seq_len]`` of N completions (`k3jax.training.rollout.Completion`):
     row i is prompt + completion i (``seq_len + 1`` tokens at most) as inputs / targets, padded with
     segment 0; ``loss_mask`` marks the targets the policy sampled, ``old_logprobs`` their recorded
-    log-probs, ``advantages`` the completion's advantage and ``weights`` w_t (module docstring)."""
+    log-probs, ``advantages`` the completion's advantage, ``weights`` w_t and ``counts`` c_t (module
+    docstring; ``max_tokens``: L of ``dr_grpo``; zero in the rows that ``keep`` leaves out)."""
     rows = len(completions)
+    keep = [True] * rows if keep is None else keep
     batch = {name: np.zeros((rows, seq_len), np.int32) for name in ("tokens", "targets", "segment_ids")}
-    batch.update({name: np.zeros((rows, seq_len), np.float32) for name in ("loss_mask", "weights", "advantages")})
+    batch.update({name: np.zeros((rows, seq_len), np.float32)
+                  for name in ("loss_mask", "weights", "counts", "advantages")})
     for row, completion in enumerate(completions):
         sequence = np.concatenate([completion.prompt.tokens, np.asarray(completion.tokens, np.int32)])
         if sequence.size > seq_len + 1:
@@ -88,7 +130,11 @@ def update_rows(completions: Sequence, seq_len: int, loss_average: str) -> dict[
         where = sampled_positions(completion)
         batch["loss_mask"][row, where] = 1.0
         batch["advantages"][row, :positions] = completion.advantage
-        batch["weights"][row, where] = 1.0 if loss_average == "token" else 1.0 / max(len(where), 1)
+        if keep[row]:
+            sampled = max(len(where), 1)
+            batch["weights"][row, where] = 1.0 / sampled if loss_average == "sequence" else 1.0
+            batch["counts"][row, where] = {"token": 1.0, "sequence": 1.0 / sampled,
+                                           "dr_grpo": max_tokens / sampled}[loss_average]
     batch["old_logprobs"] = logprob_rows(completions, seq_len, [[lp for lp, sampled in zip(c.logprobs, c.sampled)
                                                                   if sampled] for c in completions])
     return batch
@@ -100,9 +146,10 @@ def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
 
 
-def policy_objective(clip: float, kl_coef: float):
+def policy_objective(clip_low: float, clip_high: float, kl_coef: float, ratio_level: str = "token"):
     """The GRPO objective (`k3jax.training.steps.make_train_step`'s ``objective``) -> ``(sum_t w_t
-    loss_t, sum_t w_t, metrics)``; the batch is `update_rows`'s, plus ``reference_logprobs`` when
+    loss_t, sum_t c_t, metrics)``, the ratio per token or (``ratio_level="sequence"``, GSPO) per
+    completion; the batch is `update_rows`'s, plus ``reference_logprobs`` when
     ``kl_coef`` > 0 and the replayed ``policy_logprobs`` p_t with ``rl.update_logprobs=replay``
     (`logprob_rows`). Metrics: sampled tokens, the sums of kl_t, of clipped tokens and of the ratio,
     ``logprob_mismatch_max`` and, with p_t, ``forward_gap_max``."""
@@ -115,8 +162,12 @@ def policy_objective(clip: float, kl_coef: float):
             metrics["forward_gap_max"] = jnp.max(jnp.where(mask > 0, jnp.abs(logprobs - batch["policy_logprobs"]), 0.0))
             logprobs = batch["policy_logprobs"] + (logprobs - jax.lax.stop_gradient(logprobs))
         delta = jnp.where(mask > 0, logprobs - batch["old_logprobs"], 0.0)
-        ratio = jnp.exp(delta)
-        clipped_ratio = jnp.clip(ratio, 1.0 - clip, 1.0 + clip)
+        if ratio_level == "sequence":          # s_i = exp(mean over the completion's sampled tokens)
+            mean = jnp.sum(delta, axis=-1, keepdims=True) / jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1.0)
+            ratio = jnp.exp(jnp.where(mask > 0, mean, 0.0))
+        else:
+            ratio = jnp.exp(delta)
+        clipped_ratio = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
         loss = -jnp.minimum(ratio * advantages, clipped_ratio * advantages)
         metrics |= {"sampled_tokens": jnp.sum(mask),
                     "clipped_tokens": jnp.sum(mask * (ratio * advantages > clipped_ratio * advantages)),
@@ -127,8 +178,7 @@ def policy_objective(clip: float, kl_coef: float):
             kl = jnp.exp(log_ratio) - log_ratio - 1.0
             loss = loss + kl_coef * kl
             metrics["kl_sum"] = jnp.sum(mask * jax.lax.stop_gradient(kl))
-        weights = batch["weights"]
-        return jnp.sum(weights * loss), jnp.sum(weights), metrics
+        return jnp.sum(batch["weights"] * loss), jnp.sum(batch["counts"]), metrics
 
     return objective
 

@@ -1,23 +1,30 @@
-"""Rewards of completions (``rl.reward``): built-in ones that compare with the record's ``answer``,
-or any Python callable named ``module:function``.
+"""Rewards of completions (``rl.reward``, or ``rl.rewards``: several with weights): built-in ones
+that compare with the record's ``answer``, or any Python callable named ``module:function``.
 
     exact_match   1.0 when the completion, stripped, equals str(answer) stripped (a list answer: any of them)
     contains      1.0 when str(answer) occurs in the completion (a list: any of them)
     numeric       1.0 when the completion's last number equals the answer as numbers (a list: any):
                   "1,234.50" = 1234.5; integers compare exactly, others to a relative 1e-9
+    math          1.0 when math-verify finds the completion's answer equal to the record's (LaTeX or
+                  plain expressions; a list: any); the optional extra ``pip install 'k3jax[math]'``
 
-A function is called as ``function(prompt, completion, record) -> float`` (``prompt``: the prompt
-text, or a chat record's last message; ``completion``: the completion's text, or a chat reply's
-response text; ``record``: the whole record). A reward that raises or returns anything but a
-finite number is a `RewardError` naming the record, and so is one that runs past
-``rl.reward_timeout`` seconds (`user_call`).
+``rl.reward``'s function is called per completion as ``function(prompt, completion, record) -> float``
+(``prompt``: the prompt text, or a chat record's last message; ``completion``: the completion's
+text, or a chat reply's response text; ``record``: the whole record). ``rl.rewards`` is a list of
+``{name, weight}``: a built-in name is called per completion as above, a ``module:function`` once
+per step on the whole batch, ``function(prompts, completions, records) -> list of floats`` (TRL's
+``reward_funcs`` style); a completion's reward is then r = sum_k weight_k r_k (`score_completions`).
+A reward that raises or returns anything but a finite number is a `RewardError` naming the record
+(a batch function: its batch's first record), and so is one that runs past ``rl.reward_timeout``
+seconds (`user_call`; a batch function has that long for its whole batch).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from k3jax.data.errors import DataError
 from k3jax.training.signals import CallTimedOut, bounded_call
@@ -69,7 +76,80 @@ def numeric(prompt: str, completion: str, record: dict) -> float:
     return float(any(e is not None and numbers_equal(value, e) for e in expected))
 
 
-BUILT_IN: dict[str, RewardFunction] = {"exact_match": exact_match, "contains": contains, "numeric": numeric}
+def math_answer(prompt: str, completion: str, record: dict) -> float:
+    """math-verify's verdict on the completion against each answer (gold first, as its API wants)."""
+    from math_verify import parse, verify
+
+    found = parse(completion, parsing_timeout=None)
+    return float(any(verify(parse(answer, parsing_timeout=None), found, timeout_seconds=None)
+                     for answer in _answers(record)))
+
+
+BUILT_IN: dict[str, RewardFunction] = {"exact_match": exact_match, "contains": contains, "numeric": numeric,
+                                       "math": math_answer}
+NEEDS = {"math": ("math_verify", "math-verify", "math")}   # a built-in's module, its PyPI name, k3jax's extra
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardTerm:
+    """One reward of a run: its name, weight, function and whether it is called on a whole batch."""
+
+    name: str
+    weight: float
+    function: Callable
+    batched: bool = False
+
+
+def built_in(name: str, setting: str) -> RewardFunction:
+    """The built-in reward ``name``, after checking that its optional dependency imports."""
+    if name in NEEDS:
+        module, package, extra = NEEDS[name]
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise DataError(f"{setting}: the {name} reward needs {package}: pip install 'k3jax[{extra}]'") from None
+    return BUILT_IN[name]
+
+
+def load_rewards(reward: str | None, rewards: Sequence = ()) -> list[RewardTerm]:
+    """The run's reward terms: ``rl.rewards`` (``{name, weight}`` each), or else ``rl.reward`` (default
+    ``exact_match``) with weight 1."""
+    if not rewards:
+        return [RewardTerm(reward or "exact_match", 1.0, load_reward(reward or "exact_match"))]
+    terms = []
+    for index, term in enumerate(rewards):
+        setting = f"rl.rewards[{index}].name"
+        if term.name in BUILT_IN:
+            terms.append(RewardTerm(term.name, term.weight, built_in(term.name, setting)))
+        else:
+            terms.append(RewardTerm(term.name, term.weight, load_callable(term.name, setting), batched=True))
+    return terms
+
+
+def score_completions(terms: Sequence[RewardTerm], completions: Sequence, timeout: float | None = None) -> None:
+    """Set each completion's ``reward`` = sum_k weight_k r_k over ``terms`` and, with several terms,
+    ``reward_terms`` = {name: r_k}; a per-completion term is called (`score`) on each, a batched
+    one once on all of them (`user_call`, its values checked as `checked_reward`)."""
+    if not completions:
+        return
+    values = []
+    for term in terms:
+        if not term.batched:
+            values.append([score(term.function, c.prompt, c.text, timeout) for c in completions])
+            continue
+        where = completions[0].prompt.where
+        got = user_call(lambda: term.function([c.prompt.text for c in completions], [c.text for c in completions],
+                                              [c.prompt.record for c in completions]),
+                        f"the reward {term.name}", where, timeout)
+        if not isinstance(got, (list, tuple)) or len(got) != len(completions):
+            got_what = f"{type(got).__name__} of {len(got)}" if isinstance(got, (list, tuple)) else type(got).__name__
+            raise RewardError(f"{where}: the reward {term.name} returned {got_what}, "
+                              f"not a list of {len(completions)} numbers (one per completion)")
+        values.append([checked_reward(value, c.prompt.where) for value, c in zip(got, completions)])
+    for index, completion in enumerate(completions):
+        completion.reward = sum(term.weight * value[index] for term, value in zip(terms, values))
+        if len(terms) > 1:
+            completion.reward_terms = {term.name: value[index] for term, value in zip(terms, values)}
 
 
 def load_callable(name: str, setting: str) -> Any:
@@ -95,13 +175,13 @@ def load_reward(name: str) -> RewardFunction:
     return BUILT_IN.get(name) or load_callable(name, "rl.reward")
 
 
-def check_records(name: str, prompts) -> None:
+def check_records(name: str, prompts, setting: str = "rl.reward") -> None:
     """A built-in reward needs every record's ``answer``: a `DataError` naming the first without one."""
     if name not in BUILT_IN:
         return
     for prompt in prompts:
         if "answer" not in prompt.record:
-            raise DataError(f"{prompt.where}: no 'answer' field (rl.reward={name} compares the completion with it)")
+            raise DataError(f"{prompt.where}: no 'answer' field ({setting}={name} compares the completion with it)")
 
 
 def checked_reward(value: Any, where: str) -> float:

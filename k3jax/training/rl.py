@@ -6,9 +6,11 @@ holds exactly these parameters):
     rollout   ``rl.prompts_per_step`` prompts of the data's step n, each prefilled once and forked
               into ``rl.group_size`` sessions; all completions decode together on the session store
               with the train state's own parameters (`k3jax.training.rollout`), recording each
-              sampled token's log-prob; rewards (``rl.reward`` or the environment)
+              sampled token's log-prob; rewards (``rl.reward``, the weighted ``rl.rewards`` or the
+              environment; plus DAPO's soft overlong penalty with ``rl.overlong_penalty``)
     update    group-relative advantages and ``rl.updates_per_rollout`` optimizer steps on the clipped
-              policy-gradient objective (`k3jax.training.grpo`), the first with the very parameters
+              policy-gradient objective (`k3jax.training.grpo`: the DAPO / GSPO options, the groups and
+              completions that ``rl.dynamic_sampling`` / ``rl.overlong_filter`` leave out), the first with the very parameters
               that sampled (``logprob_mismatch`` = max |recomputed - recorded| log-prob); with
               ``rl.update_logprobs=decode`` each first replays the rollout's decode on the sampled
               tokens at its parameters for the log-probs' values (`k3jax.training.rollout.replay`:
@@ -47,19 +49,19 @@ import pathlib
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from k3jax.checkpoint import CheckpointError, latest_meta, restore_subtree
+from k3jax.checkpoint import CheckpointError, latest_meta
 from k3jax.config import ConfigError, config_from_dict
 from k3jax.data import DataError
 from k3jax.layers.lora import set_adapter_dropout
 from k3jax.sessions import SessionStore
 from k3jax.sharding import compiled_together
 from k3jax.training.environments import load_environment
-from k3jax.training.grpo import group_advantages, logprob_rows, make_logprob_step, policy_objective, update_rows
+from k3jax.training.grpo import (group_advantages, kept_completions, logprob_rows, make_logprob_step, overlong_penalty,
+                                 policy_objective, update_rows)
 from k3jax.training.metrics import MetricsLog, Progress
-from k3jax.training.rewards import check_records, load_reward
+from k3jax.training.rewards import check_records, load_rewards
 from k3jax.inference import draft_mismatch, restore_model
 from k3jax.training.rollout import Rollout, SamplingSettings, replay
 from k3jax.training.run_dir import RunError
@@ -98,6 +100,8 @@ def rollout_records(groups, policy_step: int) -> list[dict]:
                       "sample": c.sample, "prompt_tokens": c.prompt.tokens.tolist(), "completion_tokens": c.tokens,
                       "completion": c.text, "logprobs": c.logprobs, "reward": c.reward, "advantage": c.advantage,
                       "finish_reason": c.finish_reason}
+            if c.reward_terms:
+                record.update(rewards=c.reward_terms)
             if not all(c.sampled):
                 record.update(sampled=c.sampled)
             if c.tool_calls or c.retries:
@@ -107,8 +111,9 @@ def rollout_records(groups, policy_step: int) -> list[dict]:
 
 
 def group_metrics(groups, threshold: float) -> dict:
-    """Reward mean / std, pass@1 (completions with reward >= threshold), pass@G (prompts with one),
-    completion length, finish reasons and tool use of one step's groups."""
+    """Reward mean / std (with several rewards also each one's mean), pass@1 (completions with reward
+    >= threshold), pass@G (prompts with one), completion length, finish reasons and tool use of one
+    step's groups."""
     rewards = np.array([[c.reward for c in group] for group in groups], np.float64)
     completions = [c for group in groups for c in group]
     passed = rewards >= threshold
@@ -116,6 +121,8 @@ def group_metrics(groups, threshold: float) -> dict:
                "pass_at_1": float(passed.mean()), f"pass_at_{rewards.shape[1]}": float(passed.any(axis=1).mean()),
                "completion_length": float(np.mean([c.length for c in completions])),
                "finished_fraction": float(np.mean([c.finish_reason == "stop" for c in completions]))}
+    for name in completions[0].reward_terms:          # with several rewards: each one's mean
+        metrics[f"reward_{name}_mean"] = float(np.mean([c.reward_terms[name] for c in completions]))
     if any(c.tool_calls or c.retries for c in completions):
         metrics.update(tool_calls=sum(c.tool_calls for c in completions),
                        tool_retries=sum(c.retries for c in completions))
@@ -125,7 +132,7 @@ def group_metrics(groups, threshold: float) -> dict:
 class RLTrainer(Trainer):
     """`Trainer` whose steps are rollouts and policy updates (module docstring)."""
 
-    objective = "grpo"
+    objectives = ("grpo",)
 
     @property
     def batch_size(self) -> int:
@@ -143,8 +150,9 @@ class RLTrainer(Trainer):
             self.environment, self.reward = load_environment(rl.environment), None
             self._check_fields(records, getattr(self.environment, "required_fields", ()), "rl.environment")
         else:
-            self.environment, self.reward = None, load_reward(rl.reward)
-            check_records(rl.reward, records)
+            self.environment, self.reward = None, load_rewards(rl.reward, rl.rewards)
+            for index, term in enumerate(self.reward):
+                check_records(term.name, records, f"rl.rewards[{index}].name" if rl.rewards else "rl.reward")
         if not self.data.num_prompts("train"):
             raise DataError(f"{self.config.data.path}: the train split has no prompts")
         self.draft_step = check_draft(self.config) if rl.speculation.draft is not None else None
@@ -155,7 +163,7 @@ class RLTrainer(Trainer):
         self.train_step = compiled_together(
             make_train_step(self.parts, self.optimizer, accumulation=config.train.grad_accum, schedule=self.schedule,
                             shardings=self.shardings, dropout_seed=config.train.seed,
-                            objective=policy_objective(rl.clip, rl.kl_coef)), "train step")
+                            objective=policy_objective(*rl.clip_range, rl.kl_coef, rl.ratio)), "train step")
         self.logprob_step = make_logprob_step(self.parts, self.shardings) if rl.kl_coef else None
         self.reference = self._reference_params() if rl.kl_coef else None
         self.draft = self._draft() if rl.speculation.draft is not None else None
@@ -172,17 +180,6 @@ class RLTrainer(Trainer):
             if missing:
                 raise DataError(f"{prompt.where}: no {missing[0]!r} field ({setting}={getattr(self.config.rl, setting[3:])} reads it)")
 
-    def _reference_params(self):
-        """The KL penalty's reference parameters: zero adapters (LoRA: the frozen base), else init_from's."""
-        if self.base is not None:
-            return None
-        source = pathlib.Path(self.config.init_from).expanduser()
-        try:
-            params, _ = restore_subtree(source, "params", self.abstract_state.params)
-        except CheckpointError as error:
-            raise CheckpointError(f"init_from={source}: {error}") from None
-        return params
-
     # -- a step ----------------------------------------------------------------------------------
 
     def policy_model(self):
@@ -198,10 +195,6 @@ class RLTrainer(Trainer):
                        fingerprint=f"{self.run_dir}@{self.position}", speculation=rl.speculation, draft=self.draft,
                        reward_timeout=rl.reward_timeout)
 
-    def _reference_logprobs(self, batch) -> jax.Array:
-        params = self.reference if self.reference is not None else jax.tree.map(jnp.zeros_like, self.state.params)
-        return self.logprob_step(params, self.state.buffers, batch, *self.frozen_args)
-
     def rl_step(self) -> tuple[list, dict]:
         """One rollout and its updates at the current position -> (groups, metrics record)."""
         rl, policy_step = self.config.rl, self.position
@@ -213,13 +206,21 @@ class RLTrainer(Trainer):
         stats = rollout.store.stats()
         capacity = stats["slot_capacity"], stats["page_capacity"]    # the replay's pool shape: the rollout's programs
         del rollout                                          # its store holds the parameters the update donates
-        advantages = group_advantages([[c.reward for c in group] for group in groups], rl.advantage)
-        for group, row in zip(groups, advantages):
+        shaping = self._shape_rewards(groups)
+        rewards = np.array([[c.reward for c in group] for group in groups], np.float64)
+        for group, row in zip(groups, group_advantages(rewards, rl.advantage)):
             for completion, advantage in zip(group, row):
                 completion.advantage = float(advantage)
+        keep = kept_completions(rewards, [[c.finish_reason for c in group] for group in groups],
+                                dynamic_sampling=rl.dynamic_sampling, overlong_filter=rl.overlong_filter)
+        shaping.update(kept_completions=int(keep.sum()))
+        if rl.dynamic_sampling:
+            shaping["groups_dropped"] = int((rewards.max(axis=1) == rewards.min(axis=1)).sum())
+        if rl.overlong_filter:
+            shaping["completions_filtered"] = sum(c.finish_reason == "length" for group in groups for c in group)
         rolled_out = time.perf_counter()
         batch = self._device_batch(update_rows([c for group in groups for c in group], self.config.data.seq_len,
-                                               rl.loss_average))
+                                               rl.loss_average, rl.max_new_tokens, keep.reshape(-1).tolist()))
         if self.logprob_step is not None:
             batch = {**batch, "reference_logprobs": self._reference_logprobs(batch)}
         updates, replay_seconds = [], 0.0
@@ -232,7 +233,19 @@ class RLTrainer(Trainer):
             updates.append(jax.device_get(metrics))
         updated = time.perf_counter()
         return groups, self._record(policy_step + 1, groups, updates, rolled_out - started, updated - rolled_out,
-                                    replay_seconds, speculation)
+                                    replay_seconds, {**speculation, **shaping})
+
+    def _shape_rewards(self, groups) -> dict:
+        """Add DAPO's soft overlong penalty (``rl.overlong_penalty``; `overlong_penalty`) to each
+        completion's reward -> the step's metrics of it (none when off)."""
+        rl = self.config.rl
+        if not rl.overlong_penalty:
+            return {}
+        completions = [c for group in groups for c in group]
+        penalties = overlong_penalty([c.length for c in completions], rl.max_new_tokens, rl.overlong_penalty)
+        for completion, penalty in zip(completions, penalties):
+            completion.reward += float(penalty)
+        return {"overlong_penalty_mean": float(penalties.mean())}
 
     def _replayed_logprobs(self, groups, capacity: tuple[int, int]) -> np.ndarray:
         """The policy's log-probs of the sampled tokens at the current parameters, by the rollout's

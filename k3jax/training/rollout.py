@@ -46,7 +46,7 @@ from k3jax.sessions import Sampling, SessionStore
 from k3jax.sessions.speculate import Speculator
 from k3jax.config import SpeculationConfig
 from k3jax.training.environments import ToolCallError
-from k3jax.training.rewards import checked_reward, score, user_call
+from k3jax.training.rewards import RewardTerm, checked_reward, score_completions, user_call
 
 
 @dataclasses.dataclass
@@ -65,6 +65,7 @@ class Completion:
     finish_reason: str = ""               # stop | length | turns (rl.max_turns) | tool_error
     text: str = ""
     reward: float = 0.0
+    reward_terms: dict = dataclasses.field(default_factory=dict)   # with several rewards: each one's value
     advantage: float = 0.0
     tool_calls: int = 0
     retries: int = 0
@@ -195,16 +196,19 @@ def replay(store: SessionStore, groups) -> list[list[np.ndarray]]:
 
 class Rollout:
     """Sampling for one policy: ``model`` (its adapters' dropout off), its prompts' ``dataset``
-    (`k3jax.data.PromptDataset`), ``settings`` and the reward (or environment class); ``speculation``
+    (`k3jax.data.PromptDataset`), ``settings`` and the reward (a function of ``(prompt, completion,
+    record)``, or `k3jax.training.rewards.RewardTerm` s, scored together once the batch is decoded)
+    or environment class; ``speculation``
     (a `k3jax.config.SpeculationConfig` with a draft source; ``draft``: the model of its draft run)
     decodes in speculative rounds on the rollout's own store."""
 
-    def __init__(self, model, dataset, settings: SamplingSettings, *, reward: Callable | None = None,
+    def __init__(self, model, dataset, settings: SamplingSettings, *, reward: Callable | list | None = None,
                  environment=None, tool_retries: int = 0, max_turns: int = 1, fingerprint: str | None = None,
                  speculation: SpeculationConfig | None = None, draft=None, reward_timeout: float | None = None):
         """``reward_timeout``: seconds a reward or environment call may take (None: unbounded)."""
         self.model, self.dataset, self.settings = model, dataset, settings
-        self.reward, self.environment, self.reward_timeout = reward, environment, reward_timeout
+        self.rewards = reward if isinstance(reward, list) or reward is None else [RewardTerm("reward", 1.0, reward)]
+        self.environment, self.reward_timeout = environment, reward_timeout
         self.tool_retries, self.max_turns = tool_retries, max_turns
         self.store = SessionStore(model, fingerprint=fingerprint, prefix_cache=False)
         speculating = speculation is not None and speculation.enabled
@@ -297,7 +301,7 @@ class Rollout:
             completion.add(decoded.tokens, decoded.logprobs)
             completion.finish_reason = "stop" if decoded.stopped else "length"
             completion.text = self._text(decoded.tokens)
-            completion.reward = score(self.reward, completion.prompt, completion.text, self.reward_timeout)
+        score_completions(self.rewards, [completion for _, completion in sessions.values()], self.reward_timeout)
 
     def _episodes(self, sessions: dict, seed: int, greedy: bool) -> None:
         """Assistant turns of every episode together, one batched decode per turn, until each is done."""

@@ -24,11 +24,13 @@ import pathlib
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import yaml
 
 from k3jax.checkpoint import RunCheckpoints
-from k3jax.config import Config, ConfigError, to_dict
+from k3jax.checkpoint import CheckpointError, restore_subtree
+from k3jax.config import PREFERENCE_OBJECTIVES, Config, ConfigError, to_dict
 from k3jax.data import make_dataset
 from k3jax.data.prefetch import Prefetcher
 from k3jax.flops import measured_peak_flops, training_flops
@@ -45,10 +47,15 @@ from k3jax.training.signals import StopSignals
 from k3jax.training.steps import make_eval_step, make_train_step
 
 
-class Trainer:
-    """Builds everything a run needs from its `Config` (``train.objective=lm``; `RLTrainer` runs ``grpo``)."""
+TRAINER_OF = {"lm": "k3jax.training.Trainer", "grpo": "k3jax.training.RLTrainer",
+              **{kind: "k3jax.training.PreferenceTrainer" for kind in PREFERENCE_OBJECTIVES}}
 
-    objective = "lm"
+
+class Trainer:
+    """Builds everything a run needs from its `Config` (``train.objective=lm``; `RLTrainer` runs ``grpo``,
+    `PreferenceTrainer` the preference objectives: `TRAINER_OF`)."""
+
+    objectives = ("lm",)
 
     def __init__(self, config: Config, signals: StopSignals | None = None):
         """``signals``: the caller's `StopSignals`, checked between the phases of the start (a signal
@@ -78,9 +85,8 @@ class Trainer:
 
     def _set_up(self) -> None:
         config = self.config
-        if config.train.objective != self.objective:
-            raise ConfigError("train.objective", f"{config.train.objective} runs with "
-                                                 f"{'k3jax.training.RLTrainer' if config.train.objective == 'grpo' else 'k3jax.training.Trainer'}")
+        if config.train.objective not in self.objectives:
+            raise ConfigError("train.objective", f"{config.train.objective} runs with {TRAINER_OF[config.train.objective]}")
         enable_compilation_cache(config.train.compilation_cache)
         if config.logging.tensorboard and self.primary:
             try:
@@ -133,6 +139,24 @@ class Trainer:
             make_train_step(self.parts, self.optimizer, accumulation=config.train.grad_accum, schedule=self.schedule,
                             shardings=self.shardings, dropout_seed=config.train.seed), "train step")
         self.eval_step = compiled_together(make_eval_step(self.parts, self.shardings), "eval step")
+
+    def _reference_params(self):
+        """The reference policy's parameters (GRPO's KL penalty, DPO): None for LoRA (the frozen base:
+        the adapters set to zero, `_reference_logprobs`), else ``init_from``'s, restored once more."""
+        if self.base is not None:
+            return None
+        source = pathlib.Path(self.config.init_from).expanduser()
+        try:
+            params, _ = restore_subtree(source, "params", self.abstract_state.params)
+        except CheckpointError as error:
+            raise CheckpointError(f"init_from={source}: {error}") from None
+        return params
+
+    def _reference_logprobs(self, batch) -> jax.Array:
+        """The reference policy's log-prob of each target of ``batch`` (``self.logprob_step``,
+        `k3jax.training.grpo.make_logprob_step`, at ``self.reference`` or zero adapters)."""
+        params = self.reference if self.reference is not None else jax.tree.map(jnp.zeros_like, self.state.params)
+        return self.logprob_step(params, self.state.buffers, batch, *self.frozen_args)
 
     # -- checkpoints ---------------------------------------------------------------------------
 

@@ -44,21 +44,29 @@ def test_update_rows_place_each_completion_after_its_prompt():
         update_rows([completion([5, 6, 7], [8, 9, 1, 2], [True] * 4, [-1.0] * 4, 0.0)], 5, "token")
 
 
-def reference_loss(logits, batch, clip, kl_coef, values=None):
-    """The objective's (loss sum / weight sum, metrics) in float64, token by token; ``values``
-    ``[B, T]``: the policy's log-probs (the replayed p_t) instead of the logits' log-softmax."""
+def reference_loss(logits, batch, clip, kl_coef, values=None, clip_high=None, ratio_level="token"):
+    """The objective's (loss sum / count sum, metrics) in float64, token by token; ``values``
+    ``[B, T]``: the policy's log-probs (the replayed p_t) instead of the logits' log-softmax;
+    the ratio clipped to [1 - clip, 1 + clip_high (default clip)], per token or (``ratio_level=
+    "sequence"``) exp of the mean log-ratio of the row's sampled tokens (GSPO's s_i)."""
     logits = np.asarray(logits, np.float64)
+    clip_high = clip if clip_high is None else clip_high
     total = weight_sum = clipped = mismatch = kl_total = 0.0
+    logprobs = np.zeros(logits.shape[:2])
     for b in range(logits.shape[0]):
         for t in range(logits.shape[1]):
-            if batch["loss_mask"][b, t] == 0:
-                continue
             row = logits[b, t] - logits[b, t].max()
-            logprob = row[batch["targets"][b, t]] - np.log(np.exp(row).sum()) if values is None else values[b, t]
-            ratio = np.exp(logprob - batch["old_logprobs"][b, t])
+            logprobs[b, t] = row[batch["targets"][b, t]] - np.log(np.exp(row).sum()) if values is None else values[b, t]
+    for b in range(logits.shape[0]):
+        sampled = [t for t in range(logits.shape[1]) if batch["loss_mask"][b, t]]
+        sequence_ratio = np.exp(np.mean([logprobs[b, t] - batch["old_logprobs"][b, t] for t in sampled])) if sampled else 1.0
+        for t in sampled:
+            logprob = logprobs[b, t]
+            ratio = np.exp(logprob - batch["old_logprobs"][b, t]) if ratio_level == "token" else sequence_ratio
             advantage = batch["advantages"][b, t]
-            term = -min(ratio * advantage, min(max(ratio, 1 - clip), 1 + clip) * advantage)
-            clipped += ratio * advantage > min(max(ratio, 1 - clip), 1 + clip) * advantage
+            bounded = min(max(ratio, 1 - clip), 1 + clip_high)
+            term = -min(ratio * advantage, bounded * advantage)
+            clipped += ratio * advantage > bounded * advantage
             mismatch = max(mismatch, abs(logprob - batch["old_logprobs"][b, t]))
             if kl_coef:
                 log_ratio = batch["reference_logprobs"][b, t] - logprob
@@ -66,7 +74,7 @@ def reference_loss(logits, batch, clip, kl_coef, values=None):
                 term += kl_coef * kl
                 kl_total += kl
             total += batch["weights"][b, t] * term
-            weight_sum += batch["weights"][b, t]
+            weight_sum += batch["counts"][b, t]
     return total / weight_sum, {"clipped_tokens": clipped, "logprob_mismatch_max": mismatch, "kl_sum": kl_total}
 
 
@@ -82,6 +90,7 @@ def problem():
              "old_logprobs": (true_logprobs + rng.normal(scale=0.4, size=mask.shape)) * mask,   # ratios inside and outside the clip
              "advantages": np.repeat(rng.normal(size=(batch_size, 1)), length, axis=1),
              "weights": mask / mask.sum(axis=1, keepdims=True),
+             "counts": mask / mask.sum(axis=1, keepdims=True),
              "reference_logprobs": true_logprobs + rng.normal(scale=0.3, size=mask.shape)}
     return logits, {key: np.asarray(value, np.float32) if value.dtype == np.float64 else value
                     for key, value in batch.items()}
@@ -90,7 +99,7 @@ def problem():
 @pytest.mark.parametrize("kl_coef", [0.0, 0.1])
 def test_objective_value_and_metrics_equal_float64(problem, kl_coef):
     logits, batch = problem
-    loss_sum, weight_sum, metrics = jax.jit(policy_objective(0.2, kl_coef))(jnp.asarray(logits, jnp.float32), batch)
+    loss_sum, weight_sum, metrics = jax.jit(policy_objective(0.2, 0.2, kl_coef))(jnp.asarray(logits, jnp.float32), batch)
     expected, expected_metrics = reference_loss(logits, batch, 0.2, kl_coef)
     assert float(loss_sum / weight_sum) == pytest.approx(expected, rel=1e-5, abs=1e-6)
     assert 0 < float(metrics["clipped_tokens"]) == expected_metrics["clipped_tokens"] < float(metrics["sampled_tokens"])
@@ -102,7 +111,7 @@ def test_objective_value_and_metrics_equal_float64(problem, kl_coef):
 @pytest.mark.parametrize("kl_coef", [0.0, 0.1])
 def test_objective_gradient_equals_float64_finite_differences(problem, kl_coef):
     logits, batch = problem
-    objective = policy_objective(0.2, kl_coef)
+    objective = policy_objective(0.2, 0.2, kl_coef)
     gradient = np.asarray(jax.grad(lambda x: (lambda s, w, _: s / w)(*objective(x, batch)))(jnp.asarray(logits, jnp.float32)))
     step = 1e-6
     for index in [(0, 0, 0), (1, 2, 3), (2, 4, 6), (0, 3, 1), (1, 1, 5)]:
@@ -120,7 +129,7 @@ def test_on_policy_ratio_is_one_and_the_gradient_is_the_advantage_weighted_score
     logprobs = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32))
     on_policy = {**batch, "old_logprobs": np.asarray(jnp.take_along_axis(logprobs, batch["targets"][..., None], -1)[..., 0])
                  * batch["loss_mask"]}
-    objective = policy_objective(0.2, 0.0)
+    objective = policy_objective(0.2, 0.2, 0.0)
     loss_sum, weight_sum, metrics = objective(jnp.asarray(logits, jnp.float32), on_policy)
     assert float(metrics["logprob_mismatch_max"]) <= 1e-6 and float(metrics["clipped_tokens"]) == 0
     gradient = jax.grad(lambda x: objective(x, on_policy)[0])(jnp.asarray(logits, jnp.float32))
@@ -139,7 +148,7 @@ def test_replayed_log_probs_give_the_value_and_the_forward_its_gradient(problem,
     forward = np.take_along_axis(logits - np.log(np.exp(logits).sum(-1, keepdims=True)), batch["targets"][..., None], -1)[..., 0]
     policy = ((forward + np.random.default_rng(1).normal(scale=1e-2, size=mask.shape)) * mask).astype(np.float32)
     replayed = {**batch, "policy_logprobs": policy}
-    objective = policy_objective(0.2, kl_coef)
+    objective = policy_objective(0.2, 0.2, kl_coef)
     loss_sum, weight_sum, metrics = jax.jit(objective)(jnp.asarray(logits, jnp.float32), replayed)
     expected, expected_metrics = reference_loss(logits, batch, 0.2, kl_coef, values=policy)
     assert float(loss_sum / weight_sum) == pytest.approx(expected, rel=1e-5, abs=1e-6)
@@ -159,3 +168,85 @@ def test_replayed_log_probs_give_the_value_and_the_forward_its_gradient(problem,
         minus[b, t] -= step
         slope = (reference_loss(logits, batch, 0.2, kl_coef, plus)[0] - reference_loss(logits, batch, 0.2, kl_coef, minus)[0]) / (2 * step)
         np.testing.assert_allclose(gradient[b, t], slope * (onehot[b, t] - softmax[b, t]), rtol=1e-3, atol=1e-6)
+
+
+def loss_averages(mask: np.ndarray, max_tokens: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(w_t, c_t) of each ``rl.loss_average`` written from the docstring's table."""
+    lengths = np.maximum(mask.sum(axis=1, keepdims=True), 1)
+    return {"token": (mask, mask), "sequence": (mask / lengths, mask / lengths),
+            "dr_grpo": (mask, mask * max_tokens / lengths)}
+
+
+VARIANTS = [   # (clip_low, clip_high, ratio, loss_average, kl_coef)
+    (0.2, 0.2, "token", "dr_grpo", 0.0),
+    (0.1, 0.4, "token", "token", 0.1),          # DAPO's clip-higher
+    (0.2, 0.3, "sequence", "sequence", 0.0),    # GSPO
+    (0.05, 0.1, "sequence", "token", 0.1),
+]
+
+
+@pytest.mark.parametrize("clip_low, clip_high, ratio, loss_average, kl_coef", VARIANTS)
+def test_dapo_and_gspo_options_value_and_gradient_wrt_logprobs_equal_float64(problem, clip_low, clip_high, ratio,
+                                                                              loss_average, kl_coef):
+    """Each option's loss against the float64 formula at the policy's log-probs l_t = p_t, and its
+    gradient with respect to them: dloss/dl_t by central differences of the float64 loss (the
+    objective's gradient reaches the logits as dloss/dl_t (onehot - softmax))."""
+    logits, batch = problem
+    mask = batch["loss_mask"]
+    weights, counts = loss_averages(mask.astype(np.float64), max_tokens=6)[loss_average]
+    batch = {**batch, "weights": weights.astype(np.float32), "counts": counts.astype(np.float32)}
+    forward = np.take_along_axis(logits - np.log(np.exp(logits).sum(-1, keepdims=True)), batch["targets"][..., None], -1)[..., 0]
+    policy = ((forward + np.random.default_rng(2).normal(scale=0.3, size=mask.shape)) * mask).astype(np.float32)
+    replayed = {**batch, "policy_logprobs": policy}
+    objective = policy_objective(clip_low, clip_high, kl_coef, ratio)
+    options = dict(clip_high=clip_high, ratio_level=ratio)
+    loss_sum, count, metrics = jax.jit(objective)(jnp.asarray(logits, jnp.float32), replayed)
+    expected, expected_metrics = reference_loss(logits, batch, clip_low, kl_coef, policy, **options)
+    assert float(loss_sum / count) == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert float(metrics["clipped_tokens"]) == expected_metrics["clipped_tokens"]
+    gradient = np.asarray(jax.grad(lambda x: (lambda s, c, _: s / c)(*objective(x, replayed)))(jnp.asarray(logits, jnp.float32)))
+    softmax = np.exp(logits - np.log(np.exp(logits).sum(-1, keepdims=True)))
+    onehot = np.eye(logits.shape[-1])[batch["targets"]]
+    step, slopes = 1e-6, []
+    for b, t in zip(*np.nonzero(mask)):
+        plus, minus = policy.astype(np.float64), policy.astype(np.float64)
+        plus[b, t] += step
+        minus[b, t] -= step
+        slope = (reference_loss(logits, batch, clip_low, kl_coef, plus, **options)[0]
+                 - reference_loss(logits, batch, clip_low, kl_coef, minus, **options)[0]) / (2 * step)
+        slopes.append(slope)
+        np.testing.assert_allclose(gradient[b, t], slope * (onehot[b, t] - softmax[b, t]), rtol=1e-3, atol=1e-6)
+    assert max(map(abs, slopes)) > 1e-3
+
+
+def test_update_rows_weights_counts_and_left_out_completions():
+    completions = [completion([5, 6], [8, 9, 1], [True] * 3, [-0.5] * 3, 1.0),
+                   completion([4], [1, 2], [True, True], [-1.0, -2.0], -1.0)]
+    for loss_average in ("token", "sequence", "dr_grpo"):
+        rows = update_rows(completions, 6, loss_average, max_tokens=4, keep=[True, False])
+        expected_w, expected_c = loss_averages(rows["loss_mask"][:1].astype(np.float64), 4)[loss_average]
+        np.testing.assert_allclose(rows["weights"][0], expected_w[0], rtol=1e-7)
+        np.testing.assert_allclose(rows["counts"][0], expected_c[0], rtol=1e-7)
+        assert not rows["weights"][1].any() and not rows["counts"][1].any() and rows["loss_mask"][1].sum() == 2
+
+
+def test_overlong_penalty_is_dapos_soft_ramp():
+    from k3jax.training.grpo import overlong_penalty
+
+    limit, cache = 20, 5
+    lengths = np.arange(0, 24)
+    expected = [0.0 if n <= limit - cache else (limit - cache - n) / cache if n <= limit else -1.0 for n in lengths]
+    np.testing.assert_allclose(overlong_penalty(lengths, limit, cache), expected, rtol=0, atol=1e-15)
+    assert overlong_penalty([15, 16, 20], limit, cache).tolist() == [0.0, -0.2, -1.0]
+
+
+def test_kept_completions_drop_groups_without_spread_and_cut_completions():
+    from k3jax.training.grpo import kept_completions
+
+    rewards = np.array([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.5, 0.5, 0.5]])
+    reasons = np.array([["stop", "length", "stop"], ["length", "stop", "stop"], ["stop"] * 3])
+    assert kept_completions(rewards, reasons, dynamic_sampling=False, overlong_filter=False).all()
+    np.testing.assert_array_equal(kept_completions(rewards, reasons, dynamic_sampling=True, overlong_filter=False),
+                                  [[False] * 3, [True] * 3, [False] * 3])
+    np.testing.assert_array_equal(kept_completions(rewards, reasons, dynamic_sampling=True, overlong_filter=True),
+                                  [[False] * 3, [False, True, True], [False] * 3])

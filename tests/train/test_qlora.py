@@ -162,3 +162,27 @@ def test_qlora_grpo_samples_with_the_packed_base_and_leaves_it_bit_identical(run
         after = dict(nnx.to_flat_state(nnx.state(tuned, kind)))
         for path, variable in nnx.to_flat_state(nnx.state(base, kind)):
             np.testing.assert_array_equal(np.asarray(after[path].get_value()), np.asarray(variable.get_value()))
+
+
+def test_qlora_dpo_reference_is_the_packed_base_and_stays_bit_identical(runs):
+    import json
+
+    from k3jax.inference import restore_model
+
+    pairs = [{"prompt": f"{w} ", "chosen": "the cat", "rejected": "a dog"} for w in ("sat", "ran", "saw", "hid")] * 4
+    (runs / "pairs.jsonl").write_text("".join(json.dumps(record) + "\n" for record in pairs))
+    run("-m", "train", str(runs / "base/config.yaml"), f"run_dir={runs / 'dpo'}", f"init_from={runs / 'base'}",
+        f"train.compilation_cache={runs / 'xla'}", "train.objective=dpo", "data.kind=preferences",
+        f"data.path={runs / 'pairs.jsonl'}", "data.tokenizer=null", "data.seq_len=32", "data.heldout_fraction=0.25",
+        "train.batch_size=2", "train.steps=3", "train.eval_batches=2", "train.eval_every=3", "train.log_every=1",
+        "logging.progress=false", *QLORA)
+    records = [json.loads(line) for line in (runs / "dpo/metrics.jsonl").read_text().splitlines()]
+    evaluations = [r for r in records if r.get("kind") == "eval"]
+    # Step 0: zero adapters, so the policy is its reference exactly: every DPO reward 0, loss log 2.
+    assert evaluations[0]["heldout_margin"] == 0 and evaluations[0]["heldout_loss"] == pytest.approx(np.log(2), rel=1e-6)
+    assert evaluations[-1]["step"] == 3 and any(r.get("grad_norm", 0) > 0 for r in records)
+    base, tuned = restore_model(runs / "base").model, restore_model(runs / "dpo").model
+    for kind in (nnx.Param, ExpertCodes):
+        after = dict(nnx.to_flat_state(nnx.state(tuned, kind)))
+        for path, variable in nnx.to_flat_state(nnx.state(base, kind)):
+            np.testing.assert_array_equal(np.asarray(after[path].get_value()), np.asarray(variable.get_value()))

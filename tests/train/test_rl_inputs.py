@@ -204,3 +204,64 @@ def test_an_earlier_releases_speculation_keys_are_read_under_their_new_names():
 def test_rows_of_an_update():
     config = load_config(MICRO, GRPO + ["rl.prompts_per_step=3", "rl.group_size=5"])
     assert config.rl.rows == 15 and np.isclose(config.rl.clip, 0.2)
+
+
+def test_weighted_rewards_sum_per_completion_and_batch_functions(tmp_path, monkeypatch):
+    from k3jax.config import RewardTermConfig
+    from k3jax.training.rewards import load_rewards, score_completions
+    from types import SimpleNamespace
+
+    (tmp_path / "batch_rewards.py").write_text(
+        "calls = []\n"
+        "def short(prompts, completions, records):\n"
+        "    calls.append(len(completions))\n"
+        "    return [1.0 / (1 + len(c)) for c in completions]\n"
+        "def wrong_length(prompts, completions, records):\n    return [0.0]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "batch_rewards", raising=False)
+    terms = load_rewards(None, (RewardTermConfig("exact_match", 2.0), RewardTermConfig("batch_rewards:short", -0.5)))
+    completions = [SimpleNamespace(prompt=prompt({"prompt": "1+1=", "answer": "2"}), text=text, reward=None,
+                                   reward_terms={}) for text in ("2", "33", " 2 ")]
+    score_completions(terms, completions)
+    import batch_rewards
+    assert batch_rewards.calls == [3]                               # once, on the whole batch
+    for completion, exact in zip(completions, (1.0, 0.0, 1.0)):
+        short = 1.0 / (1 + len(completion.text))
+        assert completion.reward == 2.0 * exact - 0.5 * short
+        assert completion.reward_terms == {"exact_match": exact, "batch_rewards:short": short}
+    bad = load_rewards(None, (RewardTermConfig("batch_rewards:wrong_length"),))
+    with pytest.raises(RewardError, match="p.jsonl: line 3: the reward batch_rewards:wrong_length returned list of 1, not a list of 3"):
+        score_completions(bad, completions)
+    default = load_rewards(None)
+    assert [(t.name, t.weight, t.batched) for t in default] == [("exact_match", 1.0, False)]
+    score_completions(default, completions[:1])
+    assert completions[0].reward == 1.0
+
+
+def test_math_reward_uses_math_verify():
+    from k3jax.config import RewardTermConfig
+    from k3jax.training.rewards import load_rewards, math_answer
+
+    try:
+        import math_verify  # noqa: F401
+    except ImportError:
+        with pytest.raises(DataError, match=r"^rl.rewards\[0\].name: the math reward needs math-verify: pip install 'k3jax\[math\]'$"):
+            load_rewards(None, (RewardTermConfig("math"),))
+        pytest.skip("math-verify is not installed (the optional extra k3jax[math])")
+
+    assert math_answer("", "so the answer is $\\frac{1}{2}$", {"answer": "0.5"}) == 1.0
+    assert math_answer("", "\\boxed{42}", {"answer": ["41", "42"]}) == 1.0
+    assert math_answer("", "it is 41", {"answer": "42"}) == 0.0
+
+
+def test_rewards_settings_are_refused_by_name():
+    with pytest.raises(ConfigError, match="^rl.rewards: set rl.reward or rl.rewards, not both"):
+        load_config(MICRO, [*GRPO, "rl.reward=contains", "rl.rewards=[{name: numeric}]"])
+    with pytest.raises(ConfigError, match="^rl.rewards: a tool environment gives the reward"):
+        load_config(MICRO, [*GRPO, "rl.environment=calculator", "rl.rewards=[{name: numeric, weight: 2}]"])
+    with pytest.raises(ConfigError, match=r"^rl.overlong_penalty: must be in \[0, rl.max_new_tokens = 32\)"):
+        load_config(MICRO, [*GRPO, "rl.overlong_penalty=32"])
+    with pytest.raises(ConfigError, match="^rl.clip_low: must be below 1"):
+        load_config(MICRO, [*GRPO, "rl.clip_low=1.5"])
+    config = load_config(MICRO, [*GRPO, "rl.clip_high=0.28", "rl.rewards=[{name: numeric}, {name: m:f, weight: 0.1}]"])
+    assert config.rl.clip_range == (0.2, 0.28) and [t.weight for t in config.rl.rewards] == [1.0, 0.1]

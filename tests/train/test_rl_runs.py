@@ -182,3 +182,31 @@ def test_a_hung_reward_ends_the_run_in_one_line(setting, capsys, reward, timeout
     assert time.monotonic() - started < 100
     summary, _, _ = grpo(setting, f"hung-{reward}", 1)            # the same run directory resumes
     assert summary["step"] == 1
+
+
+def short(prompts, completions, records) -> list[float]:
+    """A batched reward (``rl.rewards``): shorter completions score higher."""
+    return [-0.1 * len(completion) for completion in completions]
+
+
+def test_dapo_gspo_options_and_weighted_batch_rewards_run_and_log(setting):
+    _, rollouts, metrics = grpo(
+        setting, "dapo", 2, "rl.reward=null", "rl.rewards=[{name: contains, weight: 0.5}, "
+        "{name: 'tests.train.test_rl_runs:short', weight: 2.0}]", "rl.dynamic_sampling=true", "rl.overlong_filter=true",
+        "rl.overlong_penalty=2", "rl.clip_high=0.28", "rl.ratio=sequence", "rl.loss_average=dr_grpo", "rl.eval_prompts=0")
+    from k3jax.training.grpo import overlong_penalty
+
+    for record in rollouts:
+        terms = record["rewards"]
+        length = len(record["completion_tokens"])
+        expected = 0.5 * terms["contains"] + 2.0 * terms["tests.train.test_rl_runs:short"]
+        assert record["reward"] == pytest.approx(expected + overlong_penalty([length], 5, 2)[0], abs=1e-12)
+        assert terms["tests.train.test_rl_runs:short"] == pytest.approx(-0.1 * len(record["completion"]))
+    steps = [m for m in metrics if "loss" in m]
+    assert len(steps) == 2 and all(m["logprob_mismatch"] == 0 for m in steps)
+    for step, first in zip(steps, (0, 6)):
+        group_rewards = [[r["reward"] for r in rollouts[first + 3 * g: first + 3 * g + 3]] for g in range(2)]
+        cut = sum(r["finish_reason"] == "length" for r in rollouts[first:first + 6])
+        assert step["groups_dropped"] == sum(max(g) == min(g) for g in group_rewards)
+        assert step["completions_filtered"] == cut
+        assert {"reward_contains_mean", "overlong_penalty_mean", "kept_completions"} <= set(step)
