@@ -29,7 +29,7 @@ function's JSON schema (the form `ChatEncoder.parse_reply` reads back as the cal
 from __future__ import annotations
 
 import json
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
@@ -121,7 +121,17 @@ def _close(tag: str) -> str:
     return f"<{CLOSE[1:-1]}> {_literal(tag)} <{SEP[1:-1]}>"
 
 
-def reply_grammar(thinking: bool, content: str | None = None, tools: Sequence[tuple[str, dict | None]] = (),
+class ToolSpec(NamedTuple):
+    """A function a call may name: its ``name``, the JSON ``schema`` of its arguments (None: any
+    object), and whether K3's ``typed`` arguments (``<|open|>argument key="K" type="T"<|sep|>``,
+    unconstrained) may stand instead of the JSON object."""
+
+    name: str
+    schema: dict | None = None
+    typed: bool = False
+
+
+def reply_grammar(thinking: bool, content: str | None = None, tools: Sequence[ToolSpec] = (),
                   calls: tuple[int, int | None] = (0, None)) -> str:
     """K3's assistant reply after the generation prompt (`k3jax.data.chat_format.generation_prompt`):
 
@@ -130,8 +140,8 @@ def reply_grammar(thinking: bool, content: str | None = None, tools: Sequence[tu
         CALL      <call tool="NAME" index="I"> <json type="object"> ARGUMENTS </json> </call>
 
     THINK is free text (only with ``thinking``); CONTENT the ``content`` grammar (a grammar text,
-    e.g. `json_schema_grammar`; None: free text); ``tools`` (name, JSON schema of the arguments or
-    None for any object) the functions a call may name; ``calls`` (min, max; None: no limit) how many.
+    e.g. `json_schema_grammar`; None: free text); ``tools`` (`ToolSpec`) the functions a call may
+    name; ``calls`` (min, max; None: no limit) how many.
     With calls required (min > 0) the content is empty; with content constrained and calls allowed
     a reply is either the content (and maybe calls) or calls alone."""
     low, high = calls
@@ -155,14 +165,22 @@ def reply_grammar(thinking: bool, content: str | None = None, tools: Sequence[tu
         rules.append(f"tools: {_open('tools')} call{repeat} {_close('tools')}")
         index = _literal("1") if high == 1 else "INDEX"
         names = []
-        for number, (name, schema) in enumerate(tools):
-            entries.append({**_entry(json_schema_grammar(schema or True)), "name": f"arguments{number}"})
+        for number, tool in enumerate(tools):
+            entries.append({**_entry(json_schema_grammar(tool.schema or True)), "name": f"arguments{number}"})
             names.append(f"call{number}")
-            header = f'call tool="{_attribute(name)}" index="'
+            header = f'call tool="{_attribute(tool.name)}" index="'
+            arguments = f"{_open(ARGUMENTS_TAG)} @arguments{number} {_close('json')}"
+            if tool.typed:
+                arguments = f"({arguments} | typed*)"
             rules.append(f"call{number}: <{OPEN[1:-1]}> {_literal(header)} {index} {_literal(chr(34))} <{SEP[1:-1]}> "
-                         f"{_open(ARGUMENTS_TAG)} @arguments{number} {_close('json')} {_close('call')}")
+                         f"{arguments} {_close('call')}")
         rules.append("call: " + " | ".join(names))
         rules.append("INDEX: /[1-9][0-9]*/")
+        if any(tool.typed for tool in tools):
+            rules.append(f"typed: <{OPEN[1:-1]}> {_literal('argument key=' + chr(34))} ATTRIBUTE "
+                         f"{_literal(chr(34) + ' type=' + chr(34))} ATTRIBUTE {_literal(chr(34))} <{SEP[1:-1]}> "
+                         f"TEXT {_close('argument')}")
+            rules.append('ATTRIBUTE: /[^"]*/')
     rules.append(r"TEXT: /(.|\n)*/")
     return _grammar({"lark_grammar": "\n".join(rules) + "\n"}, *entries)
 

@@ -21,7 +21,7 @@ from .engine import Job, Sequence, check_deadline, close_sessions, token_logprob
 from .errors import ServeError, bad
 from .model import ServedModel
 from .protocol import ChatRequest, Choices, CompletionRequest
-from . import params
+from . import constraints, params
 
 
 def _prompts(served: ServedModel, prompt) -> list[list[int]]:
@@ -56,11 +56,28 @@ class _Choices:
         self.ignore_eos = request.ignore_eos
         self.created = int(time.time())
         self.first_stop = params.text_stop(self.stops)
+        self.options = params.logits_options(request, served.vocab_size)
+        self.stop_token_ids = frozenset(request.stop_token_ids)
+        self.grammar: str | None = None         # the output's grammar (`eval.serve.constraints`): set by the plan
 
-    def sequence(self, sid: int, choice: int, top_logprobs: int | None) -> Sequence:
+    def constrain(self, grammar: str | None, param: str) -> None:
+        """Every choice keeps to ``grammar`` (None: nothing); ``ignore_eos`` cannot stand beside it."""
+        if grammar is not None and self.ignore_eos:
+            raise ServeError(400, "ignore_eos: the output ends where its grammar ends; leave ignore_eos out",
+                             param="ignore_eos")
+        self.grammar, self.grammar_param = grammar, param
+
+    def sequence(self, sid: int, choice: int, top_logprobs: int | None, generated_from: int) -> Sequence:
+        """Choice ``choice`` in session ``sid`` (whose prompt is its first ``generated_from`` tokens)."""
         stop_ids = frozenset() if self.ignore_eos or self.served.eos_id is None else frozenset([self.served.eos_id])
-        return Sequence(sid, params.choice_sampling(self.temperature, self.top_p, self.seed, choice), self.max_tokens,
-                        stop_ids, top_logprobs, text_stops=bool(self.stops))
+        constraint = None
+        if self.grammar is not None:
+            from k3jax.grammar import Constraint
+            constraint = Constraint(self.served.grammar_vocabulary(self.grammar_param), self.grammar)
+        sampling = params.choice_sampling(self.temperature, self.top_p, self.seed, choice, self.options, generated_from,
+                                          constraint)
+        return Sequence(sid, sampling, self.max_tokens, stop_ids | self.stop_token_ids, top_logprobs,
+                        text_stops=bool(self.stops))
 
     def text_of(self, tokens: list[int]) -> str:
         return self.served.decode(tokens)
@@ -93,6 +110,9 @@ class CompletionPlan(_Choices):
         self.echo = request.echo
         self.logprobs = request.logprobs
         self.id = f"cmpl-{uuid.uuid4().hex}"
+        if request.structured_outputs is not None:
+            grammar = constraints.content_grammar(request, served.grammar_vocabulary("structured_outputs"))
+            self.constrain(grammar[0], grammar[1])
         self.prompt_scores: dict[int, list] = {}
         self.deadline: float | None = None       # the job's (`job`)
 
@@ -116,7 +136,7 @@ class CompletionPlan(_Choices):
             else:
                 first = store.open(prompt)
             sids = [first] + [store.fork(first) for _ in range(self.n - 1)]
-            sequences += [self.sequence(sid, choice, self.logprobs) for choice, sid in enumerate(sids)]
+            sequences += [self.sequence(sid, choice, self.logprobs, len(prompt)) for choice, sid in enumerate(sids)]
         return sequences
 
     def stopped(self, sequence: Sequence) -> bool:
@@ -240,6 +260,11 @@ class ChatPlan(_Choices):
         if self.top_logprobs and not self.logprobs:
             raise bad("top_logprobs", "needs logprobs: true")
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        if request.response_format is not None or request.structured_outputs is not None or request.tools:
+            vocabulary = self.served.grammar_vocabulary("response_format")
+            self.constrain(constraints.chat_grammar(request, tools, self.chat.thinking, vocabulary), "response_format")
+        elif request.tool_choice == "required" or not isinstance(request.tool_choice, (str, type(None))):
+            raise bad("tool_choice", "asks for a tool call but the request declares no tools")
 
     def job(self, notify, deadline) -> Job:
         return Job(self.prepare, self.finish, notify, sequences=self.n, stopped=self.stopped, deadline=deadline)
@@ -247,7 +272,7 @@ class ChatPlan(_Choices):
     def prepare(self, store) -> list[Sequence]:
         first = store.open(self.prompts[0])
         sids = [first] + [store.fork(first) for _ in range(self.n - 1)]
-        return [self.sequence(sid, choice, self.top_logprobs if self.logprobs else None)
+        return [self.sequence(sid, choice, self.top_logprobs if self.logprobs else None, len(self.prompts[0]))
                 for choice, sid in enumerate(sids)]
 
     def reply(self, tokens):
