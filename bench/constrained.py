@@ -3,9 +3,10 @@
 but the constraint makes its output valid). Two parts, in one run:
 
     cost     tokens/s of `SessionStore.step` at batch 1 and 32, side by side: plain sampling (the
-             plain decode program), and every row held to a JSON schema (the token mask of each
-             row computed on the host by llguidance, applied in the adjusted decode program, the
-             grammar advanced with each token); trials alternate, medians reported
+             plain decode program); penalties (presence 0.5, repetition 1.2: the adjusted decode
+             program, its per-row arrays built on the host, no grammar); and every row held to a
+             JSON schema (the token mask of each row computed on the host by llguidance, applied in
+             the adjusted program, the grammar advanced with each token); trials rotate, medians
     server   ``python -m eval.serve RUN_DIR --port 0`` as a subprocess and the official ``openai``
              client: ``--replies`` chat replies with ``response_format`` json_schema over five
              schemas (nested objects, arrays, enums, bounded numbers, required fields), at
@@ -99,24 +100,30 @@ def cost(run_dir: pathlib.Path, batches: list[int], steps: int, trials: int) -> 
         sids = [store.open([5 + i % 7, 9, 11]) for i in range(batch)]
         handles = [store.snapshot(sid) for sid in sids]
 
-        def trial(constrained: bool) -> float:
+        variants = {"plain": lambda: Sampling(),
+                    "penalties": lambda: Sampling(presence_penalty=0.5, repetition_penalty=1.2),
+                    "json_schema": lambda: Sampling(constraint=Constraint(vocabulary, grammar))}
+
+        def trial(variant: str) -> float:
             for sid, handle in zip(sids, handles):
                 store.rollback(sid, handle)
-            rules = {sid: Sampling(constraint=Constraint(vocabulary, grammar) if constrained else None) for sid in sids}
+            rules = {sid: variants[variant]() for sid in sids}
             started = time.perf_counter()
             for _ in range(steps):
                 store.step(rules)
             return time.perf_counter() - started
 
-        times = {False: [], True: []}
+        times = {variant: [] for variant in variants}
+        names = list(variants)
         for number in range(trials + 1):
-            for constrained in ((False, True) if number % 2 == 0 else (True, False)):
-                seconds = trial(constrained)
-                if number > 0:                       # the first pair compiles
-                    times[constrained].append(seconds)
-        plain, held = (batch * steps / statistics.median(times[c]) for c in (False, True))
-        rows.append({"batch": batch, "steps": steps, "plain_tokens_per_s": plain, "json_schema_tokens_per_s": held,
-                     "ratio": held / plain})
+            for variant in names[number % 3:] + names[: number % 3]:
+                seconds = trial(variant)
+                if number > 0:                       # the first round compiles
+                    times[variant].append(seconds)
+        speed = {variant: batch * steps / statistics.median(times[variant]) for variant in names}
+        rows.append({"batch": batch, "steps": steps, **{f"{v}_tokens_per_s": speed[v] for v in names},
+                     "penalties_ratio": speed["penalties"] / speed["plain"],
+                     "json_schema_ratio": speed["json_schema"] / speed["plain"]})
         for sid in sids:
             store.close(sid)
     return rows
@@ -225,9 +232,11 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as temporary:
         run_dir = pathlib.Path(args.run) if args.run else save_untrained(pathlib.Path(temporary) / "untrained-chat")
         rows = cost(run_dir, [int(b) for b in args.batches.split(",")], args.steps, args.trials)
-        print(table(["batch", "steps", "plain tok/s", "json_schema tok/s", "ratio"],
-                    [[r["batch"], r["steps"], f"{r['plain_tokens_per_s']:.1f}", f"{r['json_schema_tokens_per_s']:.1f}",
-                      f"{r['ratio']:.2f}"] for r in rows]))
+        print(table(["batch", "steps", "plain tok/s", "penalties tok/s", "json_schema tok/s", "penalties / plain",
+                     "json_schema / plain"],
+                    [[r["batch"], r["steps"], f"{r['plain_tokens_per_s']:.1f}", f"{r['penalties_tokens_per_s']:.1f}",
+                      f"{r['json_schema_tokens_per_s']:.1f}", f"{r['penalties_ratio']:.2f}",
+                      f"{r['json_schema_ratio']:.2f}"] for r in rows]))
         served = served_replies(run_dir, args.replies) if args.replies else None
     if served is not None:
         print(table(["schema", "replies", "valid"], [[name, v["replies"], v["valid"]]
