@@ -70,8 +70,11 @@ def row_adjustment(sampling: Sampling, tokens, vocab: int) -> Adjustment:
         seen = pack_bits(np.bincount(tokens, minlength=vocab)[:vocab] > 0)
     else:
         seen = np.zeros(words, np.int32)
-    bias = penalty_bias(vocab, tokens[sampling.generated_from:], sampling.logit_bias, sampling.presence_penalty,
-                        sampling.frequency_penalty)
+    if sampling.logit_bias or sampling.presence_penalty or sampling.frequency_penalty:
+        bias = penalty_bias(vocab, tokens[sampling.generated_from:], sampling.logit_bias, sampling.presence_penalty,
+                            sampling.frequency_penalty)
+    else:
+        bias = np.zeros(vocab)
     return Adjustment(allowed, seen, np.float64(sampling.repetition_penalty), bias, np.float64(sampling.min_p))
 
 
