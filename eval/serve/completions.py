@@ -110,9 +110,9 @@ class CompletionPlan(_Choices):
         self.echo = request.echo
         self.logprobs = request.logprobs
         self.id = f"cmpl-{uuid.uuid4().hex}"
-        if request.structured_outputs is not None:
-            grammar = constraints.content_grammar(request, served.grammar_vocabulary("structured_outputs"))
-            self.constrain(grammar[0], grammar[1])
+        grammar = constraints.content_grammar(request, lambda: served.grammar_vocabulary("structured_outputs"))
+        if grammar is not None:
+            self.constrain(*grammar)
         self.prompt_scores: dict[int, list] = {}
         self.deadline: float | None = None       # the job's (`job`)
 
@@ -260,11 +260,8 @@ class ChatPlan(_Choices):
         if self.top_logprobs and not self.logprobs:
             raise bad("top_logprobs", "needs logprobs: true")
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
-        if request.response_format is not None or request.structured_outputs is not None or request.tools:
-            vocabulary = self.served.grammar_vocabulary("response_format")
-            self.constrain(constraints.chat_grammar(request, tools, self.chat.thinking, vocabulary), "response_format")
-        elif request.tool_choice == "required" or not isinstance(request.tool_choice, (str, type(None))):
-            raise bad("tool_choice", "asks for a tool call but the request declares no tools")
+        self.constrain(constraints.chat_grammar(request, tools, self.chat.thinking,
+                                                lambda: served.grammar_vocabulary("response_format")), "response_format")
 
     def job(self, notify, deadline) -> Job:
         return Job(self.prepare, self.finish, notify, sequences=self.n, stopped=self.stopped, deadline=deadline)

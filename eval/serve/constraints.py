@@ -33,10 +33,13 @@ def _grammar_module():
 
 def content_grammar(request: Choices, vocabulary) -> tuple[str, str] | None:
     """(grammar, the field it came from) for the output's text, or None: ``response_format`` (chat)
-    or ``structured_outputs``; a 400 when both ask, or when the grammar does not compile."""
-    grammar = _grammar_module()
+    or ``structured_outputs``; a 400 when both ask, or when the grammar does not compile for
+    ``vocabulary()`` (called only when a grammar is asked for)."""
     format_ = getattr(request, "response_format", None)
     outputs = request.structured_outputs
+    if (format_ is None or format_.type == "text") and outputs is None:
+        return None
+    grammar = _grammar_module()
     asked = []
     if format_ is not None and format_.type != "text":
         if format_.type == "json_object":
@@ -60,10 +63,8 @@ def content_grammar(request: Choices, vocabulary) -> tuple[str, str] | None:
         asked.append((f"structured_outputs.{kind}", build))
     if len(asked) > 1:
         raise bad(asked[1][0].split(".")[0], f"asks for a format beside {asked[0][0].split('.')[0]}; give one")
-    if not asked:
-        return None
     field, build = asked[0]
-    return _checked(build, field, vocabulary), field
+    return _checked(build, field, vocabulary()), field
 
 
 def _schema(value, field: str) -> dict:
@@ -90,7 +91,8 @@ def _checked(build, field: str, vocabulary) -> str:
 
 
 def chat_grammar(request: ChatRequest, tools: list | None, thinking: bool, vocabulary) -> str | None:
-    """The grammar of a chat request's whole reply (module docstring), or None when it asks for nothing."""
+    """The grammar of a chat request's whole reply (module docstring), or None when it asks for
+    nothing; ``vocabulary()`` the grammar engine's tokenizer (called only when needed)."""
     content = content_grammar(request, vocabulary)
     choice, single = request.tool_choice or "auto", not request.parallel_tool_calls
     tools = tools or []
@@ -113,4 +115,4 @@ def chat_grammar(request: ChatRequest, tools: list | None, thinking: bool, vocab
                               typed=choice == "auto" and not function.get("strict")) for function in functions]
     field = "tools" if content is None else content[1]
     return _checked(lambda: grammar.reply_grammar(thinking, None if content is None else content[0], specs, (low, high)),
-                    field, vocabulary)
+                    field, vocabulary())
