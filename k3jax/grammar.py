@@ -194,15 +194,13 @@ class Constraint:
         self.matcher = LLMatcher(vocabulary, grammar, log_level=0)
         if self.matcher.is_error():
             raise ValueError(self.matcher.get_error().strip().splitlines()[0])
-        self.failure: str | None = None
+        self.ended = False          # the end token was taken
 
     def allowed(self, words: int) -> np.ndarray:
         """The tokens allowed next, packed int32 ``[words]`` (`k3jax.sampling.pack_bits`' layout):
-        only the end token once the parser failed or stopped."""
+        only the end token once the parser failed, stopped or took the end token."""
         packed = np.zeros(words, np.int32)
-        if self.matcher.is_error() or self.matcher.is_stopped():
-            if self.matcher.is_error() and self.failure is None:
-                self.failure = self.matcher.get_error()
+        if self.ended or self.matcher.is_error() or self.matcher.is_stopped():
             eos = self.vocabulary.eos_token
             packed[eos // 32] = np.int32(np.uint32(1 << (eos % 32)).view(np.int32))
             return packed
@@ -210,20 +208,21 @@ class Constraint:
         packed[: min(words, mask.size)] = mask[:words]
         return packed
 
-    def allows(self, token: int) -> bool:
-        """Whether ``token`` may come next."""
-        return not self.matcher.is_error() and self.matcher.validate_tokens([int(token)]) == 1
-
     def advance(self, tokens: Sequence[int]) -> int:
-        """Take ``tokens`` (as far as the grammar allows) -> how many it took."""
-        return self.matcher.try_consume_tokens([int(t) for t in tokens])
+        """Take ``tokens`` (as far as the grammar allows; the end token where the grammar accepts) ->
+        how many it took."""
+        if self.ended:
+            return 0
+        tokens = [int(t) for t in tokens]
+        taken = self.matcher.try_consume_tokens(tokens)
+        if taken < len(tokens) and tokens[taken] == self.vocabulary.eos_token and not self.matcher.is_error() \
+                and (self.matcher.is_accepting() or self.matcher.is_stopped()):
+            self.ended, taken = True, taken + 1      # kept here: the matcher does not count an end token
+        return taken
 
     def rollback(self, count: int) -> None:
         """Take back the last ``count`` tokens."""
+        if count and self.ended:
+            self.ended, count = False, count - 1
         if count and not self.matcher.rollback(count):
             raise ValueError(f"the grammar state cannot take back {count} tokens: {self.matcher.get_error()}")
-
-    @property
-    def accepting(self) -> bool:
-        """Whether what was written so far is a complete sentence of the grammar."""
-        return self.matcher.is_accepting()
