@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.sampling import filtered_ranking, sample_logits, sampling_probs
+from k3jax.sampling import (Adjustment, adjusted_logits, filtered_ranking, pack_bits, sample_logits, sampling_probs,
+                            unpack_bits)
 
 
 def reference_probs(logits, temperature, top_k, top_p):
@@ -80,3 +81,75 @@ def test_compiled_draws_follow_the_host_probs(temperature, top_k, top_p):
         assert set(draws) == set(np.flatnonzero(probs))
         shares = np.bincount(draws, minlength=logits.size) / count
         assert np.all(np.abs(shares - probs) <= 5 * np.sqrt(probs * (1 - probs) / count) + 1e-12), (shares, probs)
+
+
+# -------------------------------------------------------------------- logits options (`adjusted_logits`)
+def reference_adjusted(logits, history, generated_from, logit_bias, presence, frequency, repetition, allowed):
+    """The options written out token by token in float64: the repetition penalty over the history
+    (HF / vLLM: divide a positive logit by r, multiply a negative one), then OpenAI's
+    ``- frequency * count - presence * [count > 0]`` over the generated tokens and ``+ logit_bias``,
+    then -inf for the tokens the grammar forbids."""
+    logits = np.asarray(logits, np.float64).copy()
+    generated = list(history[generated_from:])
+    for token in range(logits.size):
+        if token in history:
+            logits[token] = logits[token] / repetition if logits[token] > 0 else logits[token] * repetition
+        count = generated.count(token)
+        logits[token] -= frequency * count + presence * (count > 0)
+        logits[token] += dict(logit_bias).get(token, 0.0)
+        if not allowed[token]:
+            logits[token] = -np.inf
+    return logits
+
+
+def reference_min_p(probs, min_p):
+    """min-p over a distribution: keep p_v >= min_p * max p, renormalise."""
+    kept = np.where(probs >= min_p * probs.max(), probs, 0.0)
+    return kept / kept.sum()
+
+
+OPTIONS = [dict(logit_bias=((3, 2.5), (7, -100.0)), presence=0.5, frequency=0.3, repetition=1.3),
+           dict(logit_bias=(), presence=-1.0, frequency=-0.5, repetition=0.8),
+           dict(logit_bias=((0, 1.0),), presence=0.0, frequency=0.0, repetition=1.0)]
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("min_p", [0.0, 0.2])
+def test_adjusted_probs_equal_the_reference(options, min_p):
+    """`row_adjustment` + `sampling_probs` (the host path, float64) against the formulas written out,
+    and the compiled sampler's greedy draw against the reference's argmax."""
+    from k3jax.sessions.batching import Sampling, row_adjustment
+
+    rng = np.random.default_rng(0)
+    for seed in range(5):
+        vocab = 40 + seed
+        logits = rng.normal(size=vocab).astype(np.float32) * 2
+        history = list(rng.integers(0, vocab, size=12))
+        allowed = rng.random(vocab) < 0.7
+        allowed[int(np.argmax(logits))] = seed % 2 == 0
+        constraint = type("Mask", (), {"allowed": lambda self, words: pack_bits(allowed)})()
+        rule = Sampling(1.0, min_p=min_p, logit_bias=options["logit_bias"], presence_penalty=options["presence"],
+                        frequency_penalty=options["frequency"], repetition_penalty=options["repetition"],
+                        generated_from=5, constraint=constraint)
+        adjustment = row_adjustment(rule, history, vocab)
+        expected_logits = reference_adjusted(logits, history, 5, options["logit_bias"], options["presence"],
+                                             options["frequency"], options["repetition"], allowed)
+        np.testing.assert_allclose(adjusted_logits(logits.astype(np.float64), adjustment), expected_logits, rtol=1e-12)
+        weights = np.exp(expected_logits - expected_logits.max())
+        expected = reference_min_p(weights / weights.sum(), min_p)
+        np.testing.assert_allclose(sampling_probs(logits, 1.0, None, None, adjustment), expected, rtol=1e-9, atol=1e-15)
+        greedy = sampling_probs(logits, 0.0, None, None, adjustment)
+        assert greedy[int(np.argmax(expected_logits))] == 1.0
+        device = Adjustment(*(jnp.asarray(np.asarray(a), jnp.float32 if np.asarray(a).dtype == np.float64 else None)[None]
+                              for a in adjustment))
+        token = jax.jit(lambda z, a: sample_logits(adjusted_logits(z, a, xp=jnp), jax.random.key(0), 0.0, 0, 1.0,
+                                                   a.min_p[:, None]))(jnp.asarray(logits)[None], device)
+        assert int(token[0]) == int(np.argmax(expected_logits))
+
+
+def test_bits_pack_and_unpack_alike_in_either_namespace():
+    flags = np.random.default_rng(1).random((3, 70)) < 0.5
+    packed = pack_bits(flags)
+    assert packed.shape == (3, 3) and packed.dtype == np.int32
+    np.testing.assert_array_equal(unpack_bits(packed, 70), flags)
+    np.testing.assert_array_equal(np.asarray(unpack_bits(jnp.asarray(packed), 70, xp=jnp)), flags)

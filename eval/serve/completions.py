@@ -26,7 +26,7 @@ from .errors import ServeError, bad, error_body
 from .model import ServedModel
 from .params import HeldText, StopFinder
 from .protocol import ChatRequest, Choices, CompletionRequest
-from . import params
+from . import constraints, params
 
 
 def _prompts(served: ServedModel, prompt) -> list[list[int]]:
@@ -62,11 +62,28 @@ class _Choices:
         self.created = int(time.time())
         self.cached_tokens = 0        # prompt tokens resumed from the prefix cache (`prepare`)
         self.watches: dict[int, list] = {}     # session id -> [reader, StopFinder, tokens read] (`stopped`)
+        self.options = params.logits_options(request, served.vocab_size)
+        self.stop_token_ids = frozenset(request.stop_token_ids)
+        self.grammar: str | None = None         # the output's grammar (`eval.serve.constraints`): set by the plan
 
-    def sequence(self, sid: int, choice: int, top_logprobs: int | None) -> Sequence:
+    def constrain(self, grammar: str | None, param: str) -> None:
+        """Every choice keeps to ``grammar`` (None: nothing); ``ignore_eos`` cannot stand beside it."""
+        if grammar is not None and self.ignore_eos:
+            raise ServeError(400, "ignore_eos: the output ends where its grammar ends; leave ignore_eos out",
+                             param="ignore_eos")
+        self.grammar, self.grammar_param = grammar, param
+
+    def sequence(self, sid: int, choice: int, top_logprobs: int | None, generated_from: int) -> Sequence:
+        """Choice ``choice`` in session ``sid`` (whose prompt is its first ``generated_from`` tokens)."""
         stop_ids = frozenset() if self.ignore_eos or self.served.eos_id is None else frozenset([self.served.eos_id])
-        return Sequence(sid, params.choice_sampling(self.temperature, self.top_p, self.seed, choice), self.max_tokens,
-                        stop_ids, top_logprobs, text_stops=bool(self.stops))
+        constraint = None
+        if self.grammar is not None:
+            from k3jax.grammar import Constraint
+            constraint = Constraint(self.served.grammar_vocabulary(self.grammar_param), self.grammar)
+        sampling = params.choice_sampling(self.temperature, self.top_p, self.seed, choice, self.options, generated_from,
+                                          constraint)
+        return Sequence(sid, sampling, self.max_tokens, stop_ids | self.stop_token_ids, top_logprobs,
+                        text_stops=bool(self.stops))
 
     def cut(self, text: str) -> str:
         """``text`` up to its first stop string."""
@@ -122,6 +139,9 @@ class CompletionPlan(_Choices):
         self.echo = request.echo
         self.logprobs = request.logprobs
         self.id = f"cmpl-{uuid.uuid4().hex}"
+        grammar = constraints.content_grammar(request, lambda: served.grammar_vocabulary("structured_outputs"))
+        if grammar is not None:
+            self.constrain(*grammar)
         self.prompt_scores: dict[int, list] = {}
 
     def job(self, notify, deadline) -> Job:
@@ -144,7 +164,7 @@ class CompletionPlan(_Choices):
                 first, cached = yield from open_in_turns(store, prompt)
                 self.cached_tokens += cached
             sids = [first] + [store.fork(first) for _ in range(self.n - 1)]
-            sequences += [self.sequence(sid, choice, self.logprobs) for choice, sid in enumerate(sids)]
+            sequences += [self.sequence(sid, choice, self.logprobs, len(prompt)) for choice, sid in enumerate(sids)]
         return sequences
 
     def reader(self) -> "CompletionText":
@@ -271,6 +291,8 @@ class ChatPlan(_Choices):
         if self.top_logprobs and not self.logprobs:
             raise bad("top_logprobs", "needs logprobs: true")
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.constrain(constraints.chat_grammar(request, tools, self.chat.thinking,
+                                                lambda: served.grammar_vocabulary("response_format")), "response_format")
 
     def job(self, notify, deadline) -> Job:
         return Job(self.prepare, self.finish, notify, sequences=self.n, stopped=self.stopped, deadline=deadline)
@@ -279,7 +301,7 @@ class ChatPlan(_Choices):
         """The prompt prefilled in turns, its other choices forked: a generator (`Job`)."""
         first, self.cached_tokens = yield from open_in_turns(store, self.prompts[0])
         sids = [first] + [store.fork(first) for _ in range(self.n - 1)]
-        return [self.sequence(sid, choice, self.top_logprobs if self.logprobs else None)
+        return [self.sequence(sid, choice, self.top_logprobs if self.logprobs else None, len(self.prompts[0]))
                 for choice, sid in enumerate(sids)]
 
     def reader(self) -> ReplyReader:

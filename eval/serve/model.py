@@ -36,6 +36,17 @@ class ServedModel:
                                             + ")") if self.specials else None)
         eos = self.chat.eos_id if self.chat is not None else getattr(self.tokenizer, "eos_id", None)
         self.eos_id = eos if eos is not None and eos < self.vocab_size else None
+        self._grammar_vocabulary = None
+
+    def grammar_vocabulary(self, param: str):
+        """The tokenizer as the grammar engine sees it (`k3jax.grammar.grammar_tokenizer`, built on first
+        use); a 400 naming ``param`` for a model without text or an end token to end a grammar with."""
+        if self.tokenizer is None or self.eos_id is None:
+            raise ServeError(400, "constrained output needs a model with a tokenizer and an end token", param=param)
+        if self._grammar_vocabulary is None:
+            from k3jax.grammar import grammar_tokenizer
+            self._grammar_vocabulary = grammar_tokenizer(self.tokenizer, self.vocab_size, self.eos_id)
+        return self._grammar_vocabulary
 
     # ------------------------------------------------------------------ text
     def encode(self, text: str) -> list[int]:

@@ -1,6 +1,6 @@
-"""A checked request (`eval.serve.protocol`) as the engine takes it: the model's name, sampling,
-each choice's random stream, thinking and its effort, stop strings (found and held back in time
-linear in the streamed text)."""
+"""A checked request (`eval.serve.protocol`) as the engine takes it: the model's name, sampling
+and logits options, each choice's random stream, thinking and its effort, stop ids and stop strings
+(found and held back in time linear in the streamed text)."""
 from __future__ import annotations
 
 import secrets
@@ -8,7 +8,7 @@ import secrets
 from k3jax.sessions import Sampling
 from .errors import ServeError
 from .limits import shown
-from .protocol import ChatTemplateKwargs, Request, Sampled
+from .protocol import ChatTemplateKwargs, Choices, Request, Sampled
 
 
 def check_model(request: Request, served: str) -> None:
@@ -48,10 +48,27 @@ def chat_reasoning(effort: str | None, template: ChatTemplateKwargs | None, chat
     return thinking, effort if effort is not None else chat.thinking_effort if thinking else None
 
 
-def choice_sampling(temperature: float, top_p: float | None, seed: int, choice: int) -> Sampling:
+def logits_options(request: Choices, vocab_size: int) -> dict:
+    """The `Sampling` keyword arguments of a request's logits options (top_k -1 or 0 is off); a 400
+    naming ``logit_bias`` or ``stop_token_ids`` for a token id outside the model's vocabulary."""
+    bias = tuple((int(key), value) for key, value in request.logit_bias.items())
+    for param, ids in (("logit_bias", [token for token, _ in bias]), ("stop_token_ids", request.stop_token_ids)):
+        outside = [token for token in ids if not 0 <= token < vocab_size]
+        if outside:
+            raise ServeError(400, f"{param}: token id {outside[0]} is outside [0, {vocab_size})", param=param)
+    return {"top_k": request.top_k if request.top_k > 0 else None, "min_p": request.min_p, "logit_bias": bias,
+            "presence_penalty": request.presence_penalty, "frequency_penalty": request.frequency_penalty,
+            "repetition_penalty": request.repetition_penalty}
+
+
+def choice_sampling(temperature: float, top_p: float | None, seed: int, choice: int, options: dict | None = None,
+                    generated_from: int = 0, constraint=None) -> Sampling:
     """Choice ``choice``'s sampling: its own stream of the request's seed, so a request's output
-    depends on its seed and parameters, never on the requests it is batched with."""
-    return Sampling(temperature, None, top_p, seed % 2**32, stream=choice)
+    depends on its seed and parameters, never on the requests it is batched with; ``options``
+    (`logits_options`) with the penalties counting the tokens from history position
+    ``generated_from``, and the choice's own grammar state ``constraint``."""
+    return Sampling(temperature, top_p=top_p, seed=seed % 2**32, stream=choice, generated_from=generated_from,
+                    constraint=constraint, **(options or {}))
 
 
 class StopFinder:

@@ -157,6 +157,73 @@ Prompt = Annotated[Union[Annotated[str, Strict()], TokenIds,
                               _NULL_REFUSED, whole=True)]
 
 
+def _token_key(key: str) -> str:
+    if not (isinstance(key, str) and key.lstrip("-").isdigit()):
+        raise PydanticCustomError("invalid_value", "{text}", {"text": f"keys must be token ids, got {shown(key)}"})
+    return key
+
+
+LogitBias = Annotated[dict[Annotated[str, AfterValidator(_token_key)], number(-100, 100, 0.0)], Field(max_length=1024),
+                      _described("must be an object of token ids (strings) to biases in [-100, 100]", {})]
+JsonSchema = Annotated[dict[str, Any], _described("must be an object (a JSON schema)", _NULL_REFUSED)]
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of a JSON schema, any JSON object, a regex, a choice
+    list or a Lark grammar that the output (a chat reply's content) must match."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: Annotated[Union[JsonSchema, Annotated[str, Strict()]], Field(alias="json"),
+                     _described("must be a JSON schema (an object or its JSON text)")] = None
+    json_object: flag(False) = False
+    regex: Annotated[str, Strict(), Field(min_length=1), _described("must be a non-empty string")] | None = None
+    choice: Annotated[list[Annotated[str, Strict()]], Field(min_length=1, max_length=1024),
+                      _described("must be a non-empty list of strings")] | None = None
+    grammar: Annotated[str, Strict(), Field(min_length=1), _described("must be a non-empty string (a Lark grammar)")
+                       ] | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Name
+    schema_: Annotated[JsonSchema, Field(alias="schema")] = {}
+    description: Any = None
+    strict: flag(False) = False        # read: the reply always keeps to the schema
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Annotated[Literal["text", "json_object", "json_schema"],
+                    _described("must be 'text', 'json_object' or 'json_schema'", _NULL_REFUSED)]
+    json_schema: Annotated[JsonSchemaFormat, _described("must be an object")] | None = None
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Name
+
+
+class NamedToolChoice(BaseModel):
+    """``{"type": "function", "function": {"name": ...}}``: that function must be called, once."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: Annotated[NamedFunction, _described("must be an object", _NULL_REFUSED)]
+
+
+ToolChoice = Annotated[Union[Literal["auto", "none", "required"], NamedToolChoice],
+                       _described("must be 'auto', 'none', 'required' or {\"type\": \"function\", \"function\": "
+                                  "{\"name\": ...}}", whole=True)]
+
+
 # -------------------------------------------------------------------- the models
 class Request(BaseModel):
     """What every request body has: no unknown field, and ``model``, the served model's name (the
@@ -203,12 +270,16 @@ class Choices(Sampled):
     stream_options: Annotated[StreamOptions, _described("must be an object")] | None = None
     max_tokens: integer(0) | None = None        # None: up to the context's end (completions: 16)
     ignore_eos: flag(False) = False             # vLLM's: keep generating past the end-of-text token
-    presence_penalty: unsupported(0, why="no penalties are applied") = None
-    frequency_penalty: unsupported(0, why="no penalties are applied") = None
-    logit_bias: unsupported({}, why="logits are not biased") = None
-    top_k: unsupported(-1, 0, why="sampling filters by top_p only") = None                   # vLLM's
-    min_p: unsupported(0, why="sampling filters by top_p only") = None                       # vLLM's
-    repetition_penalty: unsupported(1, why="no penalties are applied") = None                # vLLM's
+    # the logits options (`k3jax.sampling.adjusted_logits`); token ids are checked against the model by the plan
+    presence_penalty: number(-2, 2, 0.0) = 0.0
+    frequency_penalty: number(-2, 2, 0.0) = 0.0
+    logit_bias: LogitBias = {}
+    top_k: integer(-1, None, -1) = -1            # vLLM's: -1 or 0 is no filter
+    min_p: number(0, 1, 0.0) = 0.0               # vLLM's
+    repetition_penalty: number(0, 10, 1.0, open_low=True) = 1.0     # vLLM's
+    stop_token_ids: Annotated[list[Annotated[int, Strict()]], Field(max_length=MAX_STOP),
+                              _described(f"must be a list of at most {MAX_STOP} token ids", [])] = []   # vLLM's
+    structured_outputs: Annotated[StructuredOutputs, _described("must be an object")] | None = None    # vLLM's
 
     @property
     def include_usage(self) -> bool:
@@ -234,7 +305,7 @@ class FunctionSpec(BaseModel):
     name: Name
     description: Any = None
     parameters: Parameters = None
-    strict: unsupported(False, why="arguments are not constrained to the parameters' schema") = None
+    strict: flag(False) = False          # true: the arguments of every call keep to ``parameters``
 
 
 class ChatTool(BaseModel):
@@ -281,14 +352,14 @@ class ChatRequest(Choices):
 
     messages: Messages
     tools: ChatTools | None = None
-    tool_choice: Annotated[Literal["auto", "none"], _described("only 'auto' and 'none' are supported")] | None = None
+    tool_choice: ToolChoice | None = None
     max_completion_tokens: integer(0) | None = None      # OpenAI's newer name for max_tokens (wins over it)
     logprobs: flag(False) = False
     top_logprobs: integer(0, MAX_TOP_LOGPROBS, 0) = 0
     # read, never used: tags OpenAI keeps with a stored completion (store: true is refused below)
     metadata: Annotated[dict[str, Any], _described("must be an object")] | None = None
-    parallel_tool_calls: unsupported(True, why="a reply may call several tools; it cannot be held to one") = None
-    response_format: unsupported({"type": "text"}, why="output is not constrained to a format") = None
+    parallel_tool_calls: flag(True) = True
+    response_format: Annotated[ResponseFormat, _described("must be an object")] | None = None
     reasoning_effort: Effort | None = None       # None: the run's (data.chat_thinking_effort)
     chat_template_kwargs: Annotated[ChatTemplateKwargs, _described("must be an object")] | None = None   # vLLM's
     store: unsupported(False, why="chat completions are not stored; /v1/responses stores responses") = None

@@ -99,7 +99,8 @@ class Feeder:
                forced: Mapping | None = None) -> dict[int, int]:
         """One batched decode step of sessions ``sids`` (each on device with room for a token): each
         samples from its logits with its `Sampling` (or, in ``forced`` {sid: token}, from a one-hot
-        row of its token, greedily) and feeds the token -> {session id: token}."""
+        row of its token, greedily) and feeds the token -> {session id: token}. A sampling's
+        grammar (``constraint``) allowed the token and is advanced by it."""
         values = [self.registry.sessions[sid] for sid in sids]
         batch = batching.decode_batch(sids, values, samplings, self.device)
         if forced is not None:
@@ -108,11 +109,13 @@ class Feeder:
             batch = batch._replace(logits=one_hot)
         tokens, logits, self.device.arrays = paged.decode_step(
             self.graph, self.params, self.device.arrays, batch.slots, batch.tables,
-            batch.lengths, batch.logits, batch.sampling, gathered=self.gathered_decode)
+            batch.lengths, batch.logits, batch.sampling, gathered=self.gathered_decode, adjustment=batch.adjustment)
         tokens, logits = np.asarray(tokens), np.asarray(logits)
-        for index, value in enumerate(values):
+        for index, (value, sampling) in enumerate(zip(values, samplings)):
             value.tokens.append(int(tokens[index]))
             value.logits = logits[index]
+            if sampling.constraint is not None:
+                sampling.constraint.advance([int(tokens[index])])
         self.count_round(len(values))
         return {sid: int(tokens[index]) for index, sid in enumerate(sids)}
 

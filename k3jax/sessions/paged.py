@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.sampling import sample_logits
+from k3jax.sampling import Adjustment, adjusted_logits, sample_logits
 from k3jax.memory import KDAMemory, KDAPool, KDAPositions, Memory, MLAMemory, MLAPages
 
 
@@ -263,19 +263,24 @@ class RowSampling(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("graph", "gathered"), donate_argnames=("pools",))
 def decode_step(graph: StaticGraph, params, pools: Pools, slots, tables, lengths, logits, sampling: RowSampling,
-                gathered: bool = False):
+                gathered: bool = False, adjustment: Adjustment | None = None):
     """Every row samples its next token from ``logits [B, vocab]`` with its own `RowSampling` and
     feeds it: -> (tokens [B], their logits [B, vocab] fp32, pools). Slots must be distinct (padding
     rows: free slots). The model decodes over `pooled_bank` (its KDA kernels are its config's
     ``kda.implementation``). One program for every subset of sessions and sampling settings of a
-    batch bucket and page bucket.
+    batch bucket and page bucket; a second one where rows adjust their logits first (``adjustment``
+    `[B, ...]`: penalties, biases, grammars' token masks, min-p; `k3jax.sampling.adjusted_logits`),
+    so the plain step does none of that work.
 
     ``gathered`` is private, a baseline for `bench.sessions` and the tests: gather the contiguous
     bank, decode, scatter back (the same numbers up to rounding, more memory traffic)."""
-    def sample_row(row_logits, length, seed, stream, temperature, top_k, top_p):
+    def sample_row(row_logits, length, seed, stream, temperature, top_k, top_p, min_p=None):
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), length)
-        return sample_logits(row_logits[None], key, temperature, top_k, top_p)[0]
-    tokens = jax.vmap(sample_row)(logits, lengths, *sampling)
+        return sample_logits(row_logits[None], key, temperature, top_k, top_p, min_p)[0]
+    if adjustment is None:
+        tokens = jax.vmap(sample_row)(logits, lengths, *sampling)
+    else:
+        tokens = jax.vmap(sample_row)(adjusted_logits(logits, adjustment, xp=jnp), lengths, *sampling, adjustment.min_p)
     model = graph.merge(params)
     tokens = host_readable(model, tokens)
     if gathered:

@@ -27,7 +27,13 @@ One round of B sessions:
      restoring.
 After the round every session's KDA state, conv tails, MLA rows and logits are those of feeding
 exactly its emitted tokens, and its history holds them. Pages a verify took beyond that are given
-back (a fork must never share a page it may write). The store is used through its public
+back (a fork must never share a page it may write).
+
+A session's logits options (`Sampling`: penalties, biases, min-p, a grammar) are part of p: each
+position's distribution is `sampling_probs` with the `row_adjustment` of the history up to it, and a
+grammar (``constraint``) is advanced through t_0 and the drafts it allows, so a draft it forbids has
+p(d) = 0 and is rejected; it is then taken back to the kept tokens. Greedy constrained rounds thus
+emit what constrained plain steps would. The store is used through its public
 ``feeder`` only (`k3jax.sessions.feeding`).
 """
 from __future__ import annotations
@@ -41,7 +47,7 @@ import numpy as np
 from k3jax.config import SpeculationConfig
 from k3jax.sampling import log_softmax, sampling_probs
 from k3jax.sessions import paged
-from k3jax.sessions.batching import Sampling
+from k3jax.sessions.batching import Sampling, row_adjustment
 from k3jax.sessions.store import SessionStore
 from k3jax.sessions.tiers import Value
 from k3jax.speculative import (DRAW, UNIFORM, AdaptiveK, SpeculationStats, accepted_drafts, draw, position_rng,
@@ -198,15 +204,23 @@ class Speculator:
 
     # ------------------------------------------------------------------ a round's steps
     def _first_token(self, sid: int, value: Value, rule: Sampling) -> tuple[int, float]:
-        """t_0 from the session's logits (from the residual after a rejected sampled draft) -> (t_0, its log-prob)."""
-        probs = sampling_probs(value.logits, rule.temperature, rule.top_k, rule.top_p)
+        """t_0 from the session's logits (from the residual after a rejected sampled draft) -> (t_0, its
+        log-prob); the session's grammar, if any, advanced by it."""
+        probs = self._probs(value.logits, rule, value.tokens)
         if sid in self._rejected and rule.temperature > 0:
             probs = residual(probs, self._rejected[sid])
         stream = sid if rule.stream is None else rule.stream
         token = int(np.argmax(probs)) if rule.temperature == 0 else \
             draw(probs, position_rng(rule.seed, stream, value.length, DRAW))
         self._rejected.pop(sid, None)
+        if rule.constraint is not None:
+            rule.constraint.advance([token])
         return token, float(log_softmax(value.logits)[token])
+
+    def _probs(self, logits: np.ndarray, rule: Sampling, history) -> np.ndarray:
+        """p at a position after ``history``: `sampling_probs` with the session's logits options there."""
+        adjustment = row_adjustment(rule, history, logits.shape[-1]) if rule.adjusts else None
+        return sampling_probs(logits, rule.temperature, rule.top_k, rule.top_p, adjustment)
 
     def _drafts(self, sids, values, first: list[int], limits, stops) -> dict[int, list[int]]:
         """Each session's drafts after its t_0 (none after a stop id; at most its limit - 1)."""
@@ -223,9 +237,17 @@ class Speculator:
         """The acceptance test of the drafts ``fed[1:]`` against the verify's ``logits`` [width, vocab]
         -> the tokens the session keeps, [t_0, d_1..d_j], and their log-probs."""
         drafts, stream = fed[1:], sid if rule.stream is None else rule.stream
-        probs = [sampling_probs(logits[i], rule.temperature, rule.top_k, rule.top_p) for i in range(len(drafts))]
-        uniforms = [position_rng(rule.seed, stream, value.length + 1 + i, UNIFORM).random() for i in range(len(drafts))]
-        accepted = accepted_drafts(probs, drafts, uniforms, stops)
+        probs, advanced = [], 0       # with a grammar: up to the first draft it forbids (p = 0 there)
+        for i, token in enumerate(drafts):
+            probs.append(self._probs(logits[i], rule, value.tokens + fed[: i + 1]))
+            if rule.constraint is not None:
+                if not (probs[-1][token] > 0 and rule.constraint.advance([token]) == 1):
+                    break
+                advanced += 1
+        uniforms = [position_rng(rule.seed, stream, value.length + 1 + i, UNIFORM).random() for i in range(len(probs))]
+        accepted = accepted_drafts(probs, drafts[: len(probs)], uniforms, stops)
+        if rule.constraint is not None:           # it took t_0 and drafts[:advanced]; keep t_0 and drafts[:accepted]
+            rule.constraint.rollback(advanced - accepted)
         stopped = accepted > 0 and drafts[accepted - 1] in stops
         if accepted < len(drafts) and not stopped:
             self._rejected[sid] = drafts[accepted]

@@ -36,24 +36,11 @@ def top(model, name):
 
 # (model, the field's path, the body with the field at a value, values that pass, a value refused)
 UNSUPPORTED = [
-    (*top(CompletionRequest, "presence_penalty"), [0, 0.0], 0.5),
-    (*top(CompletionRequest, "frequency_penalty"), [0], -1),
-    (*top(CompletionRequest, "logit_bias"), [{}], {"50256": -100}),
-    (*top(CompletionRequest, "top_k"), [-1, 0], 40),
-    (*top(CompletionRequest, "min_p"), [0], 0.1),
-    (*top(CompletionRequest, "repetition_penalty"), [1, 1.0], 1.2),
     (*top(CompletionRequest, "best_of"), [1], 3),
     (*top(CompletionRequest, "suffix"), [""], "the end"),
-    (*top(ChatRequest, "presence_penalty"), [0], 2.0),
-    (*top(ChatRequest, "logit_bias"), [{}], {"5": 1}),
-    (*top(ChatRequest, "parallel_tool_calls"), [True], False),
-    (*top(ChatRequest, "response_format"), [{"type": "text"}], {"type": "json_object"}),
     (*top(ChatRequest, "store"), [False], True),
     (ChatRequest, "stream_options.include_obfuscation",
      lambda value: {"messages": USER, "stream_options": {"include_obfuscation": value}}, [False], True),
-    (ChatRequest, "tools[0].function.strict",
-     lambda value: {"messages": USER, "tools": [{"type": "function", "function": {"name": "add", "strict": value}}]},
-     [False], True),
     (ChatRequest, "messages[1].refusal",
      lambda value: {"messages": USER + [{"role": "assistant", "content": "x", "refusal": value}]}, [""], "no"),
     (ChatRequest, "messages[0].audio", lambda value: {"messages": [{**USER[0], "audio": value}]}, [], {"id": "a"}),
@@ -90,6 +77,17 @@ def test_an_unsupported_option_passes_at_its_no_op_and_is_refused_otherwise(mode
 
 def test_false_is_not_the_no_op_zero():
     assert refused(CompletionRequest, {"prompt": "x", "presence_penalty": False}).param == "presence_penalty"
+
+
+def test_the_logits_options_read_with_their_defaults():
+    request = CompletionRequest.parse({"prompt": "x"})
+    assert (request.presence_penalty, request.frequency_penalty, request.logit_bias, request.top_k, request.min_p,
+            request.repetition_penalty, request.stop_token_ids, request.structured_outputs) == \
+        (0.0, 0.0, {}, -1, 0.0, 1.0, [], None)
+    chat = ChatRequest.parse({**CHAT, "logit_bias": {"5": 1}, "parallel_tool_calls": False, "tool_choice": "required",
+                              "response_format": {"type": "json_object"}})
+    assert (chat.logit_bias, chat.parallel_tool_calls, chat.tool_choice, chat.response_format.type) == \
+        ({"5": 1.0}, False, "required", "json_object")
 
 
 CHAT = {"messages": USER}
@@ -161,6 +159,12 @@ def test_the_honoured_fields_keep_their_defaults_and_null_reads_as_the_default()
     ({"prompt": "x", "stop": ["s"] * 9}, "stop: must be a non-empty string or a list of at most 8 of them, got "
                                          "['s', 's', 's', 's', 's', 's', 's', 's', 's']"),
     ({}, "prompt: is required"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty: must be a number in [-2.0, 2.0], got 2.5"),
+    ({"prompt": "x", "top_k": -2}, "top_k: must be an integer in [-1, inf], got -2"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p: must be a number in [0.0, 1.0], got 1.5"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty: must be a number in (0.0, 10.0], got 0"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias.5: must be a number in [-100.0, 100.0], got 101"),
+    ({"prompt": "x", "stop_token_ids": [1.5]}, "stop_token_ids[0]: must be an integer, got 1.5"),
 ])
 def test_the_honoured_fields_keep_their_ranges_and_strictness(body, message):
     error = refused(CompletionRequest, body)

@@ -170,3 +170,69 @@ def test_a_round_the_budget_cannot_hold_leaves_every_session_as_it_was(model):
         assert store._sessions[sid].pages == before[sid][1]
     assert store.stats()["pages_in_use"] == 2
     assert len(speculator.round({sids[0]: Sampling()})[sids[0]].tokens) >= 1     # one session fits
+
+
+class ResidueGrammar:
+    """A grammar for the tests (the `k3jax.grammar.Constraint` protocol): token t may follow token
+    s only when (s + t) % 3 != 0 (the first token: t % 3 != 0); it keeps what it took, so it can
+    take tokens back."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.taken = vocab, []
+
+    def allows(self, token: int) -> bool:
+        return (token + (self.taken[-1] if self.taken else 0)) % 3 != 0
+
+    def allowed(self, words: int):
+        from k3jax.sampling import pack_bits
+        flags = np.zeros(32 * words, bool)
+        flags[: self.vocab] = [self.allows(t) for t in range(self.vocab)]
+        return pack_bits(flags)
+
+    def advance(self, tokens) -> int:
+        for count, token in enumerate(tokens):
+            if not self.allows(int(token)):
+                return count
+            self.taken.append(int(token))
+        return len(tokens)
+
+    def rollback(self, count: int) -> None:
+        del self.taken[len(self.taken) - count:]
+
+
+@pytest.mark.slow    # compiles of the adjusted decode step, verify widths and the reference prefill
+def test_constrained_and_penalised_greedy_steps_and_rounds_follow_the_host_rule(model):
+    """Plain steps with a grammar and penalties pick, at every position, the argmax of the host's
+    float64 adjusted logits (`row_adjustment`, `adjusted_logits`) of a one-prefill reference, and
+    every token keeps the grammar; speculative rounds whose drafts are the unconstrained greedy
+    continuation (so the grammar forbids many) emit the same tokens."""
+    from k3jax.sampling import adjusted_logits
+    from k3jax.sessions.batching import row_adjustment
+
+    def rule(grammar):
+        return Sampling(constraint=grammar, repetition_penalty=1.5, presence_penalty=0.7, logit_bias=((3, 2.0),),
+                        generated_from=len(PROMPTS[0]))
+
+    store = SessionStore(model)
+    sid = store.open(PROMPTS[0])
+    free = store.generate([store.fork(sid)], NEW)[0]
+    plain_sid, grammar = store.fork(sid), ResidueGrammar(model.config.vocab_size)
+    for _ in range(NEW):
+        store.step({plain_sid: rule(grammar)})
+    plain = store.tokens(plain_sid)[len(PROMPTS[0]):]
+    assert grammar.taken == list(plain) and not np.array_equal(plain, free)
+    reference, check = contiguous_logits(model, store.tokens(plain_sid)), ResidueGrammar(model.config.vocab_size)
+    for index, token in enumerate(plain):
+        position = len(PROMPTS[0]) + index
+        adjusted = adjusted_logits(reference[position - 1].astype(np.float64),
+                                   row_adjustment(rule(check), store.tokens(plain_sid)[:position], reference.shape[-1]))
+        assert token == int(np.argmax(adjusted))
+        check.advance([token])
+
+    drafter = ScriptedDrafts({sid: PROMPTS[0]}, {sid: free}, {sid: set()})
+    speculator = Speculator(store, drafter, SpeculationConfig(k=3, adaptive=False))
+    grammar, emitted = ResidueGrammar(model.config.vocab_size), []
+    while len(emitted) < NEW:
+        emitted += speculator.round({sid: rule(grammar)}, limits={sid: NEW - len(emitted)})[sid].tokens
+    np.testing.assert_array_equal(emitted, plain)
+    assert grammar.taken == emitted and speculator.stats.accepted < speculator.stats.drafted
