@@ -12,7 +12,9 @@ but the constraint makes its output valid). Two parts, in one run:
              schemas (nested objects, arrays, enums, bounded numbers, required fields), at
              temperature 1 with a seed each, sent by 16 threads; each reply parsed and validated
              with ``jsonschema`` (valid / finish_reason stop); then ``client.chat.completions.parse``
-             with a pydantic model, whose ``message.parsed`` must be an instance of it
+             with a pydantic model, whose ``message.parsed`` must be an instance of it; then
+             ``--replies`` / 4 replies of each forced kind (`forced_outputs`: tool_choice required, a
+             named function, parallel_tool_calls false, a regex, a choice list), each checked
 
     python -m bench.constrained [--run DIR] [--replies 200] [--steps 24] [--trials 3]
                                 [--json bench/constrained.json]
@@ -34,8 +36,6 @@ import sys
 import tempfile
 import threading
 import time
-
-import numpy as np
 
 from bench.common import table, write_json
 
@@ -207,6 +207,7 @@ def served_replies(run_dir: pathlib.Path, replies: int) -> dict:
         parse_result = {"parsed": repr(parsed.choices[0].message.parsed),
                         "is_instance": isinstance(parsed.choices[0].message.parsed, Point),
                         "finish_reason": parsed.choices[0].finish_reason}
+        forced = forced_outputs(client, server.name, max(replies // 4, 1))
     finally:
         status = server.stop()
     per_schema = {name: {"replies": sum(r["schema"] == name for r in results),
@@ -216,13 +217,67 @@ def served_replies(run_dir: pathlib.Path, replies: int) -> dict:
             "errors": sum("error" in r for r in results),
             "stopped": sum(r.get("finish_reason") == "stop" for r in results), "seconds": elapsed,
             "completion_tokens": sum(r.get("tokens", 0) for r in results), "per_schema": per_schema,
-            "parse": parse_result, "server_exit_status": status,
+            "parse": parse_result, "forced": forced, "server_exit_status": status,
             "failures": [r for r in results if not r.get("valid", False)][:10]}
+
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
+              "type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Lima", "Pune"]},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+              "required": ["city", "days"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+              "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+              "required": ["a", "b"], "additionalProperties": False}}}]
+REGEX, CHOICES = r"[A-Z]{3}-[0-9]{2}", ["yes", "no", "maybe"]
+
+
+def forced_outputs(client, model: str, count: int) -> dict:
+    """``count`` sampled replies of each forced kind -> per kind, how many kept to what was asked:
+    ``tool_choice: required`` (at least one call, each valid for its function's schema), a named
+    function (exactly one call, of it, valid), ``parallel_tool_calls: false`` under auto (at most
+    one call, valid), a ``structured_outputs`` regex and choice list (the content matches)."""
+    import jsonschema
+
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+
+    def valid_calls(message, names) -> list[bool]:
+        calls = message.tool_calls or []
+        result = []
+        for call in calls:
+            try:
+                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+                result.append(call.function.name in names)
+            except (json.JSONDecodeError, jsonschema.ValidationError, KeyError):
+                result.append(False)
+        return result
+
+    kinds = {
+        "tool_choice required": ({"tools": TOOLS, "tool_choice": "required"},
+                                 lambda m: len(valid_calls(m, schemas)) >= 1 and all(valid_calls(m, schemas))),
+        "tool_choice add": ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}},
+                            lambda m: valid_calls(m, {"add"}) == [True]),
+        "parallel_tool_calls false": ({"tools": TOOLS, "parallel_tool_calls": False},
+                                      lambda m: len(m.tool_calls or []) <= 1 and all(valid_calls(m, schemas))),
+        "regex": ({"extra_body": {"structured_outputs": {"regex": REGEX}}},
+                  lambda m: re.fullmatch(REGEX, m.content or "") is not None),
+        "choice": ({"extra_body": {"structured_outputs": {"choice": CHOICES}}}, lambda m: m.content in CHOICES),
+    }
+    result = {}
+    for kind, (options, kept) in kinds.items():
+        def ask(number: int) -> bool:
+            reply = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "What is the weather in Oslo, or 2 + 3?"}],
+                temperature=1.0, seed=number, max_tokens=300, **options)
+            return kept(reply.choices[0].message)
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            outcomes = list(pool.map(ask, range(count)))
+        result[kind] = {"replies": count, "kept": sum(outcomes)}
+    return result
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run", default=None, help="an untrained chat run to serve (default: save one)")
+    parser.add_argument("--run", default=None, help="a chat run to serve (default: save an untrained one)")
     parser.add_argument("--replies", type=int, default=200)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--trials", type=int, default=3)
@@ -243,6 +298,8 @@ def main(argv=None) -> None:
                                                    for name, v in served["per_schema"].items()]))
         print(f"{served['valid']}/{served['replies']} valid, {served['stopped']} finished 'stop', {served['errors']} "
               f"errors, {served['seconds']:.1f} s; parse(): {served['parse']}")
+        print(table(["forced output", "replies", "kept to it"],
+                    [[kind, v["replies"], v["kept"]] for kind, v in served["forced"].items()]))
     write_json(args.json, {"command": " ".join(["python -m bench.constrained", *(argv or sys.argv[1:])]),
                            "cost": rows, "server": served})
 
