@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import json
 
+from types import SimpleNamespace
+
 from .errors import ServeError, bad
-from .protocol import ChatRequest, Choices
+from .protocol import ChatRequest, Choices, ResponseRequest
 
 
 def _grammar_module():
@@ -116,3 +118,31 @@ def chat_grammar(request: ChatRequest, tools: list | None, thinking: bool, vocab
     field = "tools" if content is None else content[1]
     return _checked(lambda: grammar.reply_grammar(thinking, None if content is None else content[0], specs, (low, high)),
                     field, vocabulary())
+
+
+def response_grammar(request: ResponseRequest, tools: list | None, thinking: bool, vocabulary) -> str | None:
+    """The grammar of a ``/v1/responses`` reply: its ``text.format``, ``tool_choice``,
+    ``parallel_tool_calls`` and tools' ``strict`` read as chat's ``response_format``, ``tool_choice``
+    and ``parallel_tool_calls`` (`chat_grammar`; 400s name the Responses fields)."""
+    text_format = request.text.format if request.text is not None else None
+    response_format = None
+    if text_format is not None:
+        schema = None if text_format.type != "json_schema" else SimpleNamespace(schema_=text_format.schema_ or {})
+        if text_format.type == "json_schema" and text_format.schema_ is None:
+            raise bad("text.format.schema", "is required with type 'json_schema'")
+        response_format = SimpleNamespace(type=text_format.type, json_schema=schema)
+    choice = request.tool_choice
+    if choice is not None and not isinstance(choice, str):
+        choice = SimpleNamespace(function=SimpleNamespace(name=choice.name))
+    chat = SimpleNamespace(response_format=response_format, structured_outputs=None, tool_choice=choice,
+                           parallel_tool_calls=request.parallel_tool_calls)
+    try:
+        return chat_grammar(chat, tools, thinking, vocabulary)
+    except ServeError as error:        # chat's field names, as a response calls them
+        renamed = _RESPONSE_FIELDS.get(error.param)
+        if renamed is None:
+            raise
+        raise bad(renamed, error.message.removeprefix(f"{error.param}: ")) from None
+
+
+_RESPONSE_FIELDS = {"response_format": "text.format", "response_format.json_schema.schema": "text.format.schema"}

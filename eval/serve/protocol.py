@@ -21,7 +21,7 @@ parts, tool calls) by the chat format (`k3jax.data.chat_format`), the one place 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PlainSerializer,
                       Strict, Tag, ValidationError, WrapValidator)
@@ -454,7 +454,7 @@ def _user_text(value):
 
 
 class ResponseTool(BaseModel):
-    """A responses tool: ``{"type": "function", "name", "description", "parameters"}``."""
+    """A responses tool: ``{"type": "function", "name", "description", "parameters", "strict"}``."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -462,7 +462,42 @@ class ResponseTool(BaseModel):
     name: Name
     description: Any = None
     parameters: Parameters = None
-    strict: unsupported(False, why="arguments are not constrained to the parameters' schema") = None
+    strict: flag(False) = False        # its calls' arguments keep to ``parameters`` (`eval.serve.constraints`)
+
+
+class ResponseTextFormat(BaseModel):
+    """A response's ``text.format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or
+    ``{"type": "json_schema", "name", "schema", "strict"}`` (chat's ``response_format``, flattened)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Annotated[Literal["text", "json_object", "json_schema"],
+                    _described("must be 'text', 'json_object' or 'json_schema'", _NULL_REFUSED)]
+    name: Name | None = None
+    schema_: Annotated[Optional[JsonSchema], Field(alias="schema")] = None
+    description: Any = None
+    strict: flag(False) = False        # read: the reply always keeps to the schema
+
+
+class ResponseText(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: Annotated[ResponseTextFormat, _described("must be an object")] | None = None
+    verbosity: unsupported("medium", why="the reply's length is the model's") = None
+
+
+class ResponseNamedTool(BaseModel):
+    """``{"type": "function", "name": ...}``: that function must be called, once."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    name: Name
+
+
+ResponseToolChoice = Annotated[Union[Literal["auto", "none", "required"], ResponseNamedTool],
+                               _described("must be 'auto', 'none', 'required' or {\"type\": \"function\", "
+                                          "\"name\": ...}", whole=True)]
 
 
 class ResponseRequest(Sampled):
@@ -479,11 +514,11 @@ class ResponseRequest(Sampled):
     max_output_tokens: integer(1) | None = None
     metadata: Annotated[dict[str, Any], _described("must be an object")] | None = None   # echoed in the response
     stream: flag(False) = False
-    tool_choice: unsupported("auto", why="tools are the model's to call or not") = None
-    parallel_tool_calls: unsupported(True, why="a reply may call several tools; it cannot be held to one") = None
+    tool_choice: ResponseToolChoice | None = None
+    parallel_tool_calls: flag(True) = True
     truncation: unsupported("disabled", why="a conversation past the context is refused, not cut") = None
     reasoning: Annotated[Reasoning, _described("must be an object")] | None = None
-    text: unsupported({"format": {"type": "text"}}, why="output is not constrained to a format") = None
+    text: Annotated[ResponseText, _described("must be an object")] | None = None
     include: unsupported([], why="the response carries no extra data") = None
     background: unsupported(False, why="each response is answered while the client waits") = None
     top_logprobs: unsupported(0, why="log-probs are offered on /v1/chat/completions") = None

@@ -43,7 +43,7 @@ from .journal import JOURNAL_DIR, Journal, remove_interrupted_writes
 from .limits import shown
 from .model import ServedModel
 from .protocol import FunctionCallOutputItem, MessageItem, ReasoningItem, ResponseRequest
-from . import params
+from . import constraints, params
 
 RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
 STATE_FILE = "state.json"
@@ -262,7 +262,15 @@ class ResponsePlan:
         self.new_messages = input_messages(request.input)
         if request.instructions is not None:
             self.new_messages.insert(0, {"role": "system", "content": request.instructions})
-        self.tools = chat_tools(request.tools)
+        self.tools = None if request.tool_choice == "none" else chat_tools(request.tools)
+        self.declared_tools = chat_tools(request.tools)
+        self.tool_choice = (request.tool_choice or "auto") if isinstance(request.tool_choice, str) or \
+            request.tool_choice is None else request.tool_choice.model_dump()
+        self.parallel_tool_calls = request.parallel_tool_calls
+        self.text_format = ({"type": "text"} if request.text is None or request.text.format is None
+                            else request.text.format.model_dump(by_alias=True, exclude_none=True))
+        self.grammar = constraints.response_grammar(request, self.tools, self.thinking,
+                                                    lambda: served.grammar_vocabulary("text.format"))
         self.previous_id, self.keep, self.metadata = request.previous_response_id, request.store, request.metadata
         self.temperature, self.top_p, self.seed = params.sampling(request)
         self.max_tokens, self.stream = request.max_output_tokens, request.stream
@@ -293,7 +301,12 @@ class ResponsePlan:
         else:
             sid, self.cached_tokens = yield from open_in_turns(store, self.prompt)
         eos = frozenset() if self.served.eos_id is None else frozenset([self.served.eos_id])
-        return [Sequence(sid, params.choice_sampling(self.temperature, self.top_p, self.seed, 0), max_tokens, eos)]
+        constraint = None
+        if self.grammar is not None:
+            from k3jax.grammar import Constraint
+            constraint = Constraint(self.served.grammar_vocabulary("text.format"), self.grammar)
+        return [Sequence(sid, params.choice_sampling(self.temperature, self.top_p, self.seed, 0, constraint=constraint),
+                         max_tokens, eos)]
 
     def reader(self) -> ReplyReader:
         return ReplyReader(self.chat.encoder, self.thinking)
@@ -362,8 +375,9 @@ class ResponsePlan:
             "status": status, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "previous_response_id": self.previous_id, "output": output, "store": self.keep,
             "temperature": self.temperature, "top_p": 1.0 if self.top_p is None else self.top_p,
-            "tools": [{"type": "function", **tool["function"]} for tool in self.tools or []],
-            "parallel_tool_calls": True, "tool_choice": "auto", "error": None, "instructions": None,
+            "tools": [{"type": "function", **tool["function"]} for tool in self.declared_tools or []],
+            "parallel_tool_calls": self.parallel_tool_calls, "tool_choice": self.tool_choice,
+            "text": {"format": self.text_format}, "error": None, "instructions": None,
             "reasoning": {"effort": self.effort if self.thinking else "none", "summary": None},
             "metadata": self.metadata or {}, "usage": usage,
         }

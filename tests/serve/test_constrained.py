@@ -170,6 +170,37 @@ def test_bad_constraints_are_400s_naming_the_field(client, body, param):
     assert chat(client, temperature=0, max_tokens=2)["choices"]       # still serving
 
 
+def respond(client, status=200, **body):
+    response = client.post("/v1/responses", json={"input": "Fill in the form.", "store": False, **body})
+    assert response.status_code == status, response.text
+    return response.json()
+
+
+def test_responses_keep_to_text_format_and_tool_choice(client):
+    """``/v1/responses`` under ``text.format`` json_schema (the output text validates), ``tool_choice``
+    required and named (function calls of the declared tools, arguments valid), echoed in the body;
+    a bad schema and an unknown named function are 400s naming the Responses fields."""
+    flat = [{"type": "function", **tool["function"]} for tool in (WEATHER, CLOCK)]
+    schemas = {tool["name"]: tool["parameters"] for tool in flat}
+    for seed in range(2):
+        body = respond(client, text={"format": {"type": "json_schema", "name": "form", "schema": SCHEMAS[0],
+                                                "strict": True}}, temperature=1.0, seed=seed, max_output_tokens=300)
+        (message,) = [item for item in body["output"] if item["type"] == "message"]
+        jsonschema.validate(json.loads(message["content"][0]["text"]), SCHEMAS[0])
+        assert body["text"]["format"]["type"] == "json_schema"
+        for choice, names in (("required", set(schemas)), ({"type": "function", "name": "get_time"}, {"get_time"})):
+            body = respond(client, tools=flat, tool_choice=choice, parallel_tool_calls=False, temperature=1.0,
+                           seed=seed, max_output_tokens=300)
+            calls = [item for item in body["output"] if item["type"] == "function_call"]
+            assert len(calls) == 1 and calls[0]["name"] in names, body["output"]
+            jsonschema.validate(json.loads(calls[0]["arguments"]), schemas[calls[0]["name"]])
+            assert body["tool_choice"] == choice and body["parallel_tool_calls"] is False
+    bad = respond(client, 400, text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "frob"}}})
+    assert bad["error"]["param"] == "text.format.schema", bad
+    bad = respond(client, 400, tools=flat, tool_choice={"type": "function", "name": "nope"})
+    assert bad["error"]["param"] == "tool_choice", bad
+
+
 @pytest.fixture(scope="module")
 def drafted(plain_chat_run):
     """A server drafting with its own model: its drafts are the unconstrained greedy tokens."""
