@@ -1,10 +1,13 @@
-"""``GET /health``, ``GET /v1/models`` and ``GET /metrics`` (Prometheus's text format: requests by
-route and status, tokens in and out, decode steps, batch size, queue depth, prefix-cache hits and
+"""``GET /health``, ``GET /v1/models`` and ``GET /metrics`` (Prometheus's text format, written by
+`prometheus_client`: requests by route and status, tokens in and out, decode steps, batch size, queue depth, prefix-cache hits and
 hit rate, bytes per tier, and ``k3jax_speculation_*`` when the engine speculates)."""
 from __future__ import annotations
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from ..server import Server
 
@@ -27,23 +30,24 @@ def register(app: FastAPI, server: Server) -> None:
     @app.get("/metrics")
     async def metrics():
         stats, speculation = await server.on_engine(lambda store: (store.stats(), server.engine.speculation()))
-        return PlainTextResponse(prometheus_text(server, stats, speculation) + server.latency.text(),
-                                 media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(prometheus_text(server, stats, speculation), media_type=CONTENT_TYPE_LATEST)
 
 
 def prometheus_text(server: Server, stats: dict, speculation: dict | None = None) -> str:
-    """The server's counters and gauges in Prometheus's text format; ``speculation`` (the engine's
-    `Engine.speculation`) adds the ``k3jax_speculation_*`` ones, which a server without
-    speculative decoding leaves out."""
+    """The server's counters and gauges, and its latency histograms (`eval.serve.latency`), in
+    Prometheus's text format through `prometheus_client`; ``speculation`` (the engine's
+    `Engine.speculation`) adds the ``k3jax_speculation_*`` ones, which a server without speculative
+    decoding leaves out."""
     engine = server.engine
-    lines = []
+    families = []
 
     def metric(name, kind, help_text, samples):
-        lines.append(f"# HELP k3jax_{name} {help_text}")
-        lines.append(f"# TYPE k3jax_{name} {kind}")
-        for labels, value in samples:
-            label_text = ",".join(f'{key}="{value_}"' for key, value_ in labels.items())
-            lines.append(f"k3jax_{name}{{{label_text}}} {value}" if label_text else f"k3jax_{name} {value}")
+        family_type = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        labels = sorted({key for sample_labels, _ in samples for key in sample_labels})
+        family = family_type(f"k3jax_{name}", help_text, labels=labels)
+        for sample_labels, value in samples:
+            family.add_metric([str(sample_labels[key]) for key in labels], value)
+        families.append(family)
 
     metric("requests_total", "counter", "HTTP requests by route and status",
            [({"route": route, "status": status}, count) for (route, status), count in sorted(server.requests.items())])
@@ -69,7 +73,19 @@ def prometheus_text(server: Server, stats: dict, speculation: dict | None = None
     if speculation is not None:
         for name, kind, key, help_text in SPECULATION_METRICS:
             metric(f"speculation_{name}", kind, help_text, [({}, speculation[key])])
-    return "\n".join(lines) + "\n"
+    registry = CollectorRegistry()
+    registry.register(Snapshot(families))
+    return generate_latest(registry).decode() + server.latency.text()
+
+
+class Snapshot(Collector):
+    """Metric families read once (the engine's counters and the store's stats of one request)."""
+
+    def __init__(self, families: list):
+        self.families = families
+
+    def collect(self):
+        return iter(self.families)
 
 
 SPECULATION_METRICS = [      # (name after k3jax_speculation_, kind, `SpeculationStats.as_dict` key, help)
