@@ -144,7 +144,33 @@ def rows_batch(packed: dict[str, np.ndarray], rows: np.ndarray) -> Batch:
             "segment_ids": np.ascontiguousarray(conversation[:, :-1])}
 
 
-class ChatDataset:
+class PackedRows:
+    """What a dataset packed into rows per split serves (``self.splits``: {split: arrays},
+    ``self.tokenizer``, ``self.seed``, ``self.paths``): its vocabulary, rows per split and batches.
+    ``unit`` names what a row packs, ``source`` what to add when a split has none."""
+
+    unit, source = "rows", "records"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def num_rows(self, split: str = "train") -> int:
+        """Distinct rows in ``split`` (one epoch)."""
+        return self.splits[SPLITS[split_index(split)]]["tokens"].shape[0]
+
+    def batch(self, step: int, batch_size: int, split: str = "train",
+              process_index: int = 0, process_count: int = 1) -> Batch:
+        """This process's rows of global batch ``step``, in the format of `k3jax.data.batching`."""
+        num_rows = self.num_rows(split)
+        if num_rows == 0:
+            raise DataError(f"{', '.join(self.paths)}: the {split} split has no {self.unit}; "
+                            f"raise data.heldout_fraction or add {self.source}")
+        indices = shard_row_indices(step, batch_size, process_index, process_count)
+        return rows_batch(self.splits[split], rows_at(shuffled_row_order(num_rows, self.seed, split), indices))
+
+
+class ChatDataset(PackedRows):
     """Packed rows of ``seq_len`` positions from JSONL or Parquet conversations in K3's chat format.
 
     Args:
@@ -159,6 +185,8 @@ class ChatDataset:
       overflow: "truncate" or "drop" a conversation longer than a row.
       thinking, thinking_effort: as K3's renderer (`k3jax.data.chat_format.render_conversation`).
     """
+
+    unit = source = "conversations"
 
     def __init__(self, path: PathLike | Sequence[PathLike], seq_len: int, *, seed: int = 0,
                  heldout_fraction: float = 0.05, tokenizer_path: PathLike | None = None, loss: str = "assistant",
@@ -204,24 +232,6 @@ class ChatDataset:
                 truncated += ids.size > row_len
                 kept.append((ids[:row_len], flags[:row_len]))
         return kept, truncated, dropped
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
-
-    def num_rows(self, split: str = "train") -> int:
-        """Distinct rows in ``split`` (one epoch)."""
-        return self.splits[SPLITS[split_index(split)]]["tokens"].shape[0]
-
-    def batch(self, step: int, batch_size: int, split: str = "train",
-              process_index: int = 0, process_count: int = 1) -> Batch:
-        """This process's rows of global batch ``step``, in the format of `k3jax.data.batching`."""
-        num_rows = self.num_rows(split)
-        if num_rows == 0:
-            raise DataError(f"{', '.join(self.paths)}: the {split} split has no conversations; "
-                            "raise data.heldout_fraction or add conversations")
-        indices = shard_row_indices(step, batch_size, process_index, process_count)
-        return rows_batch(self.splits[split], rows_at(shuffled_row_order(num_rows, self.seed, split), indices))
 
     def _definition(self) -> dict:
         return {"kind": "chat", "seq_len": self.seq_len, "seed": self.seed, "heldout_fraction": self.heldout_fraction,

@@ -28,11 +28,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from k3jax.data.batching import SPLITS, Batch, definition_hash, shard_row_indices, split_index
-from k3jax.data.chat import OVERFLOW_MODES, pack_units, rows_batch
+from k3jax.data.batching import SPLITS, definition_hash
+from k3jax.data.chat import OVERFLOW_MODES, PackedRows, pack_units
 from k3jax.data.chat_format import ChatEncoder, generation_prompt, render_conversation, reply_segments
 from k3jax.data.errors import DataError, require_int
-from k3jax.data.pipeline import rows_at, shuffled_row_order
 from k3jax.data.prompts import read_prompt_records
 from k3jax.data.sources import JSON_SUFFIXES, PARQUET_SUFFIXES, find_data_files
 from k3jax.data.tokenizers import load_tokenizer
@@ -55,8 +54,9 @@ def fit_pair(prompt: int, chosen: int, rejected: int, row_len: int) -> tuple[int
     return (long_, short) if chosen >= rejected else (short, long_)
 
 
-class PreferenceDataset:
-    """Packed preference pairs; see the module docstring.
+class PreferenceDataset(PackedRows):
+    """Packed preference pairs; see the module docstring. In a batch's rows (`PackedRows.batch`),
+    segment ``2k + 1`` / ``2k + 2`` is pair k's chosen / rejected sequence.
 
     Args:
       path: a file, directory or glob of ``.jsonl`` / ``.json`` / ``.parquet`` files, or a list of them.
@@ -67,6 +67,8 @@ class PreferenceDataset:
       overflow: "truncate" or "drop" a pair longer than a row.
       thinking, thinking_effort: the chat rendering (`k3jax.data.chat_format.render_conversation`).
     """
+
+    unit, source = "pairs", "records"
 
     def __init__(self, path: PathLike | Sequence[PathLike], seq_len: int, *, seed: int = 0,
                  heldout_fraction: float = 0.05, tokenizer_path: PathLike | None = None, overflow: str = "truncate",
@@ -144,25 +146,6 @@ class PreferenceDataset:
         self.pairs.append([(np.concatenate([prompt, reply[:length]]),
                             np.concatenate([np.zeros(prompt.size, bool), np.ones(length, bool)]))
                            for reply, length in zip((chosen, rejected), fitted)])
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
-
-    def num_rows(self, split: str = "train") -> int:
-        """Distinct rows in ``split`` (one epoch)."""
-        return self.splits[SPLITS[split_index(split)]]["tokens"].shape[0]
-
-    def batch(self, step: int, batch_size: int, split: str = "train",
-              process_index: int = 0, process_count: int = 1) -> Batch:
-        """This process's rows of global batch ``step`` (`k3jax.data.batching`'s format; segment
-        ``2k + 1`` / ``2k + 2`` of a row: pair k's chosen / rejected sequence)."""
-        num_rows = self.num_rows(split)
-        if num_rows == 0:
-            raise DataError(f"{', '.join(self.paths)}: the {split} split has no pairs; "
-                            "raise data.heldout_fraction or add records")
-        indices = shard_row_indices(step, batch_size, process_index, process_count)
-        return rows_batch(self.splits[split], rows_at(shuffled_row_order(num_rows, self.seed, split), indices))
 
     def _definition(self) -> dict:
         return {"kind": "preferences", "seq_len": self.seq_len, "seed": self.seed,
