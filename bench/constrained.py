@@ -228,6 +228,7 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
          {"type": "function", "function": {"name": "add", "parameters": {
               "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
               "required": ["a", "b"], "additionalProperties": False}}}]
+STRICT_TOOLS = [{"type": "function", "function": {**tool["function"], "strict": True}} for tool in TOOLS]
 REGEX, CHOICES = r"[A-Z]{3}-[0-9]{2}", ["yes", "no", "maybe"]
 
 
@@ -235,7 +236,9 @@ def forced_outputs(client, model: str, count: int) -> dict:
     """``count`` sampled replies of each forced kind -> per kind, how many kept to what was asked:
     ``tool_choice: required`` (at least one call, each valid for its function's schema), a named
     function (exactly one call, of it, valid), ``parallel_tool_calls: false`` under auto (at most
-    one call, valid), a ``structured_outputs`` regex and choice list (the content matches)."""
+    one call; arguments are held to the schema only for ``strict`` functions, so also with both
+    tools strict: at most one call, valid), a ``structured_outputs`` regex and choice list (the
+    content matches)."""
     import jsonschema
 
     schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
@@ -257,7 +260,9 @@ def forced_outputs(client, model: str, count: int) -> dict:
         "tool_choice add": ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}},
                             lambda m: valid_calls(m, {"add"}) == [True]),
         "parallel_tool_calls false": ({"tools": TOOLS, "parallel_tool_calls": False},
-                                      lambda m: len(m.tool_calls or []) <= 1 and all(valid_calls(m, schemas))),
+                                      lambda m: len(m.tool_calls or []) <= 1),
+        "parallel_tool_calls false, strict": ({"tools": STRICT_TOOLS, "parallel_tool_calls": False},
+                                              lambda m: len(m.tool_calls or []) <= 1 and all(valid_calls(m, schemas))),
         "regex": ({"extra_body": {"structured_outputs": {"regex": REGEX}}},
                   lambda m: re.fullmatch(REGEX, m.content or "") is not None),
         "choice": ({"extra_body": {"structured_outputs": {"choice": CHOICES}}}, lambda m: m.content in CHOICES),
