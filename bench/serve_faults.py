@@ -7,7 +7,9 @@ Each part starts ``python -m eval.serve`` in a subprocess (`bench.serve.ServerPr
 README's tiny chat model (``--train-tiny DIR`` trains it unless DIR holds checkpoints):
 
     hostile   ``--clients`` clients send chat completions back to back for ``--seconds`` (as in
-              `bench.serve`'s phase B, after its warm-up) while 20 hostile requests arrive spread
+              `bench.serve`'s phase B, after its warm-up and two untimed rounds of a many-prompt
+              request beside a burst of ``--clients``, which compile the programs of the pools
+              that grow to hold them) while 20 hostile requests arrive spread
               over the phase, in turn: a tool schema nested 1,500 levels, a 24 MiB prompt, a
               completions request of 64 prompts of ~370 tokens (``--request-timeout 20``), and one
               asking for more sequences than ``--max-batch``. Per kind: statuses and seconds; for the
@@ -39,7 +41,7 @@ import time
 import httpx
 
 from bench.common import table, write_json
-from bench.serve import Requests, ServerProcess, prepare_run, run_clients, summarize, warm_up
+from bench.serve import Requests, ServerProcess, burst, prepare_run, run_clients, summarize, warm_up
 
 KEY = "bench-key"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
@@ -67,6 +69,12 @@ def hostile(server: ServerProcess, args) -> dict:
     requests = Requests(server.name, 16, False)
     warm_up(server, HEADERS, requests, args.clients, 120, 4)
     kinds = hostile_bodies(server.name)
+    for _ in range(2):      # untimed: compile what a many-prompt request beside the clients needs (pools grow)
+        many = threading.Thread(target=lambda: httpx.post(server.url + kinds[2][1], content=kinds[2][2], timeout=300,
+                                                          headers={**HEADERS, "Content-Type": "application/json"}))
+        many.start()
+        burst(server, HEADERS, requests, args.clients, 300)
+        many.join(300)
     answers = []
 
     def send_hostile() -> None:
