@@ -1,21 +1,17 @@
 """The serving engine: one thread owns the model's `SessionStore` and runs continuous batching.
 
     submit(job)   any thread; past ``max_queue`` waiting jobs -> `ServeError` 429
-    each turn     expire jobs past their deadline; admit waiting jobs to prepare, in order, while the
-                  sequences of jobs preparing or prepared stay within 2 x ``max_batch``; one turn of
-                  each preparing job (``job.prepare(store)`` prefills, opening or forking sessions
-                  -> its `Sequence`s; a generator prefills a long prompt in turns of about
-                  `PREFILL_TURN_TOKENS`); prepared jobs join the decode, in order, while the running
-                  sequences stay within ``max_batch`` (one that fits may pass one that does not, at
-                  most `MAX_BYPASSES` times in all: `Engine._start_prepared`); one
+    each turn     expire jobs past their deadline; admit waiting jobs while their sequences stay
+                  within ``max_batch`` (one that fits may pass one that does not, a bounded number
+                  of times: `Engine._admit`); one turn of each admitted job's preparation (``job.prepare
+                  (store)`` prefills, opening or forking sessions -> its `Sequence`s; a generator
+                  prefills a long prompt in turns of about `PREFILL_TURN_TOKENS`); one
                   `SessionStore.step` over every running sequence (requests join and leave between
                   steps); each token goes to its job's ``notify``; a job whose sequences all ended
                   runs ``job.finish(store)`` and sends its result
 
 So a long prefill holds no one up: it advances one turn at a time beside every other job's
-prefill turns and decode steps (chunked prefill), and a deadline is checked at every turn; and a
-request that needs the whole batch prepares while smaller ones keep joining, then runs once the
-batch has room (they stop passing it after `MAX_BYPASSES`).
+prefill turns and decode steps (chunked prefill), and a deadline is checked at every turn.
 
 With a ``speculator`` (`k3jax.sessions.speculate.Speculator`) each turn is one speculative round
 instead: every running sequence emits one or more tokens (up to its remaining ``max_tokens``, none
@@ -54,7 +50,7 @@ from .errors import ServeError, job_error, server_error
 log = logging.getLogger("k3jax.serve")
 
 PREFILL_TURN_TOKENS = 512   # prompt tokens a job prefills per engine turn (`k3jax.sessions.prefill_in_turns`)
-MAX_BYPASSES = 64           # jobs that may start decoding ahead of a prepared one too large for the batch's room
+MAX_BYPASSES = 64           # jobs that may be admitted ahead of a waiting one too large for the batch's room
 
 
 class TokenLogprob(NamedTuple):
@@ -150,7 +146,6 @@ class Engine:
         self._lock = threading.Lock()
         self._accepting = True
         self._preparing: list[Job] = []       # admitted, prefilling in turns
-        self._prepared: list[Job] = []        # prefilled, waiting for room in the batch
         self._jobs: list[Job] = []            # admitted, running
         self.counters = collections.Counter()
         self.last_batch = 0
@@ -199,7 +194,7 @@ class Engine:
         with self._lock:
             self._accepting = False
         deadline = time.monotonic() + drain_seconds
-        while time.monotonic() < deadline and (self._jobs or self._admitted() or self._waiting or self._queued):
+        while time.monotonic() < deadline and (self._jobs or self._preparing or self._waiting or self._queued):
             time.sleep(0.05)
         self._inbox.put(("stop", on_stop))
         self._thread.join()
@@ -207,7 +202,7 @@ class Engine:
     # ------------------------------------------------------------------ the engine thread
     def _loop(self) -> None:
         while True:
-            for command in self._commands(block=not self._jobs and not self._admitted() and not self._waiting):
+            for command in self._commands(block=not self._jobs and not self._preparing and not self._waiting):
                 if command[0] == "stop":
                     self._stop(command[1])
                     return
@@ -217,7 +212,6 @@ class Engine:
                 self._admit()
                 for job in list(self._preparing):
                     self._advance(job)
-                self._start_prepared()
                 if self._jobs:
                     self._step()
             except Exception as error:              # the batched step itself: fail the running jobs, keep serving
@@ -243,7 +237,7 @@ class Engine:
             if job in self._waiting:
                 self._waiting.remove(job)
                 self._dequeued()
-            if job in self._jobs or job in self._admitted():
+            if job in self._jobs or job in self._preparing:
                 self._drop(job)
         elif kind == "call":
             _, function, future = command
@@ -259,7 +253,7 @@ class Engine:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for job in [job for job in (*self._waiting, *self._admitted(), *self._jobs)
+        for job in [job for job in (*self._waiting, *self._preparing, *self._jobs)
                     if job.deadline is not None and now > job.deadline]:
             if job in self._waiting:
                 self._waiting.remove(job)
@@ -270,24 +264,29 @@ class Engine:
                 self.counters["timeouts"] += 1
                 self._fail(job, ServeError(504, "the request passed its deadline", "timeout_error"))
 
-    def _admitted(self) -> list[Job]:
-        """The jobs admitted that do not decode yet: preparing, then prepared."""
-        return self._preparing + self._prepared
+    def _running_sequences(self) -> int:
+        """The sequences of running jobs, and those preparing jobs will bring."""
+        return sum(len(job.running) for job in self._jobs) + sum(job.sequences for job in self._preparing)
 
     def _admit(self) -> None:
-        """Start preparing waiting jobs in order while the sequences of the jobs preparing or
-        prepared stay within 2 x ``max_batch`` (a job's prefilled sessions wait for room in the
-        batch; this bounds how many)."""
-        while self._waiting:
-            job = self._waiting[0]
+        """Admit waiting jobs in order while their sequences fit ``max_batch``. A job that fits may
+        pass the first one that does not, up to `MAX_BYPASSES` times in all; then nothing passes it
+        until it runs (a small request is not stuck behind a large one, nor a large one starved)."""
+        blocked = None
+        for job in list(self._waiting):
             if job.cancelled:
-                self._waiting.popleft()
+                self._waiting.remove(job)
                 self._dequeued()
                 continue
-            admitted = sum(job.sequences for job in self._admitted())
-            if admitted and admitted + job.sequences > 2 * self.max_batch:
-                return
-            self._waiting.popleft()
+            if (self._jobs or self._preparing) and self._running_sequences() + job.sequences > self.max_batch:
+                if blocked is None:
+                    blocked = job
+                    if job.bypassed >= MAX_BYPASSES:
+                        return
+                continue
+            if blocked is not None:
+                blocked.bypassed += 1
+            self._waiting.remove(job)
             self._dequeued()
             prepared, preparation = self._alone(job, lambda: job.prepare(self.store))
             if not prepared:
@@ -296,26 +295,7 @@ class Engine:
                 job.preparation = preparation
                 self._preparing.append(job)
             else:
-                self._prepare_done(job, list(preparation))
-
-    def _start_prepared(self) -> None:
-        """Prepared jobs join the decode in order while the running sequences fit ``max_batch``. A
-        job that fits may pass the first one that does not, up to `MAX_BYPASSES` times in all; then
-        nothing passes it until it runs (a small request is not stuck behind a large one, nor a large
-        one starved)."""
-        blocked = None
-        for job in list(self._prepared):
-            running = sum(len(other.running) for other in self._jobs)
-            if self._jobs and running + len(job.running) > self.max_batch:
-                if blocked is None:
-                    blocked = job
-                    if job.bypassed >= MAX_BYPASSES:
-                        return
-                continue
-            if blocked is not None:
-                blocked.bypassed += 1
-            self._prepared.remove(job)
-            self._start(job)
+                self._start(job, list(preparation))
 
     def _advance(self, job: Job) -> None:
         """One turn of ``job``'s preparation; at its end the job runs."""
@@ -330,15 +310,11 @@ class Engine:
             self._preparing.remove(job)
             job.preparation = None
         if advanced and running is not None:
-            self._prepare_done(job, running)
+            self._start(job, running)
 
-    def _prepare_done(self, job: Job, running: list[Sequence]) -> None:
-        """``job`` prepared its ``running`` sequences: they wait for room in the batch."""
+    def _start(self, job: Job, running: list[Sequence]) -> None:
+        """``job`` prepared: its ``running`` sequences join the decode (those of no tokens end now)."""
         job.running = running
-        self._prepared.append(job)
-
-    def _start(self, job: Job) -> None:
-        """``job``'s sequences join the decode (those of no tokens end now)."""
         self.counters["prompt_tokens"] += sum(len(self.store.tokens(s.sid)) for s in job.running)
         self._jobs.append(job)
         for index, sequence in enumerate(job.running):
@@ -478,12 +454,9 @@ class Engine:
         return failure
 
     def _drop(self, job: Job) -> None:
-        if job in self._admitted():                 # preparing or prepared: no sequence decodes yet
-            if job in self._preparing:
-                self._preparing.remove(job)
-                job.preparation.close()
-            else:
-                self._prepared.remove(job)
+        if job in self._preparing:                  # mid-preparation: no sequence runs yet
+            self._preparing.remove(job)
+            job.preparation.close()
             self._close_opened(job)
             return
         self._jobs.remove(job)
@@ -491,7 +464,7 @@ class Engine:
         job.abort(self.store, job.running)
 
     def _fail(self, job: Job, error: ServeError) -> None:
-        if job in self._jobs or job in self._admitted():
+        if job in self._jobs or job in self._preparing:
             self._drop(job)
         job.notify(("error", error))
 
@@ -500,7 +473,7 @@ class Engine:
             job.notify(("error", ServeError(503, "the server shut down before the request ran", "server_error")))
             self._dequeued()
         self._waiting.clear()
-        for job in [*self._admitted(), *self._jobs]:
+        for job in [*self._preparing, *self._jobs]:
             self._fail(job, ServeError(503, "the server shut down during the request", "server_error"))
         while True:                                 # answer what is still in the inbox
             try:

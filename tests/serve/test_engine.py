@@ -272,17 +272,15 @@ def test_a_deadline_passing_inside_one_prompts_prefill_is_a_504(store, monkeypat
 
 
 def test_a_job_that_fits_passes_one_waiting_for_room_a_bounded_number_of_times(store, monkeypatch):
-    """max_batch 2 with one sequence decoding: a two-sequence job, prepared, waits for room; a
-    one-sequence job behind it runs at once -- until the waiting one has been passed `MAX_BYPASSES` times."""
+    """max_batch 2 with one sequence decoding: a two-sequence job waits for room, a one-sequence job
+    behind it runs at once -- until the waiting one has been passed `MAX_BYPASSES` times."""
     from eval.serve import engine as engine_module
     monkeypatch.setattr(engine_module, "MAX_BYPASSES", 1)
     engine = Engine(store, max_batch=2)
     try:
         _, long, _ = started_job(engine, 10_000)
         pair, pair_events = job_of(4, 2)
-        prepare_one = pair.prepare
-        pair.prepare = lambda store: [*prepare_one(store), *prepare_one(store)]     # two sequences: the whole batch
-        pair.sequences = 2
+        pair.sequences = 2                          # it claims the whole batch (prepare opens one)
         engine.submit(pair)
         small, small_events = job_of(4, 2)
         engine.submit(small)
