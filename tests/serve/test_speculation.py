@@ -139,7 +139,9 @@ def test_a_stop_string_inside_a_round_leaves_the_session_as_plain_decoding_does(
     _, (held,) = completion_on_engine(plain, body)
     prompt = plain.served.encode(PROMPT)
     generated = held[len(prompt):]
-    text = lambda count: plain.served.decode(generated[:count])
+    def text(count: int) -> str:      # what the server has read after ``count`` tokens (an incomplete
+        decoder = plain.served.text_decoder()   # character shows only once its bytes end it)
+        return "".join(decoder.feed(token) for token in generated[:count])
     cut = next(index for index in range(len(generated)) if index % (K + 1) != K and text(index + 1) != text(index)
                and text(index + 1)[len(text(index)):] not in text(index))
     stop = text(cut + 1)[len(text(cut)):]
