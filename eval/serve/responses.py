@@ -264,8 +264,8 @@ class ResponsePlan:
             self.new_messages.insert(0, {"role": "system", "content": request.instructions})
         self.tools = None if request.tool_choice == "none" else chat_tools(request.tools)
         self.declared_tools = chat_tools(request.tools)
-        self.tool_choice = (request.tool_choice or "auto") if isinstance(request.tool_choice, str) or \
-            request.tool_choice is None else request.tool_choice.model_dump()
+        choice = request.tool_choice or "auto"
+        self.tool_choice = choice if isinstance(choice, str) else choice.model_dump()     # echoed as sent
         self.parallel_tool_calls = request.parallel_tool_calls
         self.text_format = ({"type": "text"} if request.text is None or request.text.format is None
                             else request.text.format.model_dump(by_alias=True, exclude_none=True))
