@@ -11,8 +11,10 @@ A reply whose sampled tokens differ from the rendering of the message read back 
 exactly what a client sending the history would send.
 
 Continuing from an earlier response is a rollback that keeps the later ones; ``POST
-/v1/responses/{id}/fork`` names a copy; ``DELETE`` frees one. Stored sessions live in the store's
-tiers (device, host, disk) under its budgets; at most ``--max-stored-responses`` are kept, the
+/v1/responses/{id}/fork`` names a copy; ``DELETE`` frees one. A stored session is parked in the
+host tier (disk past ``--host-bytes``) once stored, so the device pools hold only the sessions that
+run (`SessionStore.park`); a continuation uploads a copy of it (one transfer; the stored session
+stays parked). At most ``--max-stored-responses`` are kept, the
 least recently used (stored, read or continued) evicted past it; ``store: false`` keeps none.
 `ResponseStore.save` / `load` keep them across restarts in a state directory: ``state.json``
 (written atomically, naming the sessions directory that `SessionStore.save` wrote) beside
@@ -77,8 +79,9 @@ class ResponseStore:
         return self.items[response_id]
 
     def add(self, store: SessionStore, item: StoredResponse) -> None:
-        """Keep ``item`` (a 507 when its journal file cannot be written: it is then not kept), then
-        evict the least recently used responses past the capacity."""
+        """Keep ``item`` (a 507 when its journal file cannot be written: it is then not kept), its
+        session parked off the device until continued, then evict the least recently used
+        responses past the capacity."""
         if self.journal is not None:
             try:
                 self.journal.write({**dataclasses.asdict(item), "tokens": store.tokens(item.sid).tolist()})
@@ -86,6 +89,7 @@ class ResponseStore:
                 raise ServeError(507, f"the response could not be stored in {self.journal.directory}: "
                                  f"{error.strerror or error}", "server_error") from None
         self.items[item.id] = item
+        store.park(item.sid)
         while self.capacity is not None and len(self.items) > self.capacity:
             self.remove(store, next(iter(self.items)))
             self.evicted += 1

@@ -12,6 +12,7 @@ rolled back and moved between device, host and disk.
     store.reserve(slots, pages)         # grow the pools up front: one pool shape, one set of programs
     store.generate(sids, 32, speculator=Speculator(store, PromptLookup()))   # speculative rounds
     h = store.snapshot(sid); store.rollback(sid, h); sid2 = store.fork(sid); store.close(sid)
+    store.park(sid)                     # off the device until its next use (a waiting conversation)
     store.save(dir); SessionStore.load(model, dir)
 
 This module is the public API; each job lives in its own module:
@@ -301,6 +302,19 @@ class SessionStore:
         """Forget the session and its snapshots."""
         self._collect()
         self._registry.close(sid)
+
+    def park(self, sid) -> None:
+        """Move the session off the device now, to the host tier (and on to disk past the host
+        budget), as the budgets would move it once it is the least recently used: a session that
+        waits (a server's stored response) then holds no slot or page, so the device pools stay
+        sized to the sessions that run -- their capacity, not their batch, sets the cost of a decode
+        step where the backend copies the donated pools (XLA on CPU: 2 ms at 8 slots, 60 ms at 1024
+        for the tiny model). Its next use brings it back to the device, bit for bit; a session
+        already off the device stays where it is."""
+        self._collect()
+        value = self._registry.session(sid)
+        if value.slot is not None:
+            self._tiers.to_host(value)
 
     def sessions(self) -> list[int]:
         return sorted(self._sessions)

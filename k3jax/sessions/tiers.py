@@ -224,7 +224,7 @@ class Tiers:
             value = least_recent(v for v in self.values() if v.slot is not None and id(v) not in pinned_ids)
             if value is None:
                 raise NoRoom()
-            self._to_host(value, pinned)
+            self.to_host(value, pinned)
         while len(self.device.pages.free) < pages and self.prefix.evict(freeing_pages=True):
             pass                                         # the prefix cache lives in spare pages: it never grows the pools
         self.device.grow(slots, pages)
@@ -244,7 +244,15 @@ class Tiers:
         value.pages += self.device.allocate_pages(grow)
 
     def copy(self, source: Value, pinned=()) -> Value:
-        """A new device value equal to ``source``: its slot copied, its pages shared."""
+        """A new device value equal to ``source``: its slot copied and its pages shared when it is
+        on the device; uploaded from its host arrays or file otherwise (``source`` stays there)."""
+        if source.slot is None:
+            self.clock.touch(source)
+            copy = Value(list(source.tokens), np.array(source.logits))
+            self._upload(copy, _held_off_device(source), "loads_from_host" if source.host is not None else "loads_from_disk",
+                         (*pinned, source))
+            self.clock.touch(copy)
+            return copy
         self.writable(source, 0, pinned)
         self.reserve(1, 0, (*pinned, source))
         copy = Value(list(source.tokens), np.array(source.logits))
@@ -289,16 +297,21 @@ class Tiers:
             self._to_disk(value)
 
     def _to_device(self, value: Value, pinned) -> None:
-        """Upload a host or disk value into a fresh slot and pages."""
-        host = _held_off_device(value)
-        self.reserve(1, self.device.pages_for(value.length), pinned)
-        slot, pages = self.device.upload(self.host.to_device(host.state), self.host.to_device(host.conv), host.rows,
-                                         value.length)
-        self.counts["loads_from_host" if value.host is not None else "loads_from_disk"] += 1
+        """Move a host or disk value into a fresh slot and pages."""
+        self._upload(value, _held_off_device(value), "loads_from_host" if value.host is not None else "loads_from_disk",
+                     pinned)
         self._clear_off_device(value)
-        value.slot, value.pages = slot, pages
 
-    def _to_host(self, value: Value, pinned) -> None:
+    def _upload(self, value: Value, host: HostValue, count: str, pinned) -> None:
+        """Write ``host`` (a value's memory, ``value.length`` tokens) into a fresh slot and pages of
+        ``value``, counting one of ``count``."""
+        self.reserve(1, self.device.pages_for(value.length), (*pinned, value))
+        value.slot, value.pages = self.device.upload(self.host.to_device(host.state), self.host.to_device(host.conv),
+                                                     host.rows, value.length)
+        self.counts[count] += 1
+
+    def to_host(self, value: Value, pinned=()) -> None:
+        """Move a device value to the host tier (then keep the host budget, ``pinned`` staying)."""
         arrays = self.arrays(value)
         self.device.release(value.slot, value.pages)
         value.slot, value.pages = None, []

@@ -220,3 +220,21 @@ def compare_random_workload(tight: SessionStore, roomy: SessionStore, *, session
     for a, b in ids.values():
         np.testing.assert_array_equal(tight.tokens(a), roomy.tokens(b))
         np.testing.assert_allclose(tight.logits(a), roomy.logits(b), **TOL)
+
+
+def test_a_parked_session_frees_the_device_and_continues_bitwise(model):
+    store, never_parked = SessionStore(model), SessionStore(model)
+    parked, kept = store.open(PROMPT), never_parked.open(PROMPT)
+    capacity = store.stats()["slot_capacity"]
+    store.park(parked)
+    store.park(parked)                                  # already off the device: stays there
+    stats = store.stats()
+    assert stats["sessions_on_host"] == 1 and stats["values_on_device"] == stats["slots_in_use"] == 0
+    fork = store.fork(parked)                           # an uploaded copy; the parked session stays on host
+    assert store.stats()["sessions_on_host"] == 1
+    np.testing.assert_array_equal(store.append(fork, TURN), never_parked.append(never_parked.fork(kept), TURN))
+    np.testing.assert_array_equal(store.append(parked, TURN), never_parked.append(kept, TURN))   # brought back
+    np.testing.assert_array_equal(store.generate([parked], 2)[0], never_parked.generate([kept], 2)[0])
+    for _ in range(3 * capacity):                       # sessions that wait parked never grow the pools
+        store.park(store.open(TURN))
+    assert store.stats()["slot_capacity"] == capacity

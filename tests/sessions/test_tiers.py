@@ -131,6 +131,7 @@ def test_copies_share_pages_until_they_write_and_release_frees_them():
     setup = Setup()
     tiers, device = setup.tiers, setup.device
     source = setup.value(0, length=6)               # two pages, the second partial
+    tiers.writable(source, 0)                       # on the device
     copy = tiers.copy(source)
     assert copy.slot != source.slot and copy.pages == source.pages and device.pages.shared == 2
     assert_memory(tiers, copy, 0)
@@ -140,6 +141,20 @@ def test_copies_share_pages_until_they_write_and_release_frees_them():
     tiers.release(copy)
     tiers.release(source)
     assert device.slots.in_use == device.pages.in_use == 0 and tiers.host_bytes == 0
+
+
+def test_a_copy_of_a_value_off_the_device_is_uploaded_and_the_value_stays_where_it_was(tmp_path):
+    setup = Setup(host_budget=400, disk_dir=tmp_path)
+    tiers, device = setup.tiers, setup.device
+    on_host, on_disk = setup.value(0, length=6), setup.value(1, length=5)
+    tiers._to_disk(on_disk)
+    for seed, source, tier in ((0, on_host, "host"), (1, on_disk, "disk")):
+        copy = tiers.copy(source)
+        assert source.tier == tier and source.slot is None and copy.tier == "device"
+        assert_memory(tiers, copy, seed)
+        assert_memory(tiers, source, seed)
+    assert tiers.counts["loads_from_host"] == tiers.counts["loads_from_disk"] == 1
+    assert device.pages.shared == 0 and device.slots.in_use == 2
 
 
 def test_a_disk_tier_that_cannot_be_written_is_refused_when_made(tmp_path):
