@@ -1,7 +1,7 @@
 """Storage that fails loudly and recovers, and stored responses that are bounded and durable: a
 disk tier that cannot be written (simulated: the spill write raises ENOSPC) answers the request
 that needed it with a 507 and /health says degraded while the server keeps answering; stored
-responses are capped (least recently used evicted); each is written through before it is answered,
+responses are capped (least recently used evicted) and wait off the device; each is written through before it is answered,
 so that a server that never saved (killed) still has it at the next start; interrupted writes,
 stale spill files and one damaged file cost only themselves."""
 import errno
@@ -80,7 +80,12 @@ def test_stored_responses_are_capped_least_recently_used_first(chat_run):
         respond(client, "not kept", store=False)
         stats = app.state.server.engine.store.stats()
         assert len(app.state.server.responses.items) == 3 and stats["sessions"] == 3
+        assert stats["sessions_on_host"] == 3 and stats["slots_in_use"] == 0     # parked: the device holds none
         assert "k3jax_stored_responses_evicted_total 1" in client.get("/metrics").text
+        continued = respond(client, "more", previous_response_id=ids[3])
+        stats = app.state.server.engine.store.stats()
+        assert stats["sessions_on_host"] == 3 and stats["slots_in_use"] == 0 and stats["loads_from_host"] >= 1
+        assert continued["previous_response_id"] == ids[3]
 
 
 def test_acknowledged_responses_survive_a_server_that_never_saved(chat_run, tmp_path):
