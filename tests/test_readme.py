@@ -96,6 +96,9 @@ EXPECTED = {
     "python -m train runs/k3-base/config.yaml": ["runs/k3-qlora/summary.json", "runs/k3-qlora/checkpoints/4"],
     "python -m k3jax.convert export runs/k3-qlora": ["~/hf/my-k3-qlora/model.safetensors.index.json"],
     "python -m k3jax.convert export runs/k3-import": ["~/hf/my-k3/model.safetensors.index.json"],
+    "python -m k3jax.convert export runs/lora ~/hf/my-lora-adapter --adapter": [
+        "~/hf/my-lora-adapter/adapter_config.json", "~/hf/my-lora-adapter/adapter_model.safetensors"],
+    "python -m k3jax.convert import-adapter": ["runs/lora-peft/config.yaml", "runs/lora-peft/checkpoints/0"],
     "python -m k3jax.convert config": ["kl.yaml"],
 }
 

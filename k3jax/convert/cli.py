@@ -6,6 +6,15 @@
                         trainer): the processes of one jax.distributed run, each writing every N-th tensor
     python -m k3jax.convert export RUN_DIR HF_DIR [--mxfp4] [--float32]   a k3jax run -> HF safetensors
                                                                       (a LoRA run: adapters merged)
+    python -m k3jax.convert export RUN_DIR OUT_DIR --adapter          a LoRA run's adapters alone, as a PEFT
+                        LoRA adapter (adapter_config.json, adapter_model.safetensors; no base weight)
+    python -m k3jax.convert import-adapter PEFT_DIR RUN_DIR OUT_DIR   a PEFT LoRA adapter for the model of
+                        RUN_DIR (a plain run) -> OUT_DIR, a LoRA run on RUN_DIR (eval / generate load it)
+
+Routed experts (``finetune.lora_routed_experts``: one A shared by a layer's experts, one B per
+expert) export as one PEFT pair per expert module ``experts.{e}.w1|w3|w2``, lora_A the shared A
+repeated; import-adapter takes routed experts only when the experts of a weight carry the same
+lora_A (`k3jax.convert.peft`).
     python -m k3jax.convert config CONFIG_JSON OUT_YAML [key=value ...]  the run config an import would use
 
 Bad input (a missing or truncated shard, a missing or unexpected tensor, a shape or dtype
@@ -42,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     exporting.add_argument("hf_dir")
     exporting.add_argument("--mxfp4", action="store_true", help="pack the routed experts as MXFP4")
     exporting.add_argument("--float32", action="store_true", help="write every tensor not packed as MXFP4 in fp32")
+    exporting.add_argument("--adapter", action="store_true", help="a LoRA run's adapters only, as a PEFT adapter")
+    adapter = commands.add_parser("import-adapter", help="a PEFT LoRA adapter + its base run -> a k3jax LoRA run")
+    adapter.add_argument("peft_dir")
+    adapter.add_argument("run_dir", help="the k3jax run holding the adapter's base model")
+    adapter.add_argument("out_dir")
     configuring = commands.add_parser("config", help="a HF config.json -> the k3jax run config (YAML)")
     configuring.add_argument("config_json")
     configuring.add_argument("out_yaml")
@@ -63,6 +77,14 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "config":
             from k3jax.convert.importer import write_run_config
             write_run_config(args.config_json, args.out_yaml, args.overrides)
+        elif args.command == "import-adapter":
+            from k3jax.convert.peft import import_adapter
+            import_adapter(args.peft_dir, args.run_dir, args.out_dir, log=log)
+        elif args.adapter:
+            from k3jax.convert.peft import export_adapter
+            if args.mxfp4 or args.float32:
+                raise ConvertError("--adapter writes the adapters alone (fp32): --mxfp4 and --float32 do not apply")
+            export_adapter(args.run_dir, args.hf_dir, log=log)
         else:
             from k3jax.convert.exporter import export_checkpoint
             if args.shard_gb <= 0:

@@ -22,6 +22,7 @@ biases are the run's. The HF description and the tokenizer come from the base ru
 adapted MXFP4 experts are decoded and merged one expert at a time, W_e' = decode(codes_e) + s A B_e,
 then written dense (bf16, or fp32 with ``float32``) or, with ``mxfp4``, re-packed:
 ``encode_mxfp4(W_e', preferred=the base's scales)`` (`k3jax.convert.mxfp4`).
+``--adapter`` writes a LoRA run's adapters alone, in PEFT's layout (`k3jax.convert.peft`).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import itertools
 import json
 import pathlib
 import shutil
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -198,8 +199,18 @@ class MergedAdapters:
         return decode_mxfp4(codes, scales) + self.scale * self._delta(key, index).T
 
 
-def _lora_reader(config, step_dir: pathlib.Path, meta: dict) -> tuple[MergedAdapters, pathlib.Path]:
-    """The merging reader of a LoRA run's latest checkpoint, and its base's run directory."""
+class LoRABase(NamedTuple):
+    """Where a LoRA run's base is (its run directory, step and that step's metadata) and the weights
+    the run adapts (``{weight path: routed}``, `k3jax.training.finetune.adapted_weights`)."""
+
+    run_dir: pathlib.Path
+    step: int
+    meta: dict
+    adapted: dict[str, bool]
+
+
+def lora_base(config, step_dir: pathlib.Path, meta: dict) -> LoRABase:
+    """The base a LoRA checkpoint's ``meta`` records (checked to hold the run's model) and its adapted weights."""
     from k3jax.training.finetune import BASE_META, adapted_weights
 
     base = meta.get(BASE_META)
@@ -217,24 +228,20 @@ def _lora_reader(config, step_dir: pathlib.Path, meta: dict) -> tuple[MergedAdap
         adapted = dict(adapted_weights(config.model, config.finetune))
     except ConfigError as error:
         raise ConvertError(f"{step_dir}: {error}") from None
-    reader = MergedAdapters(StateReader(checkpoint_directory(base_dir) / str(base["step"]), base_meta.get(CHECKSUMS)),
-                            StateReader(step_dir, meta.get(CHECKSUMS)), adapted, config.finetune.lora_scale)
-    return reader, base_dir
+    return LoRABase(base_dir, base["step"], base_meta, adapted)
 
 
-def export_checkpoint(run_dir, hf_dir, *, mxfp4: bool = False, float32: bool = False,
-                      shard_bytes: int = DEFAULT_SHARD_BYTES, log: Callable[[str], None] = print) -> dict:
-    """Write the latest checkpoint of ``run_dir`` as a HF checkpoint in ``hf_dir`` (which must not exist)."""
-    run_dir, hf_dir = pathlib.Path(run_dir).expanduser().resolve(), pathlib.Path(hf_dir).expanduser().resolve()
-    require_new(hf_dir)
-    if not run_dir.is_dir():
-        raise ConvertError(f"{run_dir}: no such directory")
-    config, step_dir, meta = _run_model(run_dir)
-    model_dir = run_dir
-    if config.finetune.lora:
-        reader, model_dir = _lora_reader(config, step_dir, meta)
-    else:
-        reader = StateReader(step_dir, meta.get(CHECKSUMS))
+def _lora_reader(config, step_dir: pathlib.Path, meta: dict) -> tuple[MergedAdapters, pathlib.Path]:
+    """The merging reader of a LoRA run's latest checkpoint, and its base's run directory."""
+    base = lora_base(config, step_dir, meta)
+    reader = MergedAdapters(StateReader(checkpoint_directory(base.run_dir) / str(base.step), base.meta.get(CHECKSUMS)),
+                            StateReader(step_dir, meta.get(CHECKSUMS)), base.adapted, config.finetune.lora_scale)
+    return reader, base.run_dir
+
+
+def hf_description(config, model_dir: pathlib.Path, mxfp4: bool = False) -> tuple[dict, str, dict]:
+    """``(config.json mapping, checkpoint flavour, source tensor manifest)`` of a run's model: the HF
+    fields an imported run carried over (``model_dir/hf_source``), else the defaults."""
     source = model_dir / SOURCE_DIR
     carried, manifest = None, {}
     try:
@@ -242,9 +249,31 @@ def export_checkpoint(run_dir, hf_dir, *, mxfp4: bool = False, float32: bool = F
             carried = model_config_from_hf(json.loads((source / "config.json").read_text()))[1]
             manifest = json.loads((source / "tensors.json").read_text())
         hf = _set_quantization(hf_config_from_model(config.model, carried), mxfp4)
-        flavour = checkpoint_flavour(hf)
+        return hf, checkpoint_flavour(hf), manifest
     except (HFConfigError, OSError, json.JSONDecodeError) as error:
-        raise ConvertError(f"{run_dir}: cannot describe the model as a HF config.json ({error})") from None
+        raise ConvertError(f"{model_dir}: cannot describe the model as a HF config.json ({error})") from None
+
+
+def read_run(run_dir) -> tuple[pathlib.Path, object, pathlib.Path, dict]:
+    """``(run directory resolved, config, latest step directory, metadata)`` of an existing run."""
+    run_dir = pathlib.Path(run_dir).expanduser().resolve()
+    if not run_dir.is_dir():
+        raise ConvertError(f"{run_dir}: no such directory")
+    return (run_dir, *_run_model(run_dir))
+
+
+def export_checkpoint(run_dir, hf_dir, *, mxfp4: bool = False, float32: bool = False,
+                      shard_bytes: int = DEFAULT_SHARD_BYTES, log: Callable[[str], None] = print) -> dict:
+    """Write the latest checkpoint of ``run_dir`` as a HF checkpoint in ``hf_dir`` (which must not exist)."""
+    hf_dir = pathlib.Path(hf_dir).expanduser().resolve()
+    require_new(hf_dir)
+    run_dir, config, step_dir, meta = read_run(run_dir)
+    model_dir = run_dir
+    if config.finetune.lora:
+        reader, model_dir = _lora_reader(config, step_dir, meta)
+    else:
+        reader = StateReader(step_dir, meta.get(CHECKSUMS))
+    hf, flavour, manifest = hf_description(config, model_dir, mxfp4)
     maps = [spec for spec in model_maps(config.model, flavour) if reader.has(spec.top, spec.key)]
     entries = _entries(maps, manifest, mxfp4, float32)
     shards = plan_shards(entries, shard_bytes)

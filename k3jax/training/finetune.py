@@ -32,7 +32,8 @@ from flax import nnx
 from k3jax.checkpoint import CheckpointError, restore_subtree, tree_checksums
 from k3jax.sharding import abstract
 from k3jax.config import ConfigError, FinetuneConfig, ModelConfig
-from k3jax.layers.lora import LoRA, LoRADropoutSeed, attach_adapters, select_weights, set_adapter_dropout
+from k3jax.layers.lora import (LoRA, LoRADropoutSeed, adaptable_weights, attach_adapters, select_weights,
+                              set_adapter_dropout)
 from k3jax.layers.moe import ExpertCodes, RouterBias
 from k3jax.model import K3Model
 from k3jax.training.state import ModelParts, StateCodec
@@ -100,9 +101,12 @@ def base_fingerprint(frozen: dict) -> str:
     return hashlib.sha256(json.dumps(tree_checksums(frozen), sort_keys=True).encode()).hexdigest()
 
 
-def adapted_weights(config: ModelConfig, finetune: FinetuneConfig) -> list[tuple[str, bool]]:
-    """``(weight path, routed)`` of every weight ``finetune`` adapts in a model of ``config``."""
+def adapted_weights(config: ModelConfig, finetune: FinetuneConfig | None) -> list[tuple[str, bool]]:
+    """``(weight path, routed)`` of every weight ``finetune`` adapts in a model of ``config`` (None:
+    every weight an adapter can join, `k3jax.layers.lora.adaptable_weights`)."""
     model = nnx.eval_shape(lambda: K3Model(config, rngs=nnx.Rngs(0)))
+    if finetune is None:
+        return [(item.path, item.routed) for item in adaptable_weights(model)]
     try:
         chosen = select_weights(model, finetune.lora_targets, finetune.lora_routed_experts)
     except ValueError as error:
