@@ -52,7 +52,7 @@ from k3jax.convert.exporter import hf_description, lora_base, read_run, to_hf
 from k3jax.convert.importer import FLOAT_DTYPES, to_k3jax
 from k3jax.convert.keymap import TensorMap, model_maps
 from k3jax.convert.orbax_stream import LeafSpec, StateReader, StreamedStateWriter
-from k3jax.convert.safetensors_io import DTYPES, _read_json, write_shard
+from k3jax.convert.safetensors_io import DTYPES, read_json, write_shard
 from k3jax.layers.lora import ADAPTER_SUFFIX
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -141,7 +141,7 @@ def export_adapter(run_dir, out_dir, log: Callable[[str], None] = print) -> dict
 def read_peft_config(peft_dir: pathlib.Path) -> tuple[int, float, float]:
     """``(r, lora_alpha, lora_dropout)`` of a plain LoRA ``adapter_config.json`` (PEFT's defaults 8, 8, 0)."""
     path = peft_dir / ADAPTER_CONFIG
-    data = _read_json(path)
+    data = read_json(path)
     if data.get("peft_type") != "LORA":
         raise ConvertError(f"{path}: peft_type {data.get('peft_type')!r}; k3jax imports 'LORA' adapters")
     for field in UNSUPPORTED:

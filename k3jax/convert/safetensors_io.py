@@ -35,7 +35,7 @@ class TensorInfo(NamedTuple):
     shard: str            # file name inside the checkpoint directory
 
 
-def _read_json(path: pathlib.Path) -> dict:
+def read_json(path: pathlib.Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -57,7 +57,7 @@ class SafetensorsCheckpoint:
         self.directory = pathlib.Path(directory)
         index = self.directory / INDEX_NAME
         if index.exists():
-            weight_map = _read_json(index).get("weight_map")
+            weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ConvertError(f"{index}: no 'weight_map' of tensor names to shard files")
             for name, shard in weight_map.items():
