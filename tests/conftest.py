@@ -6,7 +6,10 @@ model, a trained run) joins the group of the tests sharing it -- its module, or 
 conftest defines the session fixture -- so each such fixture is built on one worker, once; the
 other tests go to whichever worker is free.
 """
+import collections
+import json
 import os
+import pathlib
 
 import jax
 import pytest
@@ -76,9 +79,33 @@ def shared_fixture_group(item) -> str | None:
     return None
 
 
+# Seconds each test took in a `.ci/run` (call + setup + teardown; `python -m tests.durations LOG`
+# rewrites it from a run's ``--durations`` lists), to start the costliest work first.
+DURATIONS = pathlib.Path(__file__).with_name("durations.json")
+UNKNOWN_SECONDS = 1.0   # a test not in DURATIONS: the fast ones are left out of it
+
+
+def costliest_first(items: list, scopes: list) -> list:
+    """``items`` reordered so that their scopes (``scopes[i]``: the xdist group of ``items[i]``, or
+    its own node id) come in decreasing order of their recorded seconds, each scope's items in
+    their collected order. pytest-xdist's loadgroup scheduler hands scopes to free workers in
+    collection order, so this is longest-processing-time-first scheduling: the long groups start
+    at once instead of making the run's tail (tests/serve's server alone: minutes)."""
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    cost, first, members = collections.Counter(), {}, collections.defaultdict(list)
+    for index, (item, scope) in enumerate(zip(items, scopes)):
+        cost[scope] += seconds.get(item.nodeid, UNKNOWN_SECONDS)
+        first.setdefault(scope, index)
+        members[scope].append(item)
+    return [item for scope in sorted(members, key=lambda s: (-cost[s], first[s])) for item in members[scope]]
+
+
 @pytest.hookimpl(tryfirst=True)   # before pytest-xdist's own hook reads the marks
 def pytest_collection_modifyitems(items):
+    scopes = []
     for item in items:
         group = shared_fixture_group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+        scopes.append(item.nodeid if group is None else group)
+    items[:] = costliest_first(items, scopes)
