@@ -4,7 +4,8 @@
 runs in this process). A test that uses a module- or session-scoped fixture of ours (a compiled
 model, a trained run) joins the group of the tests sharing it -- its module, or the package whose
 conftest defines the session fixture -- so each such fixture is built on one worker, once; the
-other tests go to whichever worker is free.
+other tests go to whichever worker is free. The costliest groups are collected first
+(`costliest_first`).
 """
 import collections
 import json
