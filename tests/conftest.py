@@ -90,8 +90,9 @@ def costliest_first(items: list, scopes: list) -> list:
     """``items`` reordered so that their scopes (``scopes[i]``: the xdist group of ``items[i]``, or
     its own node id) come in decreasing order of their recorded seconds, each scope's items in
     their collected order. pytest-xdist's loadgroup scheduler hands scopes to free workers in
-    collection order, so this is longest-processing-time-first scheduling: the long groups start
-    at once instead of making the run's tail (tests/serve's server alone: minutes)."""
+    collection order (``--no-loadscope-reorder``, pyproject.toml; by default it orders them by
+    their number of tests), so this is longest-processing-time-first scheduling: the long groups
+    and tests start at once instead of making the run's tail."""
     seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     cost, first, members = collections.Counter(), {}, collections.defaultdict(list)
     for index, (item, scope) in enumerate(zip(items, scopes)):
