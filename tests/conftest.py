@@ -2,10 +2,9 @@
 
 `pytest -q` runs on two pytest-xdist workers (``-n 2 --dist loadgroup``, pyproject.toml; ``-n 0``
 runs in this process). A test that uses a module- or session-scoped fixture of ours (a compiled
-model, a trained run) joins the group of the tests sharing it -- its module, or the package whose
-conftest defines the session fixture -- so each such fixture is built on one worker, once; the
-other tests go to whichever worker is free. The costliest groups are collected first
-(`costliest_first`).
+model, a trained run) joins the group of its module, so a module fixture is built once and a
+session fixture once per worker that needs it; the other tests go to whichever worker is free. The
+costliest groups are collected first (`costliest_first`).
 """
 import collections
 import json
@@ -69,14 +68,15 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def shared_fixture_group(item) -> str | None:
-    """The package (session-scoped fixtures) or module (module-scoped ones) whose shared fixtures
-    ``item`` uses, the broader first; None when it uses only per-test fixtures of ours."""
+    """``item``'s module when it uses a shared (module-, package- or session-scoped) fixture of
+    ours; None when it uses only per-test fixtures. A module's tests then share its fixtures on one
+    worker, and a session fixture is built once by each worker that runs a module using it (at
+    most twice): that costs less than keeping a whole package on one worker (tests/serve's modules
+    share one server fixture and are the longest group of the fast set)."""
     definitions = [definition for definitions in item._fixtureinfo.name2fixturedefs.values()
                    for definition in definitions if definition.baseid]   # baseid "": pytest's own
-    for scope in ("session", "package", "module"):
-        owners = sorted({definition.baseid for definition in definitions if definition.scope == scope})
-        if owners:
-            return owners[0] if scope != "module" else item.nodeid.split("::")[0]
+    if any(definition.scope in ("session", "package", "module") for definition in definitions):
+        return item.nodeid.split("::")[0]
     return None
 
 
