@@ -308,8 +308,8 @@ class SessionStore:
         budget), as the budgets would move it once it is the least recently used: a session that
         waits (a server's stored response) then holds no slot or page, so the device pools stay
         sized to the sessions that run -- their capacity, not their batch, sets the cost of a decode
-        step where the backend copies the donated pools (XLA on CPU: 2 ms at 8 slots, 60 ms at 1024
-        for the tiny model). Its next use brings it back to the device, bit for bit; a session
+        step where the backend copies the donated pools (XLA on CPU: `bench.sessions --parts
+        capacity`). Its next use brings it back to the device, bit for bit; a session
         already off the device stays where it is."""
         self._collect()
         value = self._registry.session(sid)

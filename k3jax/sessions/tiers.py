@@ -249,8 +249,7 @@ class Tiers:
         if source.slot is None:
             self.clock.touch(source)
             copy = Value(list(source.tokens), np.array(source.logits))
-            self._upload(copy, _held_off_device(source), "loads_from_host" if source.host is not None else "loads_from_disk",
-                         (*pinned, source))
+            self._upload(copy, source, (*pinned, source))
             self.clock.touch(copy)
             return copy
         self.writable(source, 0, pinned)
@@ -298,17 +297,17 @@ class Tiers:
 
     def _to_device(self, value: Value, pinned) -> None:
         """Move a host or disk value into a fresh slot and pages."""
-        self._upload(value, _held_off_device(value), "loads_from_host" if value.host is not None else "loads_from_disk",
-                     pinned)
+        self._upload(value, value, pinned)
         self._clear_off_device(value)
 
-    def _upload(self, value: Value, host: HostValue, count: str, pinned) -> None:
-        """Write ``host`` (a value's memory, ``value.length`` tokens) into a fresh slot and pages of
-        ``value``, counting one of ``count``."""
+    def _upload(self, value: Value, source: Value, pinned) -> None:
+        """Write the memory of ``source`` (a host or disk value of ``value.length`` tokens) into a
+        fresh slot and pages of ``value``."""
+        host = _held_off_device(source)
         self.reserve(1, self.device.pages_for(value.length), (*pinned, value))
         value.slot, value.pages = self.device.upload(self.host.to_device(host.state), self.host.to_device(host.conv),
                                                      host.rows, value.length)
-        self.counts[count] += 1
+        self.counts["loads_from_host" if source.host is not None else "loads_from_disk"] += 1
 
     def to_host(self, value: Value, pinned=()) -> None:
         """Move a device value to the host tier (then keep the host budget, ``pinned`` staying)."""
