@@ -1,11 +1,12 @@
 """Running a model on a mesh of 8 fake CPU devices (expert=4 x tensor=2) equals running it on one:
 ``tests/sharding/programs/inference_mesh.py`` in a subprocess (the device count is fixed when JAX
-starts)."""
+starts). One process: the slow set runs it beside other tests, not alone as it runs the
+cooperating processes of `serial`."""
 import pytest
 
 from tests.sharding.test_multi_device import program, program_result
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
