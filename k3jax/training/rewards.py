@@ -17,12 +17,17 @@ per step on the whole batch, ``function(prompts, completions, records) -> list o
 A reward that raises or returns anything but a finite number is a `RewardError` naming the record
 (a batch function: its batch's first record), and so is one that runs past ``rl.reward_timeout``
 seconds (`user_call`; a batch function has that long for its whole batch).
+
+With several processes (`score_on_the_leader`) only process 0 calls the rewards; the others
+receive its values, so each completion is scored once and every process updates on the same
+rewards.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import math
+import pickle
 import re
 from typing import Any, Callable, Sequence
 
@@ -150,6 +155,33 @@ def score_completions(terms: Sequence[RewardTerm], completions: Sequence, timeou
         completion.reward = sum(term.weight * value[index] for term, value in zip(terms, values))
         if len(terms) > 1:
             completion.reward_terms = {term.name: value[index] for term, value in zip(terms, values)}
+
+
+def score_on_the_leader(terms: Sequence[RewardTerm], completions: Sequence, timeout: float | None,
+                        channel) -> None:
+    """`score_completions` on process 0 of a jax.distributed run, its values sent to the other
+    processes over ``channel`` (a `k3jax.inference.mirror.Channel`; None in one process: scored here).
+
+    A reward may have effects (a sandbox, a judge model, a quota) and need not be deterministic, so
+    it runs once per completion and every process takes the leader's values: the update then sees
+    the same rewards on every process. What stops the leader (a `RewardError`, a signal's
+    `StopRequested`) is sent too and raised on every follower, so all processes stop together."""
+    if channel is None:
+        score_completions(terms, completions, timeout)
+        return
+    if not channel.leads:
+        outcome, value = pickle.loads(channel.receive())
+        if outcome == "raised":
+            raise value
+        for completion, (reward, reward_terms) in zip(completions, value, strict=True):
+            completion.reward, completion.reward_terms = reward, reward_terms
+        return
+    try:
+        score_completions(terms, completions, timeout)
+    except BaseException as error:
+        channel.send(pickle.dumps(("raised", error)))     # a RewardError (user_call wraps the rest) or a stop
+        raise
+    channel.send(pickle.dumps(("scored", [(c.reward, c.reward_terms) for c in completions])))
 
 
 def load_callable(name: str, setting: str) -> Any:

@@ -32,8 +32,12 @@ after the restored checkpoint are dropped from both files.
 
 The reference policy of the KL penalty (``rl.kl_coef`` > 0) is ``init_from``'s parameters (a full
 fine-tune keeps one more copy of them), or for LoRA the frozen base itself: the adapters set to zero,
-no extra memory. Rollouts run in one process, on the run's mesh: the session pools are placed
-beside the (sharded) parameters by the jitted steps themselves.
+no extra memory. Rollouts run on the run's mesh: the session pools are placed beside the (sharded)
+parameters by the jitted steps themselves. A run of several processes (``python -m train ...
+--num-processes N``) rolls out as one: every process makes the same store calls, each program
+running on every process's shards; process 0 alone calls the rewards and sends their values to the
+others (`k3jax.training.rewards.score_on_the_leader`) and alone writes ``rollouts.jsonl``. A tool
+environment and a draft model are refused across processes for now.
 
 With ``rl.speculation.prompt_lookup`` or ``rl.speculation.draft`` rollouts decode speculatively
 (`k3jax.training.rollout`, up to ``rl.speculation.k`` drafts a round) on each step's own store, so on
@@ -54,6 +58,7 @@ import numpy as np
 from k3jax.checkpoint import CheckpointError, latest_meta
 from k3jax.config import ConfigError, config_from_dict
 from k3jax.data import DataError
+from k3jax.inference.mirror import Channel
 from k3jax.layers.lora import set_adapter_dropout
 from k3jax.sessions import SessionStore
 from k3jax.sharding import compiled_together
@@ -64,10 +69,12 @@ from k3jax.training.metrics import MetricsLog, Progress
 from k3jax.training.rewards import check_records, load_rewards
 from k3jax.inference import draft_mismatch, restore_model
 from k3jax.training.rollout import Rollout, SamplingSettings, replay
-from k3jax.training.run_dir import RunError
 from k3jax.training.signals import StopRequested, StopSignals
 from k3jax.training.steps import make_train_step
 from k3jax.training.trainer import Trainer
+
+
+REWARD_CHANNEL = "k3jax/rl-rewards/"    # process 0's rewards to the other processes (key-value store keys)
 
 
 def sampling_seed(seed: int, step: int) -> int:
@@ -87,6 +94,16 @@ def check_draft(config) -> int:
     if problem is not None:
         raise ConfigError("rl.speculation.draft", f"{source}: {problem}")
     return step
+
+
+def refuse_across_processes(rl, processes: int) -> None:
+    """A one-line `ConfigError` for the settings that run in one process only, when ``processes`` >
+    1: a tool environment (each process would call the tools) and a draft model (restored on one
+    device)."""
+    if processes > 1:
+        for setting, value in {"rl.environment": rl.environment, "rl.speculation.draft": rl.speculation.draft}.items():
+            if value is not None:
+                raise ConfigError(setting, f"runs in one process for now; this run has {processes} processes")
 
 
 def rollout_records(groups, policy_step: int) -> list[dict]:
@@ -141,9 +158,7 @@ class RLTrainer(Trainer):
     def _check_data(self) -> None:
         """The reward or environment, and the fields they read in every record; one device and process."""
         rl, records = self.config.rl, self.data.splits["train"] + self.data.splits["heldout"]
-        if jax.process_count() > 1:
-            raise RunError(f"train.objective=grpo samples in one process for now; this run has "
-                           f"{jax.process_count()} processes")
+        refuse_across_processes(rl, jax.process_count())
         if rl.environment is not None:
             if not self.data.chat:
                 raise ConfigError("rl.environment", "a tool environment needs chat prompts (records with 'messages')")
@@ -156,6 +171,7 @@ class RLTrainer(Trainer):
         if not self.data.num_prompts("train"):
             raise DataError(f"{self.config.data.path}: the train split has no prompts")
         self.draft_step = check_draft(self.config) if rl.speculation.draft is not None else None
+        self.reward_channel = Channel.joined(REWARD_CHANNEL)      # None in one process
 
     def _build_steps(self) -> None:
         config, rl = self.config, self.config.rl
@@ -193,7 +209,7 @@ class RLTrainer(Trainer):
         return Rollout(self.policy_model(), self.data, self.settings, reward=self.reward,
                        environment=self.environment, tool_retries=rl.tool_retries, max_turns=rl.max_turns,
                        fingerprint=f"{self.run_dir}@{self.position}", speculation=rl.speculation, draft=self.draft,
-                       reward_timeout=rl.reward_timeout)
+                       reward_timeout=rl.reward_timeout, reward_channel=self.reward_channel)
 
     def rl_step(self) -> tuple[list, dict]:
         """One rollout and its updates at the current position -> (groups, metrics record)."""
@@ -282,7 +298,7 @@ class RLTrainer(Trainer):
     def _loop(self, signals: StopSignals, log: MetricsLog, board, progress: Progress, flops_per_token: float,
               peak: float) -> None:
         cfg = self.config.train
-        rollouts = MetricsLog(self.run_dir / "rollouts.jsonl", self.position)
+        rollouts = MetricsLog(self.run_dir / "rollouts.jsonl", self.position) if self.primary else None
         try:
             if self.position == 0:
                 self.save(force=True)                            # policy step 0 can be restored like the others
@@ -291,8 +307,9 @@ class RLTrainer(Trainer):
                 try:
                     groups, record = self.rl_step()
                     self.position += 1
-                    for line in rollout_records(groups, self.position - 1):
-                        rollouts.write(line)
+                    if rollouts is not None:
+                        for line in rollout_records(groups, self.position - 1):
+                            rollouts.write(line)
                     self._log_step(record, log, board, progress)
                     self._periodic_evaluation(log, board, progress)
                 except StopRequested:        # a signal inside a reward or environment call: the rest is dropped
@@ -300,7 +317,8 @@ class RLTrainer(Trainer):
                 if self.checkpoints.due(self.position):
                     self.save(force=True)
         finally:
-            rollouts.close()
+            if rollouts is not None:
+                rollouts.close()
 
     # -- evaluation --------------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ from k3jax.sessions import Sampling, SessionStore
 from k3jax.sessions.speculate import Speculator
 from k3jax.config import SpeculationConfig
 from k3jax.training.environments import ToolCallError
-from k3jax.training.rewards import RewardTerm, checked_reward, score_completions, user_call
+from k3jax.training.rewards import RewardTerm, checked_reward, score_on_the_leader, user_call
 
 
 @dataclasses.dataclass
@@ -204,11 +204,14 @@ class Rollout:
 
     def __init__(self, model, dataset, settings: SamplingSettings, *, reward: Callable | list | None = None,
                  environment=None, tool_retries: int = 0, max_turns: int = 1, fingerprint: str | None = None,
-                 speculation: SpeculationConfig | None = None, draft=None, reward_timeout: float | None = None):
-        """``reward_timeout``: seconds a reward or environment call may take (None: unbounded)."""
+                 speculation: SpeculationConfig | None = None, draft=None, reward_timeout: float | None = None,
+                 reward_channel=None):
+        """``reward_timeout``: seconds a reward or environment call may take (None: unbounded);
+        ``reward_channel``: with several processes, the `k3jax.inference.mirror.Channel` over which
+        process 0 sends the rewards it computed (`score_on_the_leader`)."""
         self.model, self.dataset, self.settings = model, dataset, settings
         self.rewards = reward if isinstance(reward, list) or reward is None else [RewardTerm("reward", 1.0, reward)]
-        self.environment, self.reward_timeout = environment, reward_timeout
+        self.environment, self.reward_timeout, self.reward_channel = environment, reward_timeout, reward_channel
         self.tool_retries, self.max_turns = tool_retries, max_turns
         self.store = SessionStore(model, fingerprint=fingerprint, prefix_cache=False)
         speculating = speculation is not None and speculation.enabled
@@ -301,7 +304,8 @@ class Rollout:
             completion.add(decoded.tokens, decoded.logprobs)
             completion.finish_reason = "stop" if decoded.stopped else "length"
             completion.text = self._text(decoded.tokens)
-        score_completions(self.rewards, [completion for _, completion in sessions.values()], self.reward_timeout)
+        score_on_the_leader(self.rewards, [completion for _, completion in sessions.values()], self.reward_timeout,
+                            self.reward_channel)
 
     def _episodes(self, sessions: dict, seed: int, greedy: bool) -> None:
         """Assistant turns of every episode together, one batched decode per turn, until each is done."""

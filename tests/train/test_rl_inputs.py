@@ -265,3 +265,73 @@ def test_rewards_settings_are_refused_by_name():
         load_config(MICRO, [*GRPO, "rl.clip_low=1.5"])
     config = load_config(MICRO, [*GRPO, "rl.clip_high=0.28", "rl.rewards=[{name: numeric}, {name: m:f, weight: 0.1}]"])
     assert config.rl.clip_range == (0.2, 0.28) and [t.weight for t in config.rl.rewards] == [1.0, 0.1]
+
+
+class MemoryChannel:
+    """A `k3jax.inference.mirror.Channel` in memory: what the leader sends, in order."""
+
+    def __init__(self, leads: bool, messages: list):
+        self.leads, self.messages = leads, messages
+
+    def send(self, payload: bytes) -> None:
+        self.messages.append(payload)
+
+    def receive(self) -> bytes:
+        return self.messages.pop(0)
+
+
+def test_across_processes_the_leader_scores_and_the_followers_take_its_values(monkeypatch):
+    """Several processes: process 0 calls the rewards once per completion, the others take its
+    values (a reward with effects runs once; a nondeterministic one cannot split the update), and
+    what stops the leader stops each follower with the same error."""
+    from k3jax.config import RewardTermConfig
+    from k3jax.training.rewards import RewardTerm, load_rewards, score_on_the_leader
+    from types import SimpleNamespace
+
+    calls = []
+
+    def counted(prompt_text, completion, record):
+        calls.append(completion)
+        return float(len(calls))                    # a different value on each call: not recomputable
+
+    def batch():
+        return [SimpleNamespace(prompt=prompt({"prompt": "1+1=", "answer": "2"}), text=text, reward=None,
+                                reward_terms={}) for text in ("2", "33", " 2 ")]
+
+    terms = [RewardTerm("counted", 0.5, counted), *load_rewards(None, (RewardTermConfig("exact_match", 2.0),))]
+    messages = []
+    leader, follower = batch(), batch()
+    score_on_the_leader(terms, leader, None, MemoryChannel(True, messages))
+    score_on_the_leader(terms, follower, None, MemoryChannel(False, messages))
+    assert calls == ["2", "33", " 2 "] and messages == []            # called on the leader only; all read
+    assert [(c.reward, c.reward_terms) for c in follower] == [(c.reward, c.reward_terms) for c in leader]
+    assert [c.reward for c in leader] == [0.5 * 1 + 2.0, 0.5 * 2, 0.5 * 3 + 2.0]
+    alone = batch()
+    score_on_the_leader(terms, alone, None, None)                    # one process: scored here
+    assert [c.reward for c in alone] == [0.5 * 4 + 2.0, 0.5 * 5, 0.5 * 6 + 2.0]
+
+    def fails(prompt_text, completion, record):
+        raise RuntimeError("quota exhausted")
+
+    for function, error, words in ((fails, RewardError, "p.jsonl: line 3: .*quota exhausted"),
+                                   (signalled, StopRequested, None)):
+        with pytest.raises(error, match=words) as raised:
+            score_on_the_leader([RewardTerm("r", 1.0, function)], batch(), None, MemoryChannel(True, messages))
+        with pytest.raises(error, match=words) as followed:
+            score_on_the_leader([RewardTerm("r", 1.0, function)], batch(), None, MemoryChannel(False, messages))
+        assert str(followed.value) == str(raised.value) and messages == []
+
+
+def signalled(prompt_text, completion, record):
+    raise StopRequested()
+
+
+@pytest.mark.parametrize("overrides, key", [(["rl.environment=calculator"], "rl.environment"),
+                                            (["rl.speculation.draft=runs/small"], "rl.speculation.draft")])
+def test_settings_of_one_process_are_refused_by_name_across_processes(overrides, key):
+    settings = load_config(MICRO, GRPO + overrides).rl
+    rl.refuse_across_processes(settings, 1)
+    with pytest.raises(ConfigError) as error:
+        rl.refuse_across_processes(settings, 2)
+    assert error.value.key == key and "runs in one process for now; this run has 2 processes" in str(error.value)
+    rl.refuse_across_processes(load_config(MICRO, GRPO + ["rl.speculation.prompt_lookup=2"]).rl, 2)
