@@ -24,12 +24,17 @@ in place, as `k3jax.sessions` keeps it): the bank is a `Memory` of
                        KDA layer; rows [N_kda, B] int32: the row of each (layer, sequence), distinct
                        within a layer (`k3jax.ops.kda.decode_pool`, with the kernels of the
                        config's kda.implementation)
-      mla: MLAPages    latent [N, page, kv_lora + r]: a pool of pages shared by every MLA layer;
+      mla: MLAPages    latent [N_mla, N, page * L]: each MLA layer's pool of N pages, a page
+                       one row of its tokens' latents (L = kv_lora + r; `k3jax.sessions.paged`);
                        tables [N_mla, B, P] int32: each sequence's pages in order (entries >= N
-                       read as zeros and drop writes); length [N_mla, B] int32: tokens so far
+                       read as zeros and drop writes); length [N_mla, B] int32: tokens so far;
+                       layer [N_mla] int32: the MLA layer's index into the latent pools
 
-A layer sees its own rows ``[B]`` / tables ``[B, P]`` and length ``[B]`` with the whole pools; the
-model threads the pools through its layers (`split_pools`, `join_pools`).
+A layer sees its own rows ``[B]`` / tables ``[B, P]``, length ``[B]`` and layer index with the
+whole pools; the model threads the pools through its layers (`split_pools`, `join_pools`). Layers
+index the pools where they lie, never through a reshape of them: on TPU a reshape that merges the
+layer and page axes is free only in one layout, and the compiler then copies the whole pool into
+it and back on every step.
 
     python -m k3jax.memory configs/k3.yaml [configs/tiny.yaml ...]     # bytes per sequence vs context
 """
@@ -84,6 +89,24 @@ class MLAPages(NamedTuple):
     latent: jax.Array
     tables: jax.Array
     length: jax.Array
+    layer: jax.Array
+
+
+def page_rows(pages: jax.Array, width: int) -> jax.Array:
+    """Gathered pages ``[..., P, page * L]`` -> their tokens' latents in order ``[..., P * page, L]``."""
+    return pages.reshape(*pages.shape[:-2], -1, width)
+
+
+def set_latent_rows(latent: jax.Array, layers, pages, rows_in_page, values: jax.Array) -> jax.Array:
+    """``latent`` ``[N_mla, N_pages, page * L]`` with each ``values[...]`` ``[L]`` written at row
+    ``rows_in_page[...]`` of page ``pages[...]`` of layer ``layers[...]`` (index arrays broadcast
+    against ``values.shape[:-1]``); a page outside the pool drops its row."""
+    width = values.shape[-1]
+    indices = jnp.stack(jnp.broadcast_arrays(layers, pages, rows_in_page * width), axis=-1)
+    numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0, 1),
+                                              scatter_dims_to_operand_dims=(0, 1, 2))
+    return jax.lax.scatter(latent, indices.reshape(-1, 3), values.reshape(-1, width).astype(latent.dtype), numbers,
+                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 class SharedPools(NamedTuple):
@@ -181,10 +204,14 @@ def _check_pooled_memory(config: ModelConfig, memory: Memory, batch_size: int, n
         "kda.state": (memory.kda.state, (kda.num_value_heads, kda.head_dim, kda.head_dim), jnp.float32, 1),
         "kda.conv": (memory.kda.conv, (kda.conv_size - 1, kda.conv_width), dtype, 1),
         "kda.rows": (memory.kda.rows, (config.num_layers - num_mla, batch_size), jnp.int32, 0),
-        "mla.latent": (memory.mla.latent, (mla.latent_width,), dtype, 2),
         "mla.tables": (tables, (num_mla, batch_size), jnp.int32, None),
         "mla.length": (memory.mla.length, (num_mla, batch_size), jnp.int32, 0),
     }
+    latent = memory.mla.latent
+    if (latent.ndim != 3 or latent.shape[0] != num_mla or latent.shape[-1] % mla.latent_width
+            or jnp.dtype(latent.dtype) != dtype):
+        raise ValueError(f"pooled memory mla.latent is {latent.dtype}{list(latent.shape)}; this model needs {dtype} "
+                         f"with shape [{num_mla}, pages, page * {mla.latent_width}]")
     for name, (array, shape, want_dtype, skip) in expected.items():
         got = tuple(array.shape)[skip:] if skip is not None else tuple(array.shape)[:2]
         if got != shape or jnp.dtype(array.dtype) != jnp.dtype(want_dtype) or (name == "mla.tables" and array.ndim != 3):

@@ -26,7 +26,7 @@ from k3jax.layers.linear import project
 from k3jax.layers.lora import adapted_project, adapted_weight
 from k3jax.layers.params import param, truncated_normal
 from k3jax.layers.scope import scoped
-from k3jax.memory import MLAMemory, MLAPages
+from k3jax.memory import MLAMemory, MLAPages, page_rows, set_latent_rows
 from k3jax.ops.attention import attention
 from k3jax.ops.norms import rms_norm
 
@@ -129,19 +129,19 @@ class MLALayer(nnx.Module):
 
     def _attend_paged(self, q, latent, memory: MLAPages):
         """The cached attention over a paged cache (one document per sequence): each sequence's
-        pages ``tables [B, P]`` are gathered from the pool into its contiguous cache for
-        `_attend_cached`, and the call's rows are written into the pool at positions
-        [length, length + T) (page tables[t // page], row t % page; ids outside the pool drop)."""
-        pool, tables = memory.latent, memory.tables
-        num_pages, page = pool.shape[:2]
-        cache = pool.at[tables].get(mode="fill", fill_value=0).reshape(tables.shape[0], -1, pool.shape[-1])
+        pages ``tables [B, P]`` are gathered from this layer's pool (``latent[layer]``) into its
+        contiguous cache for `_attend_cached`, and the call's rows are written into that pool at
+        positions [length, length + T) (page tables[t // page], row t % page; ids outside the pool drop)."""
+        pool, tables, layer = memory.latent, memory.tables, memory.layer
+        num_pages, page = pool.shape[1], pool.shape[2] // latent.shape[-1]
+        cache = page_rows(pool.at[layer, tables].get(mode="fill", fill_value=0), latent.shape[-1])
         segments = jnp.zeros(q.shape[:2], jnp.int32)
         o, cached = self._attend_cached(q, latent, MLAMemory(cache, memory.length, jnp.zeros_like(memory.length)),
                                         segments)
         positions = memory.length[:, None] + jnp.arange(q.shape[1])                            # [B, T]
         pages = jnp.take_along_axis(tables, positions // page, axis=1, mode="fill", fill_value=num_pages)
-        pool = pool.at[pages, positions % page].set(latent.astype(pool.dtype), mode="drop")
-        return o, MLAPages(pool, tables, cached.length)
+        pool = set_latent_rows(pool, layer, pages, positions % page, latent)
+        return o, MLAPages(pool, tables, cached.length, layer)
 
     def _attend_cached(self, q, latent, memory: MLAMemory, segments):
         """Write the call's [c~ | k_r] into the cache, attend over it in the absorbed form (blockwise

@@ -3,13 +3,14 @@
     Pools
       state   [N_slots, N_kda, HV, K, V]   fp32   one KDA state per slot (a session or snapshot on device)
       conv    [N_slots, N_kda, W-1, C]            its conv tails
-      latent  [N_mla, N_pages, page, kv_lora + r]  the paged MLA latent cache
+      latent  [N_mla, N_pages, page * L]  the paged MLA latent cache, L = kv_lora + r: each page
+                                          one row holding its tokens' latents one after another
 
 A sequence b on device is (slot[b], page table[b] [P], length[b]); token position t lives at
 page table[b][t // page], row t % page. The batched decode step runs the model over the pools
-themselves (`pooled_bank`: the pools reshaped to rows, KDA row slot * N_kda + layer and MLA page
-layer * N_pages + page, so every layer's kernels read and write only the rows and pages of the
-batch, in place in the donated pools, with the kernels of the model's ``kda.implementation``).
+themselves (`pooled_bank`: the KDA pools reshaped to rows, row slot * N_kda + layer, and the MLA
+layer's pages indexed as (layer, page), so every layer's kernels read and write only the rows and
+pages of the batch, in place in the donated pools, with the kernels of the model's ``kda.implementation``).
 Prefill (and the gather/decode/scatter baseline of `decode_step`) gathers the selected sequences
 into the contiguous bank of `k3jax.memory` (capacity P * page; pages past the table are index N_pages,
 read as zeros), runs the model, and scatters back what changed: the KDA states and conv tails
@@ -21,6 +22,13 @@ causal mask, so the paged result is the contiguous one.
 
 Compiles are reused through fixed buckets: batch sizes and page counts are powers of two and
 prefill pieces are powers of two up to the KDA chunk size (`piece_lengths`).
+
+A page is one row of the latent pool, not a [page, L] block, because TPUs lay out an array whose
+last dimension is not a multiple of 128 (K3's and Kimi Linear's L = 576) with another dimension
+minor-most -- [..., page, 576] with its pages minor-most -- and a gather of whole pages then
+copies the entire pool into row-major order and back on every decode step (seen in the compiled
+decode step for v5e, v5p and v6e: two copies of the pool among its temporaries). [..., page * 576]
+is row-major there, as on CPU and GPU, so pages are gathered and rows written where they lie.
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.sampling import Adjustment, adjusted_logits, sample_logits
-from k3jax.memory import KDAMemory, KDAPool, KDAPositions, Memory, MLAMemory, MLAPages
+from k3jax.memory import KDAMemory, KDAPool, KDAPositions, Memory, MLAMemory, MLAPages, page_rows, set_latent_rows
 
 
 class StaticGraph:
@@ -101,7 +109,7 @@ def turn_stop(position: int, stop: int, turn_tokens: int, chunk: int) -> int:
 # token, shared by every head) is replicated. These are the layouts the decode step's outputs take,
 # so the pools keep one layout (and the programs one compilation) from step to step.
 POOL_AXES = Pools(state=(None, None, "value_heads", "head_dim", "head_dim"), conv=(None, None, None, "heads"),
-                  latent=(None, None, None, "kv_lora"))
+                  latent=(None, None, None))
 
 
 def pool_shardings(model, pools: Pools) -> Pools | None:
@@ -126,7 +134,7 @@ def empty_pools(config, slots: int, pages: int, page_size: int) -> Pools:
     return Pools(
         state=jax.ShapeDtypeStruct((slots, num_kda, kda.num_value_heads, kda.head_dim, kda.head_dim), jnp.float32),
         conv=jax.ShapeDtypeStruct((slots, num_kda, kda.conv_size - 1, kda.conv_width), dtype),
-        latent=jax.ShapeDtypeStruct((num_mla, pages, page_size, mla.latent_width), dtype),
+        latent=jax.ShapeDtypeStruct((num_mla, pages, page_size * mla.latent_width), dtype),
     )
 
 
@@ -150,13 +158,13 @@ def grown(pools: Pools, slots: int, pages: int, shardings: Pools | None = None) 
     return jax.jit(grow, out_shardings=shardings)(pools)
 
 
-def gather_bank(pools: Pools, slots: jax.Array, tables: jax.Array, lengths: jax.Array) -> Memory:
-    """The contiguous bank of B sequences: slots ``[B]``, page tables ``[B, P]``, lengths ``[B]``."""
+def gather_bank(pools: Pools, slots: jax.Array, tables: jax.Array, lengths: jax.Array, width: int) -> Memory:
+    """The contiguous bank of B sequences: slots ``[B]``, page tables ``[B, P]``, lengths ``[B]``;
+    ``width``: L, a token's latent."""
     state = pools.state.at[slots].get(mode="fill", fill_value=0)
     conv = pools.conv.at[slots].get(mode="fill", fill_value=0)
-    latent = pools.latent.at[:, tables].get(mode="fill", fill_value=0)       # [N_mla, B, P, page, L]
+    latent = page_rows(pools.latent.at[:, tables].get(mode="fill", fill_value=0), width)    # [N_mla, B, P * page, L]
     num_mla, batch = latent.shape[:2]
-    latent = latent.reshape(num_mla, batch, -1, latent.shape[-1])
     lengths = jnp.broadcast_to(lengths, (num_mla, batch))
     return Memory(kda=KDAMemory(jnp.swapaxes(state, 0, 1), jnp.swapaxes(conv, 0, 1)),
                   mla=MLAMemory(latent, lengths, jnp.zeros_like(lengths)))
@@ -165,14 +173,16 @@ def gather_bank(pools: Pools, slots: jax.Array, tables: jax.Array, lengths: jax.
 def scatter_bank(pools: Pools, slots, tables, lengths, bank: Memory, new_tokens: int) -> Pools:
     """Write back the KDA states and conv tails of ``bank`` and its latent rows at positions
     [length, length + new_tokens) into the pages of each table (padding rows are dropped)."""
-    page_size = pools.latent.shape[2]
+    num_mla, width = pools.latent.shape[0], bank.mla.latent.shape[-1]
+    page_size = pools.latent.shape[2] // width
     positions = lengths[:, None] + jnp.arange(new_tokens)                      # [B, T]
     pages = jnp.take_along_axis(tables, positions // page_size, axis=1, mode="fill", fill_value=pools.latent.shape[1])
     rows = jnp.take_along_axis(bank.mla.latent, positions[None, :, :, None], axis=2)   # [N_mla, B, T, L]
+    layers = jnp.arange(num_mla)[:, None, None]
     return Pools(
         state=pools.state.at[slots].set(jnp.swapaxes(bank.kda.state, 0, 1), mode="drop"),
         conv=pools.conv.at[slots].set(jnp.swapaxes(bank.kda.conv, 0, 1), mode="drop"),
-        latent=pools.latent.at[:, pages, positions % page_size].set(rows, mode="drop"),
+        latent=set_latent_rows(pools.latent, layers, pages, positions % page_size, rows),
     )
 
 
@@ -181,7 +191,7 @@ def prefill_piece(graph: StaticGraph, params, pools: Pools, slot, table, length,
     """One sequence continues by ``tokens [T]``: -> (logits [T, vocab] fp32, pools)."""
     slots, tables, lengths = slot[None], table[None], length[None]
     model = graph.merge(params)
-    out = model(tokens[None], memory=gather_bank(pools, slots, tables, lengths))
+    out = model(tokens[None], memory=gather_bank(pools, slots, tables, lengths, model.config.mla.latent_width))
     return host_readable(model, out.logits[0]), scatter_bank(pools, slots, tables, lengths, out.memory, tokens.shape[0])
 
 
@@ -199,7 +209,8 @@ def feed_rows(graph: StaticGraph, params, pools: Pools, slots, tables, lengths, 
     or written) and free slots of their own."""
     if restore is not None:
         pools = set_slots(pools, slots, *restore)
-    bank, model = gather_bank(pools, slots, tables, lengths), graph.merge(params)
+    model = graph.merge(params)
+    bank = gather_bank(pools, slots, tables, lengths, model.config.mla.latent_width)
     if not every_position:
         out = model(tokens, memory=bank)
         before = (jnp.swapaxes(bank.kda.state, 0, 1), jnp.swapaxes(bank.kda.conv, 0, 1))
@@ -228,25 +239,22 @@ def keep_positions(pools: Pools, slots, saved, positions) -> Pools:
 
 
 def pooled_bank(pools: Pools, slots: jax.Array, tables: jax.Array, lengths: jax.Array) -> Memory:
-    """The pooled bank (`k3jax.memory`) of B sequences: the pools reshaped to rows (no copy),
-    KDA rows ``slot * N_kda + layer`` ``[N_kda, B]`` and MLA pages ``layer * N_pages + page``
-    ``[N_mla, B, P]`` (table entries N_pages become N_mla * N_pages, outside the pool)."""
-    num_kda, num_mla, num_pages = pools.state.shape[1], pools.latent.shape[0], pools.latent.shape[1]
+    """The pooled bank (`k3jax.memory`) of B sequences: the KDA pools reshaped to rows (no copy),
+    rows ``slot * N_kda + layer`` ``[N_kda, B]``; the MLA latent pools as they are, with each
+    layer's tables ``[B, P]`` and its index."""
+    num_kda, num_mla = pools.state.shape[1], pools.latent.shape[0]
     rows = slots[None, :] * num_kda + jnp.arange(num_kda, dtype=slots.dtype)[:, None]
-    layer_pages = jnp.arange(num_mla, dtype=tables.dtype)[:, None, None] * num_pages + tables
-    layer_pages = jnp.where(tables < num_pages, layer_pages, num_mla * num_pages)
     return Memory(
         kda=KDAPool(pools.state.reshape(-1, *pools.state.shape[2:]), pools.conv.reshape(-1, *pools.conv.shape[2:]),
                     rows),
-        mla=MLAPages(pools.latent.reshape(-1, *pools.latent.shape[2:]), layer_pages,
-                     jnp.broadcast_to(lengths, (num_mla, slots.shape[0]))),
+        mla=MLAPages(pools.latent, jnp.broadcast_to(tables, (num_mla, *tables.shape)),
+                     jnp.broadcast_to(lengths, (num_mla, slots.shape[0])), jnp.arange(num_mla, dtype=jnp.int32)),
     )
 
 
 def pools_of(bank: Memory, like: Pools) -> Pools:
     """The `Pools` (shaped as ``like``) behind a pooled bank the model returned."""
-    return Pools(bank.kda.state.reshape(like.state.shape), bank.kda.conv.reshape(like.conv.shape),
-                 bank.mla.latent.reshape(like.latent.shape))
+    return Pools(bank.kda.state.reshape(like.state.shape), bank.kda.conv.reshape(like.conv.shape), bank.mla.latent)
 
 
 class RowSampling(NamedTuple):
@@ -284,7 +292,7 @@ def decode_step(graph: StaticGraph, params, pools: Pools, slots, tables, lengths
     model = graph.merge(params)
     tokens = host_readable(model, tokens)
     if gathered:
-        out = model(tokens[:, None], memory=gather_bank(pools, slots, tables, lengths))
+        out = model(tokens[:, None], memory=gather_bank(pools, slots, tables, lengths, model.config.mla.latent_width))
         return tokens, host_readable(model, out.logits[:, 0]), scatter_bank(pools, slots, tables, lengths, out.memory, 1)
     out = model(tokens[:, None], memory=pooled_bank(pools, slots, tables, lengths))
     return tokens, host_readable(model, out.logits[:, 0]), pools_of(out.memory, pools)
@@ -307,16 +315,15 @@ def copy_page(pools: Pools, source, target) -> Pools:
 def write_value(pools: Pools, slot, state, conv, table, rows) -> Pools:
     """Upload one sequence: its state, conv tails and latent rows ``[N_mla, P * page, L]`` into
     ``slot`` and the pages of ``table [P]`` (entries N_pages are dropped)."""
-    page_size = pools.latent.shape[2]
-    rows = rows.reshape(rows.shape[0], table.shape[0], page_size, rows.shape[-1])
+    pages = rows.reshape(rows.shape[0], table.shape[0], pools.latent.shape[2])      # each page's rows in one
     return Pools(pools.state.at[slot].set(state), pools.conv.at[slot].set(conv),
-                 pools.latent.at[:, table].set(rows, mode="drop"))
+                 pools.latent.at[:, table].set(pages, mode="drop"))
 
 
-@jax.jit
-def read_value(pools: Pools, slot, table):
-    """-> (state, conv tails, latent rows ``[N_mla, P * page, L]``) of one sequence on device."""
-    bank = gather_bank(pools, slot[None], table[None], jnp.zeros((1,), jnp.int32))
+@functools.partial(jax.jit, static_argnames=("width",))
+def read_value(pools: Pools, slot, table, width: int):
+    """-> (state, conv tails, latent rows ``[N_mla, P * page, L]``, L = ``width``) of one sequence on device."""
+    bank = gather_bank(pools, slot[None], table[None], jnp.zeros((1,), jnp.int32), width)
     return bank.kda.state[:, 0], bank.kda.conv[:, 0], bank.mla.latent[:, 0]
 
 

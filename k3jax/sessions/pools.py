@@ -58,14 +58,15 @@ class RefCounts:
 
 
 class DevicePools:
-    """The device pools ``arrays`` (programs that donate them assign their result back), the
-    holders of their slots and pages, and the bytes those take. ``shardings`` (`paged.pool_shardings`;
-    None on one device) is where the pools live on a mesh; they keep it when they grow."""
+    """The device pools ``arrays`` (programs that donate them assign their result back) of pages of
+    ``page_size`` tokens, the holders of their slots and pages, and the bytes those take.
+    ``shardings`` (`paged.pool_shardings`; None on one device) is where the pools live on a mesh;
+    they keep it when they grow."""
 
-    def __init__(self, arrays: Pools, shardings: Pools | None = None):
+    def __init__(self, arrays: Pools, page_size: int, shardings: Pools | None = None):
         self.arrays, self.shardings = arrays, shardings
         self.slots, self.pages = RefCounts(arrays.state.shape[0]), RefCounts(arrays.latent.shape[1])
-        self.page_size = arrays.latent.shape[2]
+        self.page_size, self.latent_width = page_size, arrays.latent.shape[2] // page_size
         self.slot_bytes = sum(a.nbytes // a.shape[0] for a in (arrays.state, arrays.conv))   # a KDA slot
         self.page_bytes = arrays.latent.nbytes // arrays.latent.shape[1]          # an MLA page of every layer
         self.pages_copied = 0
@@ -120,7 +121,7 @@ class DevicePools:
         slot = self.slots.allocate()
         latent = self.arrays.latent
         self.arrays = paged.write_value(self.arrays, slot, state, conv, jnp.zeros((0,), jnp.int32),
-                                        jnp.zeros((latent.shape[0], 0, latent.shape[-1]), latent.dtype))
+                                        jnp.zeros((latent.shape[0], 0, self.latent_width), latent.dtype))
         return slot
 
     def zero_state(self) -> tuple[np.ndarray, np.ndarray]:
@@ -173,5 +174,5 @@ class DevicePools:
         """-> (state, conv tails, latent rows ``[N_mla, length, L]`` on the host) of one sequence:
         state and conv as device arrays."""
         bucket = paged.next_power_of_two(len(pages)) if pages else 0
-        state, conv, rows = paged.read_value(self.arrays, np.int32(slot), self.table(pages, bucket))
+        state, conv, rows = paged.read_value(self.arrays, np.int32(slot), self.table(pages, bucket), self.latent_width)
         return state, conv, to_host(rows)[:, :length]

@@ -119,7 +119,7 @@ class SessionStore:
         self.fingerprint = fingerprint or model_fingerprint(model)
         shapes = paged.empty_pools(config, _INITIAL_SLOTS, _INITIAL_PAGES, self.page_size)
         shardings = paged.pool_shardings(model, shapes)
-        self._device = DevicePools(paged.placed(shapes, shardings), shardings)
+        self._device = DevicePools(paged.placed(shapes, shardings), self.page_size, shardings)
         self.slot_bytes, self.page_bytes = self._device.slot_bytes, self._device.page_bytes
         self.device_budget, self.host_budget = device_bytes, host_bytes
         self.disk_dir = None if disk_dir is None else pathlib.Path(disk_dir)

@@ -12,17 +12,22 @@ SLOTS, PAGES, PAGE, WIDTH = 3, 5, 4, 2
 def random_pools(rng) -> Pools:
     return Pools(state=rng.normal(size=(SLOTS, 2, 1, 2, 2)).astype(np.float32),
                  conv=rng.normal(size=(SLOTS, 2, 3, 6)).astype(np.float32),
-                 latent=rng.normal(size=(1, PAGES, PAGE, WIDTH)).astype(np.float32))
+                 latent=rng.normal(size=(1, PAGES, PAGE * WIDTH)).astype(np.float32))     # a page: one row
+
+
+def pages_of(latent: np.ndarray) -> np.ndarray:
+    """The latent pool as [layer, page, row in page, L]."""
+    return latent.reshape(1, PAGES, PAGE, WIDTH)
 
 
 def test_gather_is_the_contiguous_bank_and_padding_reads_zeros():
     rng = np.random.default_rng(0)
     pools = random_pools(rng)
     slots, tables, lengths = np.array([2, SLOTS]), np.array([[4, 1], [PAGES, PAGES]]), np.array([6, 0])
-    bank = gather_bank(Pools(*map(jnp.asarray, pools)), jnp.asarray(slots), jnp.asarray(tables), jnp.asarray(lengths))
+    bank = gather_bank(Pools(*map(jnp.asarray, pools)), jnp.asarray(slots), jnp.asarray(tables), jnp.asarray(lengths), WIDTH)
     np.testing.assert_array_equal(bank.kda.state[:, 0], pools.state[2])
     np.testing.assert_array_equal(bank.kda.state[:, 1], 0)
-    np.testing.assert_array_equal(bank.mla.latent[0, 0], np.concatenate([pools.latent[0, 4], pools.latent[0, 1]]))
+    np.testing.assert_array_equal(bank.mla.latent[0, 0], np.concatenate([pages_of(pools.latent)[0, 4], pages_of(pools.latent)[0, 1]]))
     np.testing.assert_array_equal(bank.mla.latent[0, 1], 0)
     np.testing.assert_array_equal(bank.mla.length, [[6, 0]])
 
@@ -32,16 +37,16 @@ def test_scatter_writes_new_rows_into_their_pages_only():
     pools = random_pools(rng)
     slots, tables, lengths = np.array([1, SLOTS]), np.array([[3, 0], [PAGES, PAGES]]), np.array([3, 0])
     jpools = Pools(*map(jnp.asarray, pools))
-    bank = gather_bank(jpools, jnp.asarray(slots), jnp.asarray(tables), jnp.asarray(lengths))
+    bank = gather_bank(jpools, jnp.asarray(slots), jnp.asarray(tables), jnp.asarray(lengths), WIDTH)
     new_latent = rng.normal(size=bank.mla.latent.shape).astype(np.float32)
     new_state = rng.normal(size=bank.kda.state.shape).astype(np.float32)
     bank = bank._replace(mla=bank.mla._replace(latent=jnp.asarray(new_latent)),
                          kda=bank.kda._replace(state=jnp.asarray(new_state)))
     out = scatter_bank(jpools, jnp.asarray(slots), jnp.asarray(tables), jnp.asarray(lengths), bank, 2)
-    expected = pools.latent.copy()
+    expected = pages_of(pools.latent).copy()
     expected[0, 3, 3] = new_latent[0, 0, 3]          # position 3: page 3, row 3
     expected[0, 0, 0] = new_latent[0, 0, 4]          # position 4: page 0, row 0
-    np.testing.assert_array_equal(out.latent, expected)
+    np.testing.assert_array_equal(pages_of(np.asarray(out.latent)), expected)
     expected_state = pools.state.copy()
     expected_state[1] = new_state[:, 0]
     np.testing.assert_array_equal(out.state, expected_state)   # the padding row wrote nothing

@@ -6,14 +6,14 @@ import numpy as np
 from k3jax.sessions.paged import Pools
 from k3jax.sessions.pools import DevicePools
 
-SLOTS, PAGES, PAGE = 2, 4, 4     # state [slot, 2, 1, 2, 2] fp32, conv [slot, 2, 3, 6], latent [1, page id, 4, 2]
+SLOTS, PAGES, PAGE = 2, 4, 4     # state [slot, 2, 1, 2, 2] fp32, conv [slot, 2, 3, 6], latent [1, page id, 4 * 2]
 
 
 def small_pools(seed: int = 0) -> DevicePools:
     rng = np.random.default_rng(seed)
     return DevicePools(Pools(jnp.asarray(rng.normal(size=(SLOTS, 2, 1, 2, 2)), jnp.float32),
                              jnp.asarray(rng.normal(size=(SLOTS, 2, 3, 6)), jnp.float32),
-                             jnp.asarray(rng.normal(size=(1, PAGES, PAGE, 2)), jnp.float32)))
+                             jnp.asarray(rng.normal(size=(1, PAGES, PAGE * 2)), jnp.float32)), PAGE)
 
 
 def sequence(seed: int, length: int):

@@ -29,7 +29,7 @@ def test_eval_generate_and_sessions_equal_one_device(result):
                                                    "speculative")}
     # KDA states and conv tails over the heads, the MLA latent replicated; no program moved them
     assert result["pool_specs"] == ["P(None, None, 'tensor', None, None)",
-                                    "P(None, None, None, 'tensor')", "P(None, None, None, None)"]
+                                    "P(None, None, None, 'tensor')", "P(None, None, None)"]
     assert result["pools_kept"]
 
 
