@@ -191,11 +191,13 @@ class SessionBytes(NamedTuple):
 
 def session_bytes(model: ModelConfig, mesh: AbstractMesh, batch: int, context: int) -> SessionBytes:
     """One device's blocks of the pools `k3jax.sessions.paged.empty_pools` lays out for ``batch``
-    slots and ``batch * ceil(context / page)`` pages (`POOL_AXES`, the inference rules)."""
+    slots and ``batch * ceil(context / page)`` pages (`POOL_AXES`, the inference rules); the MLA
+    pages' block as [layers, pages, page, L] (a page is one row of the pool, whole on every device)."""
     page = model.kda.chunk_size
     pools = paged.empty_pools(model, batch, batch * math.ceil(context / page), page)
-    return SessionBytes(*(Block(shard_shape(axes, array.shape, mesh), np.dtype(array.dtype).itemsize)
-                          for axes, array in zip(paged.POOL_AXES, pools)))
+    state, conv, latent = (Block(shard_shape(axes, array.shape, mesh), np.dtype(array.dtype).itemsize)
+                           for axes, array in zip(paged.POOL_AXES, pools))
+    return SessionBytes(state, conv, latent._replace(shape=(*latent.shape[:2], page, latent.shape[2] // page)))
 
 
 def next_power_of_two(n: int) -> int:
