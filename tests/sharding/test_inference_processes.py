@@ -42,14 +42,19 @@ def one_process(args, stdin_path=None) -> str:
 
 
 def two_processes(args, stdin_path=None) -> tuple[str, str]:
-    """stdout of process 0 and 1 of the same command run as 2 processes x 4 devices."""
-    address = f"127.0.0.1:{free_port()}"
-    jobs = [start(python_stdout([*args, *MESH, "--coordinator-address", address, "--num-processes", "2",
-                                 "--process-id", str(i)]), devices=4, stdin=stdin_path) for i in range(2)]
-    outputs = [job.communicate(timeout=900) for job in jobs]
+    """stdout of process 0 and 1 of the same command run as 2 processes x 4 devices. Under load one
+    process can reach a collective later than a fixed deadline allows (`LOAD_TIMEOUTS`); a run that
+    fails with one of those is repeated once, and a second such failure fails the test."""
+    for attempt in (1, 2):
+        address = f"127.0.0.1:{free_port()}"
+        jobs = [start(python_stdout([*args, *MESH, "--coordinator-address", address, "--num-processes", "2",
+                                     "--process-id", str(i)]), devices=4, stdin=stdin_path) for i in range(2)]
+        outputs = [job.communicate(timeout=900) for job in jobs]
+        missed = [err for job, (_, err) in zip(jobs, outputs)
+                  if job.returncode != 0 and any(sign in err for sign in LOAD_TIMEOUTS)]
+        if not missed or attempt == 2:
+            break
     for job, (_, err) in zip(jobs, outputs):
-        if job.returncode != 0 and any(sign in err for sign in LOAD_TIMEOUTS):
-            pytest.skip(f"a coordination deadline passed on this loaded machine: {err[-500:]}")
         assert job.returncode == 0, err[-3000:]
     return tuple(out for out, _ in outputs)
 
