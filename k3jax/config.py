@@ -539,7 +539,8 @@ class RLConfig:
 
     The GRPO family (`k3jax.training.grpo`'s equations): ``clip_low`` / ``clip_high`` (DAPO's
     clip-higher), ``ratio=sequence`` (GSPO), ``loss_average`` ``token`` | ``sequence`` | ``dr_grpo``,
-    ``dynamic_sampling`` (drop groups without reward spread), ``overlong_filter`` and
+    ``dynamic_sampling`` (drop groups without reward spread; with ``resample_rounds`` = N > 0, refill
+    them from up to N more rounds of fresh prompts), ``overlong_filter`` and
     ``overlong_penalty`` (DAPO's length handling)."""
 
     reward: str | None = None             # None: exact_match (unless rewards)
@@ -559,6 +560,8 @@ class RLConfig:
     loss_average: Literal["token", "sequence", "dr_grpo"] = "token"   # over all completion tokens, per
                                           # sequence first, or over rows x max_new_tokens (Dr. GRPO's constant)
     dynamic_sampling: bool = False        # DAPO: groups whose rewards are all equal leave the update
+    resample_rounds: int = 0              # DAPO: with dynamic_sampling, up to N more rounds of fresh prompts
+                                          # refill the update with groups that have reward spread (0: drop only)
     overlong_filter: bool = False         # DAPO: completions cut at the length limit leave the update
     overlong_penalty: int = 0             # DAPO's soft overlong penalty over the last N tokens before max_new_tokens (0: off)
     kl_coef: float = 0.0                  # weight of the k3 estimate of KL(policy || reference) per token
@@ -590,6 +593,9 @@ class RLConfig:
                      f"must be positive (or null: rl.clip), got {getattr(self, name)}")
         _require(self.clip_range[0] < 1, "clip_low", f"must be below 1 (the ratio's lower bound 1 - clip_low > 0), "
                                                      f"got {self.clip_range[0]}")
+        _require(self.resample_rounds >= 0, "resample_rounds", f"must be non-negative, got {self.resample_rounds}")
+        _require(not self.resample_rounds or self.dynamic_sampling, "resample_rounds",
+                 "refills the groups dynamic sampling leaves out; set rl.dynamic_sampling=true")
         _require(0 <= self.overlong_penalty < self.max_new_tokens, "overlong_penalty",
                  f"must be in [0, rl.max_new_tokens = {self.max_new_tokens}), got {self.overlong_penalty}")
 

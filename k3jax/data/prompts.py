@@ -157,15 +157,20 @@ class PromptDataset:
     def num_prompts(self, split: str = "train") -> int:
         return len(self.splits[SPLITS[split_index(split)]])
 
-    def prompts(self, step: int, count: int, split: str = "train") -> list[tuple[int, Prompt]]:
+    def prompts(self, step: int, count: int, split: str = "train", resampling: int = 0) -> list[tuple[int, Prompt]]:
         """``(index, prompt)`` of step ``step``'s ``count`` prompts (index: global position in the
-        split's stream, the `prompt_index` of rollouts)."""
+        split's stream, the `prompt_index` of rollouts). ``resampling`` r > 0: the prompts of the
+        step's r-th resampling (``rl.resample_rounds``), the same positions in the split's r-th other
+        stream (shuffled epochs of their own), so that a step's extra prompts never move another
+        step's."""
         records = self.splits[SPLITS[split_index(split)]]
         if not records:
             raise DataError(f"{', '.join(self.paths)}: the {split} split has no prompts; "
                             "raise data.heldout_fraction or add records")
         indices = np.arange(step * count, (step + 1) * count)
-        order = rows_at(shuffled_row_order(len(records), self.seed, split), indices)
+        seed = self.seed if not resampling else int(
+            np.random.SeedSequence([self.seed, resampling]).generate_state(1)[0])
+        order = rows_at(shuffled_row_order(len(records), seed, split), indices)
         return [(int(index), records[int(row)]) for index, row in zip(indices, order)]
 
     def heldout(self, count: int) -> list[tuple[int, Prompt]]:

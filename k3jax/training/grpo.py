@@ -30,10 +30,13 @@ clip-higher raises eps_high) and, on every sampled token of a kept completion (`
     dr_grpo   w_t = 1,            c_t = L / |y_i|    (sum over the batch / (completions x L): a constant)
 
 A completion leaves the update (w_t = c_t = 0 on its tokens, the rows keep their shape) when its
-group's rewards are all equal and ``rl.dynamic_sampling`` is on (DAPO's dynamic sampling, dropping
-rather than resampling: such a group's advantages are all 0), or when it was cut at the length
-limit (finish reason ``length``) and ``rl.overlong_filter`` is on. A step that keeps no completion
-updates with zero gradients.
+group's rewards are all equal and ``rl.dynamic_sampling`` is on (DAPO's dynamic sampling: such a
+group's advantages are all 0), or when it was cut at the length limit (finish reason ``length``)
+and ``rl.overlong_filter`` is on. With ``rl.resample_rounds`` = N > 0, dynamic sampling refills
+first: up to N more rounds of ``rl.prompts_per_step`` fresh prompts are sampled while fewer than
+that many groups have reward spread, and the update takes the groups with spread in the order
+sampled (`groups_for_update`; the update keeps its shape, so the same compiled step). A step that
+keeps no completion updates with zero gradients.
 
 Where l_t's value comes from (``rl.update_logprobs``):
 
@@ -80,6 +83,32 @@ def kept_completions(rewards: np.ndarray, finish_reasons, *, dynamic_sampling: b
     if overlong_filter:
         keep &= np.asarray(finish_reasons) != "length"
     return keep
+
+
+def has_spread(group) -> bool:
+    """Whether a group's completions' rewards differ (max > min): otherwise its advantages are all 0."""
+    rewards = [completion.reward for completion in group]
+    return max(rewards) > min(rewards)
+
+
+def groups_for_update(sample_round, count: int, extra_rounds: int) -> tuple[list, list, int]:
+    """The groups of a step's update, with DAPO's dynamic sampling resampling: ``sample_round(r)`` ->
+    sampling round r's ``count`` groups (rewarded). Without ``extra_rounds``: round 0's. Else the
+    groups with reward spread (`has_spread`) of rounds 0, 1, ... in order, a round sampled only while
+    fewer than ``count`` have spread, at most ``extra_rounds`` after round 0; groups without spread
+    (round 0's first) fill what is still missing, and leave the update by `kept_completions`.
+    -> (round 0's groups, the update's ``count`` groups, rounds sampled)."""
+    own = sample_round(0)
+    if not extra_rounds:
+        return own, own, 1
+    spread, flat, groups, rounds = [], [], own, 0
+    while True:
+        for group in groups:
+            (spread if has_spread(group) else flat).append(group)
+        rounds += 1
+        if len(spread) >= count or rounds > extra_rounds:
+            return own, (spread + flat)[:count], rounds
+        groups = sample_round(rounds)
 
 
 def group_advantages(rewards: np.ndarray, kind: str) -> np.ndarray:

@@ -10,8 +10,9 @@ holds exactly these parameters):
               environment; plus DAPO's soft overlong penalty with ``rl.overlong_penalty``)
     update    group-relative advantages and ``rl.updates_per_rollout`` optimizer steps on the clipped
               policy-gradient objective (`k3jax.training.grpo`: the DAPO / GSPO options, the groups and
-              completions that ``rl.dynamic_sampling`` / ``rl.overlong_filter`` leave out), the first with the very parameters
-              that sampled (``logprob_mismatch`` = max |recomputed - recorded| log-prob); with
+              completions that ``rl.dynamic_sampling`` / ``rl.overlong_filter`` leave out, and the
+              groups of up to ``rl.resample_rounds`` more rounds of fresh prompts that refill them),
+              the first with the very parameters that sampled (``logprob_mismatch`` = max |recomputed - recorded| log-prob); with
               ``rl.update_logprobs=decode`` each first replays the rollout's decode on the sampled
               tokens at its parameters for the log-probs' values (`k3jax.training.rollout.replay`:
               on the first update the recorded ones bit for bit), the training forward giving their
@@ -22,9 +23,11 @@ checkpoint ``policy_step``'s, `restore_model(run_dir, step=policy_step)`, where 
 the run saves step 0 before sampling and then every ``checkpoint.every`` steps, so
 ``checkpoint.every=1`` with ``checkpoint.keep`` >= ``train.steps`` + 1 keeps every policy; ``prompt_index``,
 ``sample``, ``prompt_tokens``, ``completion_tokens``, ``completion``, ``logprobs``, ``reward``,
-``advantage``, ``finish_reason``; with an environment also ``sampled``, ``tool_calls``, ``retries``),
-and ``metrics.jsonl`` one record per step (reward mean / std, pass@1, pass@G, completion length, KL,
-clip fraction, log-prob mismatch, rollout and update seconds). Held-out evaluation (every
+``advantage``, ``finish_reason``; with an environment also ``sampled``, ``tool_calls``, ``retries``;
+a resampled group's ``resampling`` round; the update's groups only),
+and ``metrics.jsonl`` one record per step (reward mean / std, pass@1, pass@G and completion length
+of the step's own prompts; KL, clip fraction, log-prob mismatch, rollout and update seconds; with
+``rl.resample_rounds`` the rounds sampled and the update's resampled groups). Held-out evaluation (every
 ``train.eval_every`` steps and at the end): the mean reward of greedy completions of the first
 ``rl.eval_prompts`` held-out prompts. A resumed run samples exactly what the killed one would have:
 the sampling keys are functions of ``(train.seed, step, prompt slot, sample)``, and records of steps
@@ -49,6 +52,7 @@ and ``speculation_verify_seconds``.
 """
 from __future__ import annotations
 
+import functools
 import pathlib
 import time
 
@@ -63,7 +67,7 @@ from k3jax.layers.lora import set_adapter_dropout
 from k3jax.sessions import SessionStore
 from k3jax.sharding import compiled_together
 from k3jax.training.environments import load_environment
-from k3jax.training.grpo import (group_advantages, kept_completions, logprob_rows, make_logprob_step, overlong_penalty,
+from k3jax.training.grpo import (group_advantages, groups_for_update, kept_completions, logprob_rows, make_logprob_step, overlong_penalty,
                                  policy_objective, update_rows)
 from k3jax.training.metrics import MetricsLog, Progress
 from k3jax.training.rewards import check_records, load_rewards
@@ -77,9 +81,10 @@ from k3jax.training.trainer import Trainer
 REWARD_CHANNEL = "k3jax/rl-rewards/"    # process 0's rewards to the other processes (key-value store keys)
 
 
-def sampling_seed(seed: int, step: int) -> int:
-    """The 32-bit sampling seed of policy step ``step`` of a run seeded ``seed``."""
-    return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
+def sampling_seed(seed: int, step: int, resampling: int = 0) -> int:
+    """The 32-bit sampling seed of policy step ``step`` of a run seeded ``seed`` (``resampling`` r > 0:
+    of the step's r-th resampling round, ``rl.resample_rounds``)."""
+    return int(np.random.SeedSequence([seed, step, *([resampling] if resampling else [])]).generate_state(1)[0])
 
 
 def check_draft(config) -> int:
@@ -117,6 +122,8 @@ def rollout_records(groups, policy_step: int) -> list[dict]:
                       "sample": c.sample, "prompt_tokens": c.prompt.tokens.tolist(), "completion_tokens": c.tokens,
                       "completion": c.text, "logprobs": c.logprobs, "reward": c.reward, "advantage": c.advantage,
                       "finish_reason": c.finish_reason}
+            if c.resampling:
+                record.update(resampling=c.resampling)
             if c.reward_terms:
                 record.update(rewards=c.reward_terms)
             if not all(c.sampled):
@@ -216,13 +223,15 @@ class RLTrainer(Trainer):
         rl, policy_step = self.config.rl, self.position
         started = time.perf_counter()
         rollout = self._rollout()
-        groups = rollout.sample(self.data.prompts(policy_step, rl.prompts_per_step), rl.group_size,
-                                sampling_seed(self.config.train.seed, policy_step))
+        own, groups, rounds = groups_for_update(functools.partial(self._sample_round, rollout), rl.prompts_per_step,
+                                                rl.resample_rounds)
         speculation = rollout.speculation_metrics()
         stats = rollout.store.stats()
         capacity = stats["slot_capacity"], stats["page_capacity"]    # the replay's pool shape: the rollout's programs
         del rollout                                          # its store holds the parameters the update donates
-        shaping = self._shape_rewards(groups)
+        shaping = self._shaping_metrics(groups)
+        if rl.resample_rounds:
+            shaping.update(sampling_rounds=rounds, groups_resampled=sum(group[0].resampling > 0 for group in groups))
         rewards = np.array([[c.reward for c in group] for group in groups], np.float64)
         for group, row in zip(groups, group_advantages(rewards, rl.advantage)):
             for completion, advantage in zip(group, row):
@@ -248,20 +257,36 @@ class RLTrainer(Trainer):
             self.state, metrics = self.train_step(self.state, batch, *self.frozen_args)
             updates.append(jax.device_get(metrics))
         updated = time.perf_counter()
-        return groups, self._record(policy_step + 1, groups, updates, rolled_out - started, updated - rolled_out,
+        return groups, self._record(policy_step + 1, own, updates, rolled_out - started, updated - rolled_out,
                                     replay_seconds, {**speculation, **shaping})
 
-    def _shape_rewards(self, groups) -> dict:
-        """Add DAPO's soft overlong penalty (``rl.overlong_penalty``; `overlong_penalty`) to each
-        completion's reward -> the step's metrics of it (none when off)."""
+    def _sample_round(self, rollout: Rollout, resampling: int) -> list:
+        """The current step's groups of sampling round ``resampling`` (0: the step's own prompts), their
+        rewards shaped (`_shape_rewards`)."""
+        rl, step = self.config.rl, self.position
+        groups = rollout.sample(self.data.prompts(step, rl.prompts_per_step, resampling=resampling), rl.group_size,
+                                sampling_seed(self.config.train.seed, step, resampling))
+        for completion in (c for group in groups for c in group):
+            completion.resampling = resampling
+        self._shape_rewards(groups)
+        return groups
+
+    def _penalties(self, groups) -> np.ndarray:
+        """DAPO's soft overlong penalty (``rl.overlong_penalty``; `overlong_penalty`) of each completion."""
         rl = self.config.rl
-        if not rl.overlong_penalty:
+        return overlong_penalty([c.length for group in groups for c in group], rl.max_new_tokens, rl.overlong_penalty)
+
+    def _shape_rewards(self, groups) -> None:
+        """Add the overlong penalty to each completion's reward (when ``rl.overlong_penalty`` is on)."""
+        if self.config.rl.overlong_penalty:
+            for completion, penalty in zip((c for group in groups for c in group), self._penalties(groups)):
+                completion.reward += float(penalty)
+
+    def _shaping_metrics(self, groups) -> dict:
+        """The update's mean overlong penalty (none when off)."""
+        if not self.config.rl.overlong_penalty:
             return {}
-        completions = [c for group in groups for c in group]
-        penalties = overlong_penalty([c.length for c in completions], rl.max_new_tokens, rl.overlong_penalty)
-        for completion, penalty in zip(completions, penalties):
-            completion.reward += float(penalty)
-        return {"overlong_penalty_mean": float(penalties.mean())}
+        return {"overlong_penalty_mean": float(self._penalties(groups).mean())}
 
     def _replayed_logprobs(self, groups, capacity: tuple[int, int]) -> np.ndarray:
         """The policy's log-probs of the sampled tokens at the current parameters, by the rollout's

@@ -69,6 +69,7 @@ class Completion:
     advantage: float = 0.0
     tool_calls: int = 0
     retries: int = 0
+    resampling: int = 0                   # the step's sampling round that drew it (rl.resample_rounds)
 
     def add(self, tokens, logprobs=None) -> None:
         """Append sampled tokens (with their log-probs) or, without, tokens the environment inserted."""

@@ -240,6 +240,35 @@ def test_overlong_penalty_is_dapos_soft_ramp():
     assert overlong_penalty([15, 16, 20], limit, cache).tolist() == [0.0, -0.2, -1.0]
 
 
+def test_resampling_refills_the_update_with_groups_that_have_spread_in_the_order_sampled():
+    from types import SimpleNamespace
+
+    from k3jax.training.grpo import groups_for_update
+
+    def rounds_of(*rewards_per_round):
+        """``sample_round`` over fixed rounds of groups (a group: its rewards); records each call."""
+        calls = []
+
+        def sample_round(r):
+            calls.append(r)
+            return [[SimpleNamespace(reward=x, name=(r, g)) for x in rewards]
+                    for g, rewards in enumerate(rewards_per_round[r])]
+        return sample_round, calls
+
+    names = lambda groups: [group[0].name for group in groups]      # noqa: E731
+    flat, spread = [1.0, 1.0], [0.0, 1.0]
+    sample, calls = rounds_of([flat, spread, flat])
+    own, update, count = groups_for_update(sample, 3, 0)            # no resampling: round 0 as sampled
+    assert own is update and names(update) == [(0, 0), (0, 1), (0, 2)] and count == 1 and calls == [0]
+    sample, calls = rounds_of([flat, spread, flat], [spread, flat, spread], [spread] * 3)
+    own, update, count = groups_for_update(sample, 3, 5)            # filled after round 1: round 2 never sampled
+    assert names(own) == [(0, 0), (0, 1), (0, 2)] and calls == [0, 1] and count == 2
+    assert names(update) == [(0, 1), (1, 0), (1, 2)]
+    sample, calls = rounds_of([flat, spread, flat], [flat, flat, flat], [flat, flat, spread], [spread] * 3)
+    own, update, count = groups_for_update(sample, 3, 2)            # out of rounds: round 0's flat groups fill
+    assert calls == [0, 1, 2] and count == 3 and names(update) == [(0, 1), (2, 2), (0, 0)]
+
+
 def test_kept_completions_drop_groups_without_spread_and_cut_completions():
     from k3jax.training.grpo import kept_completions
 

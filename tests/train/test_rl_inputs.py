@@ -36,6 +36,11 @@ def test_text_prompts_are_their_bytes_and_the_last_records_are_held_out(tmp_path
     first_epoch = [p.record["prompt"] for step in range(5) for _, p in data.prompts(step, 3)]
     assert sorted(first_epoch) == sorted(r["prompt"] for r in TEXT[:15])          # a shuffled epoch
     assert first_epoch == [p.record["prompt"] for step in range(5) for _, p in data.prompts(step, 3)]
+    resampled = [[p.record["prompt"] for step in range(5) for _, p in data.prompts(step, 3, resampling=r)]
+                 for r in (1, 2)]                        # rl.resample_rounds' streams: epochs of their own
+    assert all(sorted(stream) == sorted(first_epoch) for stream in resampled)
+    assert len({tuple(first_epoch), *map(tuple, resampled)}) == 3
+    assert data.prompts(4, 3, resampling=2) == data.prompts(4, 3, resampling=2)
 
 
 def test_chat_prompts_render_like_the_chat_programs_with_the_end_of_message_stop(tmp_path):
@@ -263,6 +268,11 @@ def test_rewards_settings_are_refused_by_name():
         load_config(MICRO, [*GRPO, "rl.overlong_penalty=32"])
     with pytest.raises(ConfigError, match="^rl.clip_low: must be below 1"):
         load_config(MICRO, [*GRPO, "rl.clip_low=1.5"])
+    with pytest.raises(ConfigError, match="^rl.resample_rounds: refills the groups dynamic sampling leaves out; "
+                                          "set rl.dynamic_sampling=true"):
+        load_config(MICRO, [*GRPO, "rl.resample_rounds=2"])
+    with pytest.raises(ConfigError, match="^rl.resample_rounds: must be non-negative, got -1"):
+        load_config(MICRO, [*GRPO, "rl.dynamic_sampling=true", "rl.resample_rounds=-1"])
     config = load_config(MICRO, [*GRPO, "rl.clip_high=0.28", "rl.rewards=[{name: numeric}, {name: m:f, weight: 0.1}]"])
     assert config.rl.clip_range == (0.2, 0.28) and [t.weight for t in config.rl.rewards] == [1.0, 0.1]
 

@@ -183,6 +183,30 @@ def short(prompts, completions, records) -> list[float]:
     return [-0.1 * len(completion) for completion in completions]
 
 
+def letters_of_some_prompts(prompt, completion, record) -> float:
+    """`letters` for the prompts whose answer starts with a to m, 0 for the others (whose groups then
+    have no reward spread)."""
+    return letters(prompt, completion, record) if record["answer"] < "n" else 0.0
+
+
+def test_dynamic_sampling_refills_the_update_from_more_rounds(setting):
+    _, rollouts, metrics = grpo(setting, "resampled", 2, "rl.reward=tests.train.test_rl_runs:letters_of_some_prompts",
+                                "rl.dynamic_sampling=true", "rl.resample_rounds=3", "rl.eval_prompts=0")
+    steps = [m for m in metrics if "loss" in m]
+    assert len(steps) == 2 and all(m["logprob_mismatch"] == 0 for m in steps)
+    groups = [rollouts[first:first + 3] for first in range(0, len(rollouts), 3)]
+    assert len(groups) == 4 and all(len({(r["source"], r.get("resampling", 0)) for r in g}) == 1 for g in groups)
+    spread = [max(r["reward"] for r in g) > min(r["reward"] for r in g) for g in groups]
+    resampled = [g[0].get("resampling", 0) > 0 for g in groups]
+    for step, first in zip(steps, (0, 2)):
+        assert step["groups_resampled"] == sum(resampled[first:first + 2])
+        assert step["groups_dropped"] == 2 - sum(spread[first:first + 2])
+        assert spread[first:first + 2] == sorted(spread[first:first + 2], reverse=True)   # groups with spread first
+        assert step["groups_dropped"] == 0 or step["sampling_rounds"] == 4     # short only after every round
+        assert step["sampling_rounds"] > 1 or step["groups_resampled"] == 0
+    assert any(resampled) and all(spread), (resampled, spread)   # prompts n-z (no spread) replaced by others
+
+
 def test_dapo_gspo_options_and_weighted_batch_rewards_run_and_log(setting):
     _, rollouts, metrics = grpo(
         setting, "dapo", 2, "rl.reward=null", "rl.rewards=[{name: contains, weight: 0.5}, "
