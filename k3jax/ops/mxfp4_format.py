@@ -46,6 +46,22 @@ def e8m0_values(scales: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
 
 
+# The E2M1 magnitudes' midpoints, each with whether a value exactly on it rounds up: round to
+# nearest, ties to the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4).
+_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def e2m1_codes(x: jax.Array) -> jax.Array:
+    """4-bit E2M1 codes (uint8, values in [0, 16)) of float32 values in [-6, 6], rounded to nearest
+    with ties to the even code, as a cast to float4_e2m1fn rounds (negative zero included): the
+    magnitude code is the number of `_E2M1_MIDPOINTS` |x| lies past, the sign bit x's sign bit.
+    Integer arithmetic only, so no 4-bit type reaches the compiler."""
+    magnitude = jnp.abs(x)
+    code = sum(((magnitude >= point) if up else (magnitude > point)).astype(jnp.uint8)
+               for point, up in _E2M1_MIDPOINTS)
+    return code | jnp.signbit(x).astype(jnp.uint8) << 3
+
+
 def decode(codes: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
     """``codes [..., out, in/2]``, ``scales [..., out, in/32]`` -> W^T ``[..., out, in]`` in ``dtype``
     (the release layout, not transposed), exactly."""
@@ -67,6 +83,5 @@ def encode(weight_t: jax.Array) -> tuple[jax.Array, jax.Array]:
     _, exponent = jnp.frexp(jnp.where(amax > 0, amax, 1.0))                 # amax = f 2^e, f in [0.5, 1)
     exponent = jnp.clip(exponent - 3, -SCALE_BIAS, SCALE_BIAS)                # floor(log2 amax) - 2
     scaled = jnp.clip(blocks / jnp.exp2(exponent.astype(jnp.float32))[..., None], -E2M1_MAX, E2M1_MAX)
-    codes = jax.lax.bitcast_convert_type(scaled.astype(jnp.float4_e2m1fn), jnp.uint4).astype(jnp.uint8)
-    codes = codes.reshape(*lead, out, inputs // 2, 2)
+    codes = e2m1_codes(scaled).reshape(*lead, out, inputs // 2, 2)
     return codes[..., 0] | codes[..., 1] << 4, (exponent + SCALE_BIAS).astype(jnp.uint8)

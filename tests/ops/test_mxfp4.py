@@ -38,6 +38,24 @@ def test_decode_matches_the_spec_formulas_for_every_code_and_scale():
     assert decode(packed, scale, jnp.bfloat16).dtype == jnp.bfloat16
 
 
+def test_e2m1_codes_round_as_a_cast_to_float4_e2m1fn():
+    """Every midpoint (a tie), its neighbours either side, the grid, signed zeros and a fine sweep of
+    [-6, 6] against ml_dtypes' cast (round to nearest, ties to even)."""
+    import ml_dtypes
+
+    from k3jax.ops.mxfp4_format import e2m1_codes
+
+    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+    ties = (grid[1:] + grid[:-1]) / 2
+    near = [np.nextafter(ties, 0), np.nextafter(ties, 7)]
+    magnitudes = np.concatenate([np.linspace(0, 6, 60001, dtype=np.float32), grid, ties, *near, [1e-30]])
+    values = np.concatenate([magnitudes, -magnitudes]).astype(np.float32)
+    expected = values.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0x0F
+    codes = np.asarray(jax.jit(e2m1_codes)(values))
+    np.testing.assert_array_equal(codes, expected)
+    assert codes[values.size // 2] == 8 and codes[0] == 0           # -0.0 keeps its sign bit
+
+
 def test_jitted_encode_is_the_release_encoder_bit_for_bit():
     w = random_weights(1, (3, 8, 64))
     codes, scales = jax.jit(encode)(w)
