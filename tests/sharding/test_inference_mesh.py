@@ -38,10 +38,6 @@ def test_bfloat16_weights(result):
     assert result["bf16_sharded_alike"] and result["bf16_logits"] <= 0.05, result["bf16_logits"]
 
 
-def test_server_equals_one_device(result):
-    assert result["serve"] and result["served"]
-
-
 def test_kda_runs_on_each_devices_heads():
     """`HeadParallel` (tests/sharding/programs/head_parallel.py): every KDA op on data=2 x tensor=4
     equals the op on whole arrays, gradients too; parallelize sets it on every mesh but where the

@@ -6,10 +6,10 @@ trained a few steps on MQAR, loaded on one device and on the mesh: how the mesh 
 device on: the full forward's logits;
 eval's MQAR recall and perplexity; `generate` (greedy and sampled); the session store's batched
 decode with fork, snapshot and rollback, save and load, and its pools' shardings; speculative decoding by prompt
-lookup; the model in bfloat16 (``--dtype``) on the mesh against float32 on one device. On an
-untrained chat run of the same shape (K3's chat format): ``eval.serve`` driven by the ``openai``
-client (chat, stream, a tool round trip, ``previous_response_id``), ``--mesh`` against none.
-(``eval.chat`` runs in tests/sharding/test_inference_processes.py.)
+lookup; the model in bfloat16 (``--dtype``) on the mesh against float32 on one device.
+``eval.chat`` and ``eval.serve`` (driven by the ``openai`` client) on this mesh are checked against
+one device in tests/sharding/test_inference_processes.py, with the mesh's 8 devices in two processes:
+the same code as one process of 8 devices, and the processes' lockstep besides.
 """
 import pathlib
 import sys
@@ -20,14 +20,12 @@ import numpy as np
 from flax import nnx
 
 from eval.cli import evaluate
-from eval.serve.cli import build, parse_args
 from eval.tasks import MQARLengthTask, PerplexityTask
 from k3jax.config import SpeculationConfig
 from k3jax.inference import generate, load_run
 from k3jax.sessions import SessionStore, Speculator
 from k3jax.training import Trainer
 from tests.helpers import rel_err
-from tests.serve.conftest import CHAT
 from tests.sharding.programs.common import emit, small_k3_config
 
 MESH = "expert=4,tensor=2"
@@ -96,42 +94,6 @@ def session_work(model, speculate: bool) -> dict:
     return out
 
 
-def served_replies(run_dir, *flags) -> list:
-    """The replies of ``eval.serve RUN`` to the ``openai`` client: chat, stream, a tool round trip,
-    a response continued by ``previous_response_id``."""
-    import openai
-    from fastapi.testclient import TestClient
-    app, _, served = build(parse_args([str(run_dir), "--max-model-len", "1024", *flags]))
-    with TestClient(app) as http:
-        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
-        name = served.name
-        messages = [{"role": "user", "content": "3 QWERTY"}]
-        plain = client.chat.completions.create(model=name, messages=messages, max_tokens=8, temperature=0)
-        stream = client.chat.completions.create(model=name, messages=messages, max_tokens=8, temperature=0,
-                                                stream=True, logprobs=True)
-        chunks = [(chunk.choices[0].delta.content, [t.logprob for t in chunk.choices[0].logprobs.content])
-                  for chunk in stream if chunk.choices and chunk.choices[0].logprobs]
-        tools = [{"type": "function", "function": {"name": "add", "parameters": {
-            "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
-        history = messages + [
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 3, "b": 4}'}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "7"}]
-        tool = client.chat.completions.create(model=name, messages=history, tools=tools, max_tokens=8, temperature=0)
-        first = client.responses.create(model=name, input="3 QWERTY", max_output_tokens=6, temperature=0)
-        second = client.responses.create(model=name, input="again", previous_response_id=first.id,
-                                         max_output_tokens=6, temperature=0)
-        return [plain.choices[0].message.content, chunks, tool.choices[0].message.content, first.output_text,
-                second.output_text]
-
-
-def same_replies(a: list, b: list) -> bool:
-    """The same texts, and the streamed log-probs within 1e-5."""
-    texts = [a[0], [c for c, _ in a[1]], *a[2:]] == [b[0], [c for c, _ in b[1]], *b[2:]]
-    logprobs = all(np.allclose(x, y, atol=1e-5, rtol=0) for (_, x), (_, y) in zip(a[1], b[1]))
-    return texts and logprobs
-
-
 def largest_difference(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
 
@@ -152,11 +114,7 @@ def main() -> None:
     work = [session_work(run.model, speculate=True) for run in (one, sharded)]
     half = load_run(str(root / "run"), mesh=MESH, dtype="bfloat16")
     half_logits = forward(half.model, tokens)
-    chat_run = root / "chat"
-    Trainer(small_k3_config(f"run_dir={chat_run}", *CHAT, "data.chat_thinking=false", EXPERTS)).save(force=True)
-    replies = [served_replies(chat_run), served_replies(chat_run, "--mesh", MESH)]
     emit({
-        "serve": same_replies(*replies), "served": replies[1][0],
         "bytes": weight_bytes(wide.model),
         "mesh": sharded.placement.describe(),
         "logits": largest_difference(forward(one.model, tokens), forward(sharded.model, tokens)),
