@@ -132,3 +132,19 @@ def test_tiny_sharded_train_step_fits_and_counts_its_flops(target):
     model = training_flops(config.model, config.data.seq_len).total * plan.tokens_per_step / plan.devices
     assert 1.0 * model <= plan.flops <= 2.0 * model, (plan.flops, model)
     assert 1.0 * model <= plan.matmul_flops <= 2.0 * model, (plan.matmul_flops, model)
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_splash_attention_compiles_head_parallel_under_a_mesh(target):
+    """The tiny K3 with MLA's splash attention, its heads over tensor=2 of 4 v5e devices: the train
+    step compiles (the Mosaic kernel on whole arrays is refused: "Mosaic kernels cannot be
+    automatically partitioned"; `parallelize` runs it on each device's heads)."""
+    from k3jax.config import load_config
+    from k3jax.training.plan import plan_train_step
+    from tests.helpers import CONFIGS
+
+    config = load_config(CONFIGS / "tiny.yaml", ["mesh.tensor=2", "mesh.data=2", "optimizer.name=adamw",
+                                                 "model.mla.attention_implementation=splash", "data.seq_len=128"])
+    plan = plan_train_step(config, devices=target.devices)
+    assert 0 < plan.peak + plan.generated_code < target.device_hbm

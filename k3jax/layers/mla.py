@@ -27,7 +27,7 @@ from k3jax.layers.lora import adapted_project, adapted_weight
 from k3jax.layers.params import param, truncated_normal
 from k3jax.layers.scope import scoped
 from k3jax.memory import MLAMemory, MLAPages, page_rows, set_latent_rows
-from k3jax.ops.attention import attention
+from k3jax.ops.attention import KERNEL_IMPLEMENTATIONS, attention, resolved_implementation
 from k3jax.ops.norms import rms_norm
 
 
@@ -83,6 +83,7 @@ class MLALayer(nnx.Module):
         self.config = config
         self.dtype = dtype
         self.context_parallel = None     # a `k3jax.sharding.context.ContextParallel`, set by parallelize
+        self.head_parallel = None        # a `k3jax.sharding.heads.HeadParallel`, set by parallelize
 
     @scoped
     def __call__(
@@ -115,7 +116,8 @@ class MLALayer(nnx.Module):
     def _attend_expanded(self, q, latent, segments):
         """Causal attention among the call's tokens with per-head keys and values expanded from c~
         (segments ``[B, T]`` or None: one document); with ``context_parallel`` the sequence is split
-        over its mesh axis and only the compact latent crosses devices."""
+        over its mesh axis and only the compact latent crosses devices; with ``head_parallel`` a
+        kernel XLA cannot partition (splash) runs on each device's rows and heads."""
         cfg = self.config
         expand = functools.partial(_expand_keys_values, config=cfg, dtype=self.dtype)
         options = dict(scale=cfg.qk_head_dim**-0.5, implementation=cfg.attention_implementation,
@@ -125,7 +127,10 @@ class MLALayer(nnx.Module):
             return self.context_parallel.attention(q, latent, segments, adapted_weight(self, "kv_b_proj", self.dtype),
                                                    expand=expand, **options)
         keys, values = expand(latent, adapted_weight(self, "kv_b_proj", self.dtype))
-        return attention(q, keys, values, query_segments=segments, key_segments=segments, **options)
+        implementation = resolved_implementation(cfg.attention_implementation, True, segments is not None)
+        per_device = self.head_parallel is not None and implementation in KERNEL_IMPLEMENTATIONS
+        run = self.head_parallel.attention if per_device else attention
+        return run(q, keys, values, query_segments=segments, key_segments=segments, **options)
 
     def _attend_paged(self, q, latent, memory: MLAPages):
         """The cached attention over a paged cache (one document per sequence): each sequence's

@@ -21,7 +21,10 @@ Implementations (one entry point, ``attention(..., implementation=)``):
              without segment ids (its public API has none); V is zero-padded to the q/k width.
   ``splash`` the Pallas TPU splash-attention kernel: causal self-attention with segment ids.
 ``None`` picks by platform: cudnn on GPU (when there are no segments), splash on TPU, else xla;
-attention over a cache (explicit positions) always runs xla. Only dense and xla run on CPU.
+attention over a cache (explicit positions) always runs xla. Only dense and xla run on CPU (and
+splash interpreted, under `k3jax.ops.kda.pallas.forced_kernels("tpu")`, for tests). Splash is a
+Pallas call XLA cannot split over a mesh (`KERNEL_IMPLEMENTATIONS`): under one, MLA runs it on each
+device's heads (`k3jax.sharding.heads.HeadParallel.attention`).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import jax.numpy as jnp
 from k3jax.ops.residuals import forward_rule
 
 IMPLEMENTATIONS = ("dense", "xla", "cudnn", "splash")
+KERNEL_IMPLEMENTATIONS = ("splash",)        # custom calls XLA cannot partition: run per device under a mesh
 _NEVER_SEEN = jnp.iinfo(jnp.int32).max      # position of a padded key: after every query
 
 
@@ -61,7 +65,7 @@ def attention(
     """
     _check_shapes(q, k, v, query_positions, key_positions, query_segments, key_segments, block_size)
     self_attention = query_positions is None
-    implementation = implementation or default_implementation(self_attention, query_segments is not None)
+    implementation = resolved_implementation(implementation, self_attention, query_segments is not None)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
     if implementation in ("cudnn", "splash") and not self_attention:
@@ -83,6 +87,11 @@ def attention(
     return blockwise_attention(q, k, v, query_positions.astype(jnp.int32), key_positions.astype(jnp.int32),
                                query_segments.astype(jnp.int32), key_segments.astype(jnp.int32),
                                scale=scale, block_size=block_size)
+
+
+def resolved_implementation(implementation: str | None, self_attention: bool, has_segments: bool) -> str:
+    """``implementation``, or for None the platform's default (`default_implementation`)."""
+    return implementation or default_implementation(self_attention, has_segments)
 
 
 def default_implementation(self_attention: bool, has_segments: bool) -> str:
@@ -331,22 +340,27 @@ def _cudnn_attention(q, k, v, scale):
 
 
 def _splash_attention(q, k, v, scale, segments):
-    """Pallas TPU splash attention (causal, segment ids), one kernel per sequence of the batch."""
+    """Pallas TPU splash attention (causal, segment ids), one kernel per sequence of the batch;
+    interpreted under `forced_kernels("tpu")` (tests on CPU)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    from k3jax.ops.kda.pallas import forced_family
 
     batch, length, heads, dim = q.shape
     groups = k.shape[2]
     causal = splash.CausalMask((length, length))
+    forced, interpret = forced_family()
+    interpret = forced == "tpu" and interpret
     if groups == heads:
-        kernel = splash.make_splash_mha_single_device(splash.MultiHeadMask([causal] * heads))
+        kernel = splash.make_splash_mha_single_device(splash.MultiHeadMask([causal] * heads), interpret=interpret)
     elif groups == 1:
-        kernel = splash.make_splash_mqa_single_device(splash.MultiHeadMask([causal] * heads))
+        kernel = splash.make_splash_mqa_single_device(splash.MultiHeadMask([causal] * heads), interpret=interpret)
     else:
         raise ValueError(f"implementation 'splash' needs G = H or G = 1 key heads, got {groups} for {heads}")
     segments = jnp.zeros((batch, length), jnp.int32) if segments is None else segments.astype(jnp.int32)
     heads_first = lambda x: jnp.moveaxis(x, 2, 1)
     q, k, v = heads_first(q * scale), heads_first(k), heads_first(v)
-    if groups == 1:
+    if groups != heads:                                   # MQA: the one key head, unstacked
         k, v = k[:, 0], v[:, 0]
     o = jax.vmap(lambda qb, kb, vb, sb: kernel(qb, kb, vb, segment_ids=splash.SegmentIds(sb, sb)))(q, k, v, segments)
     return jnp.moveaxis(o, 1, 2).astype(v.dtype)

@@ -1,5 +1,5 @@
-"""Head-parallel KDA: under a mesh that splits the KDA heads, each device runs the KDA kernels on
-its own heads.
+"""Head-parallel kernels: under a mesh that splits the heads, each device runs the KDA kernels, and
+MLA's splash attention, on its own heads.
 
 XLA partitions the chunk form by itself (heads are a batch dimension of all its products), but a
 Pallas kernel is a custom call it cannot split: a Triton kernel under a mesh is run on every head
@@ -16,7 +16,11 @@ either; outputs are the same numbers as the op on the whole arrays.
 `parallelize` sets one on each KDA layer of a mesh of more than one device — the batch alone may
 be split, a kernel still sees only its device's operands — when the rules split both head counts
 and the conv channels alike and no context axis splits the sequence (`k3jax.sharding.context`
-runs those calls instead).
+runs those calls instead). It sets one on each MLA layer of such a mesh too, which runs its
+attention among a call's tokens through `HeadParallel.attention` when that is a kernel XLA cannot
+partition (`k3jax.ops.attention.KERNEL_IMPLEMENTATIONS`: splash; a Mosaic kernel under a TPU mesh
+is refused otherwise): attention is independent per sequence and per head, so each device's rows
+and heads give its block of the output.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from k3jax.config import AxisRules
+from k3jax.ops.attention import attention
 from k3jax.ops.kda import kda, kda_step, kda_steps
 from k3jax.ops.kda.decode_pool import conv_pool_step, kda_pool_step
 from k3jax.sharding.mesh import partition_spec
@@ -49,6 +54,12 @@ SEGMENTS = ("batch", None)                          # segment ids [B, T]
 CONV_WEIGHT = ("heads", None)                       # [C, W]
 
 
+def mla_head_parallel(mesh: Mesh, rules: AxisRules) -> HeadParallel | None:
+    """The `HeadParallel` of an MLA layer on ``mesh``: on any mesh of more than one device (heads the
+    rules cannot split stay whole on each device, its rows of the batch still its own)."""
+    return None if mesh.size == 1 else HeadParallel(mesh, rules)
+
+
 def head_parallel_for(mesh: Mesh, rules: AxisRules, heads: int, value_heads: int, channels: int) -> HeadParallel | None:
     """The `HeadParallel` of a KDA layer with these head and conv-channel counts on ``mesh`` with
     ``rules``: on any mesh of more than one device (a Pallas kernel cannot be partitioned however
@@ -63,7 +74,8 @@ def head_parallel_for(mesh: Mesh, rules: AxisRules, heads: int, value_heads: int
 
 @dataclasses.dataclass(frozen=True)
 class HeadParallel:
-    """The KDA ops with their heads split over ``mesh`` by ``rules`` (see the module docstring)."""
+    """The KDA ops and MLA's attention with their heads split over ``mesh`` by ``rules`` (see the
+    module docstring)."""
 
     mesh: Mesh
     rules: AxisRules
@@ -114,3 +126,13 @@ class HeadParallel:
         ``(y [B, C], pool [S, W-1, C])``."""
         return self._run(conv_pool_step, [pool, slots, x, weight], [CONV_POOL, ROWS, POOL_TOKEN_GATE, CONV_WEIGHT],
                          (POOL_TOKEN_GATE, CONV_POOL), **options)
+
+    def attention(self, q, k, v, *, query_segments=None, key_segments=None, **options):
+        """`k3jax.ops.attention.attention`'s causal self-attention on each device's rows and heads:
+        ``[B, T, H, Dv]``; keys and values of one shared head (G = 1) stay whole on every device."""
+        key_axes = SEQUENCE if k.shape[2] == q.shape[2] else ("batch", None, None, None)
+
+        def op(q, k, v, query_segments, key_segments):
+            return (attention(q, k, v, query_segments=query_segments, key_segments=key_segments, **options),)
+        return self._run(op, [q, k, v, query_segments, key_segments],
+                         [SEQUENCE, key_axes, key_axes, SEGMENTS, SEGMENTS], (SEQUENCE,))[0]

@@ -14,9 +14,10 @@ reuses a program traced for another mesh or dispatch):
                         a `ContextParallel` splitting the sequence over it, MLA by
                         ``mesh_config.context_attention`` (None otherwise); batches and the residual
                         stream then split their sequence over it too (the "sequence" rule)
-    head_parallel       on each KDA layer of a mesh of several devices whose context axis does not
-                        split the sequence: a `HeadParallel` running its KDA ops on each device's
-                        rows and heads (XLA cannot split a Pallas kernel); None otherwise
+    head_parallel       on each KDA and MLA layer of a mesh of several devices whose context axis
+                        does not split the sequence: a `HeadParallel` running its KDA ops, and MLA's
+                        splash attention, on each device's rows and heads (XLA cannot split a
+                        Pallas kernel); None otherwise
 
 Parameters are not moved: their placement comes from the same rules (`step_shardings`).
 """
@@ -36,7 +37,7 @@ from k3jax.layers.moe import MoE
 from k3jax.model import DecoderLayer, K3Model
 from k3jax.sharding.context import ContextParallel
 from k3jax.sharding.expert_parallel import expert_dispatch
-from k3jax.sharding.heads import head_parallel_for
+from k3jax.sharding.heads import head_parallel_for, mla_head_parallel
 from k3jax.sharding.mesh import partition_spec
 
 
@@ -69,6 +70,8 @@ def parallelize(model: nnx.Module, mesh: Mesh, mesh_config: MeshConfig) -> nnx.M
             module.expert_dispatch = dispatch
         if isinstance(module, (KDALayer, MLALayer)):
             module.context_parallel = context
+        if isinstance(module, MLALayer):
+            module.head_parallel = None if context is not None else mla_head_parallel(mesh, mesh_config.rules)
         if isinstance(module, KDALayer):
             heads = module.config
             module.head_parallel = None if context is not None else head_parallel_for(

@@ -38,13 +38,17 @@ def test_bfloat16_weights(result):
     assert result["bf16_sharded_alike"] and result["bf16_logits"] <= 0.05, result["bf16_logits"]
 
 
-def test_kda_runs_on_each_devices_heads():
-    """`HeadParallel` (tests/sharding/programs/head_parallel.py): every KDA op on data=2 x tensor=4
-    equals the op on whole arrays, gradients too; parallelize sets it on every mesh but where the
-    heads and channels would split unalike or a context axis splits the sequence."""
+def test_kda_and_splash_attention_run_on_each_devices_heads():
+    """`HeadParallel` (tests/sharding/programs/head_parallel.py): every KDA op and MLA's splash
+    attention on data=2 x tensor=4 equal the op on whole arrays (splash: XLA's attention), gradients
+    too, and so does the micro K3 with splash attention; parallelize sets it on every mesh but where
+    the heads and channels would split unalike or a context axis splits the sequence."""
     found = program_result(program("head_parallel"))
-    assert set(found["errors"]) == {f"{impl}/{op}" for impl in ("chunk", "pallas", "tpu-pallas")
-                                    for op in ("kda", "kda_step", "kda_pool_step", "conv_pool_step")}
+    kda_ops = {f"{impl}/{op}" for impl in ("chunk", "pallas", "tpu-pallas")
+               for op in ("kda", "kda_step", "kda_pool_step", "conv_pool_step")}
+    assert set(found["errors"]) == kda_ops | {"splash/attention"}
+    assert found["splash_model"] <= 1e-5, found["splash_model"]
+    assert found["mla_layers"] == {"data=2,tensor=4": ["4"], "context=2,tensor=4": ["None"]}
     assert max(found["errors"].values()) <= 1e-5, found["errors"]
     assert max(found["gradients"].values()) <= 1e-5, found["gradients"]
     assert found["pool_spec"] == ["P(None, 'tensor')"]          # each device updated its own heads' rows
