@@ -23,7 +23,7 @@ import typing
 
 from k3jax.config import ConfigError, SpeculationConfig
 from k3jax.host import add_process_flags, process_flags
-from k3jax.inference import InputError, LoadedRun, load_draft, load_run
+from k3jax.inference import InputError, LoadedRun, draft_mesh, load_draft, load_run
 from k3jax.inference.layout import INFERENCE_AXES
 from k3jax.sharding import initialize_distributed
 
@@ -141,11 +141,12 @@ def speculation_settings(args: argparse.Namespace) -> SpeculationConfig | None:
 
 def speculation_from(args: argparse.Namespace, config) -> tuple[SpeculationConfig | None, object]:
     """``(settings, draft model)`` the flags ask for on a run trained with ``config``: the draft run
-    loaded and checked against it (`k3jax.inference.load_draft`); ``(None, None)``: no speculation."""
+    loaded and checked against it (`k3jax.inference.load_draft`), in ``--dtype``, beside a ``--mesh``
+    on a mesh of its own (`k3jax.inference.draft_mesh`); ``(None, None)``: no speculation."""
     settings = speculation_settings(args)
     if settings is None or settings.draft is None:
         return settings, None
-    return settings, load_draft(settings.draft, config)
+    return settings, load_draft(settings.draft, config, mesh=draft_mesh(args.mesh is not None), dtype=args.dtype)
 
 
 def shared_lines(stream):

@@ -4,7 +4,8 @@
     layout     the inference mesh and where weights and session pools lie on it
                (`inference_placement`, `Placement`, `INFERENCE_RULES`)
     load       a model back from its checkpoints onto one device or a mesh, in its stored
-               precision or cast (`load_run`, `restore_model`), a draft model checked against its target (`load_draft`, `draft_mismatch`),
+               precision or cast (`load_run`, `restore_model`), a draft model checked against its
+               target and placed beside it (`load_draft`, `draft_mismatch`, `draft_mesh`),
                `InputError` for every bad input on the way
     generation batched generation in one compiled loop (`generate`), or by speculative rounds
                over a session store
@@ -16,7 +17,9 @@ The pieces it runs on have their own homes: the memory bank (`k3jax.memory`), th
 """
 from .generation import Generation, generate
 from .layout import INFERENCE_RULES, MeshError, Placement, inference_placement
-from .load import InputError, LoadedRun, RestoredModel, draft_mismatch, load_draft, load_run, place_model, restore_model
+from .load import (InputError, LoadedRun, RestoredModel, draft_mesh, draft_mismatch, load_draft, load_run, place_model,
+                   restore_model)
 
-__all__ = ["INFERENCE_RULES", "MeshError", "Placement", "inference_placement", "Generation", "InputError", "LoadedRun", "RestoredModel", "draft_mismatch", "generate", "load_draft",
-           "load_run", "place_model", "restore_model"]
+__all__ = ["INFERENCE_RULES", "MeshError", "Placement", "inference_placement", "Generation", "InputError", "LoadedRun",
+           "RestoredModel", "draft_mesh", "draft_mismatch", "generate", "load_draft", "load_run", "place_model",
+           "restore_model"]

@@ -215,11 +215,19 @@ def draft_mismatch(target: Config, draft: Config) -> str | None:
     return None
 
 
-def load_draft(path: str, target: Config, mesh: str | dict | None = None, dtype: str | None = None) -> nnx.Module:
-    """The model of run ``path`` (its newest good checkpoint) as a draft for a model trained with
-    ``target``, on ``mesh`` in ``dtype`` (`load_run`): `InputError` when it does not load or reads
-    other token ids (`draft_mismatch`)."""
-    run = load_run(path, mesh=mesh, dtype=dtype)
+def draft_mesh(target_on_a_mesh: bool) -> str | None:
+    """Where a draft model runs beside its target: on one device beside one device (None), beside a
+    mesh on a mesh of every device of its own (``"auto"``: a small draft's few heads and experts
+    split as far as they go), so that every process of a multi-process mesh runs it too."""
+    return "auto" if target_on_a_mesh else None
+
+
+def load_draft(path: str, target: Config, mesh: str | dict | None = None, dtype: str | None = None,
+               step: int | None = None) -> nnx.Module:
+    """The model of run ``path`` (``step``, else its newest good checkpoint) as a draft for a model
+    trained with ``target``, on ``mesh`` in ``dtype`` (`load_run`): `InputError` when it does not
+    load or reads other token ids (`draft_mismatch`)."""
+    run = load_run(path, step, mesh=mesh, dtype=dtype)
     problem = draft_mismatch(target, run.config)
     if problem is not None:
         raise InputError(f"draft {path}: {problem}")

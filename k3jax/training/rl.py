@@ -40,11 +40,13 @@ parameters by the jitted steps themselves. A run of several processes (``python 
 --num-processes N``) rolls out as one: every process makes the same store calls, each program
 running on every process's shards; process 0 alone calls the rewards and sends their values to the
 others (`k3jax.training.rewards.score_on_the_leader`) and alone writes ``rollouts.jsonl``. A tool
-environment and a draft model are refused across processes for now.
+environment is refused across processes for now.
 
 With ``rl.speculation.prompt_lookup`` or ``rl.speculation.draft`` rollouts decode speculatively
 (`k3jax.training.rollout`, up to ``rl.speculation.k`` drafts a round) on each step's own store, so on
-the current policy; the draft model is restored once, at the start, on the first device.
+the current policy; the draft model is restored once, at the start: on the first device beside a
+one-device run, else on a mesh of every device of its own (its heads and experts split as far as
+they go), which every process runs.
 ``metrics.jsonl`` then also holds
 the step's ``speculation_acceptance_rate``, ``speculation_mean_accepted_length``,
 ``speculation_tokens_per_round`` (emitted tokens per sequence-round), ``speculation_draft_seconds``
@@ -71,7 +73,7 @@ from k3jax.training.grpo import (group_advantages, groups_for_update, kept_compl
                                  policy_objective, update_rows)
 from k3jax.training.metrics import MetricsLog, Progress
 from k3jax.training.rewards import check_records, load_rewards
-from k3jax.inference import draft_mismatch, restore_model
+from k3jax.inference import InputError, draft_mesh, draft_mismatch, load_draft
 from k3jax.training.rollout import Rollout, SamplingSettings, replay
 from k3jax.training.signals import StopRequested, StopSignals
 from k3jax.training.steps import make_train_step
@@ -103,12 +105,9 @@ def check_draft(config) -> int:
 
 def refuse_across_processes(rl, processes: int) -> None:
     """A one-line `ConfigError` for the settings that run in one process only, when ``processes`` >
-    1: a tool environment (each process would call the tools) and a draft model (restored on one
-    device)."""
-    if processes > 1:
-        for setting, value in {"rl.environment": rl.environment, "rl.speculation.draft": rl.speculation.draft}.items():
-            if value is not None:
-                raise ConfigError(setting, f"runs in one process for now; this run has {processes} processes")
+    1: a tool environment (each process would call the tools)."""
+    if processes > 1 and rl.environment is not None:
+        raise ConfigError("rl.environment", f"runs in one process for now; this run has {processes} processes")
 
 
 def rollout_records(groups, policy_step: int) -> list[dict]:
@@ -192,8 +191,14 @@ class RLTrainer(Trainer):
         self.draft = self._draft() if rl.speculation.draft is not None else None
 
     def _draft(self):
-        """The draft model of speculative rollouts: ``rl.speculation.draft``'s (restored here, once)."""
-        draft = restore_model(self.config.rl.speculation.draft, step=self.draft_step).model
+        """The draft model of speculative rollouts: ``rl.speculation.draft``'s (restored here, once), on
+        one device beside a one-device run, else on a mesh of every device of its own
+        (`k3jax.inference.draft_mesh`), so that every process runs it."""
+        try:
+            draft = load_draft(str(self.config.rl.speculation.draft), self.config, step=self.draft_step,
+                               mesh=draft_mesh(self.mesh.size > 1))
+        except InputError as error:
+            raise ConfigError("rl.speculation.draft", str(error)) from None
         set_adapter_dropout(draft, 0.0)
         return draft
 

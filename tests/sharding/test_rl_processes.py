@@ -2,7 +2,8 @@
 tensor=2 over its 8 devices) gives what one process of 8 devices gives: the same completions,
 recorded log-probs, rewards (computed once, by process 0) and metrics, on either process, and the
 same parameters; each recorded log-prob is the checkpointed policy's full forward on one device
-(the rollouts sample with the sharded parameters themselves)."""
+(the rollouts sample with the sharded parameters themselves). So does a step of speculative
+rollouts with a draft model (restored on a mesh of its own, run by every process)."""
 import json
 import os
 
@@ -43,14 +44,20 @@ def grpo(root, name: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    """An untrained base (saved here, on one device), then GRPO from it by one process of 8 devices
-    and, at the same time, by two processes of 4."""
+def base(tmp_path_factory):
+    """The prompts and an untrained base (saved here, on one device)."""
     root = tmp_path_factory.mktemp("rl")
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"the {word} is", "id": word}) + "\n"
                                                 for word in WORDS))
     Trainer(load_config(MICRO, [f"run_dir={root / 'base'}", *SMALL_K3, "model.vocab_size=258",
                                 "train.compilation_cache=null"])).save(force=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def root(base):
+    """GRPO from the base by one process of 8 devices and, at the same time, by two processes of 4."""
+    root = base
     address = f"127.0.0.1:{free_port()}"
     with pytest.MonkeyPatch.context() as patch:       # a subprocess takes the environment it starts with
         patch.setenv(CALLS, str(root / "calls-one"))
@@ -58,6 +65,26 @@ def root(tmp_path_factory):
         patch.setenv(CALLS, str(root / "calls-two"))
         jobs += [start([*grpo(root, "two"), "--coordinator-address", address, "--num-processes", "2",
                         "--process-id", str(index)], devices=4) for index in range(2)]
+    finish_all(jobs)
+    return root
+
+
+@pytest.fixture(scope="module")
+def drafted(base):
+    """One step of GRPO with speculative rollouts (``rl.speculation.draft``: another untrained model
+    of the base's shape, whose drafts the policy rejects), by one process of 8 devices and, at the same
+    time, by two processes of 4: the draft is restored on a mesh of every device of its own."""
+    root = base
+    Trainer(load_config(MICRO, [f"run_dir={root / 'draft'}", *SMALL_K3, "model.vocab_size=258", "train.seed=7",
+                                "train.compilation_cache=null"])).save(force=True)
+    address = f"127.0.0.1:{free_port()}"
+    speculative = [f"rl.speculation.draft={root / 'draft'}", "rl.speculation.k=2", "train.steps=1", "rl.eval_prompts=0"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CALLS, str(root / "calls-drafted-one"))
+        jobs = [start([*grpo(root, "drafted-one"), *speculative], devices=8)]
+        patch.setenv(CALLS, str(root / "calls-drafted-two"))
+        jobs += [start([*grpo(root, "drafted-two"), *speculative, "--coordinator-address", address, "--num-processes",
+                        "2", "--process-id", str(index)], devices=4) for index in range(2)]
     finish_all(jobs)
     return root
 
@@ -109,3 +136,16 @@ def test_recorded_log_probs_are_each_policys_full_forward_on_one_device(root):
         expected = log_softmax(logits[start_at : start_at + count])[np.arange(count), record["completion_tokens"]]
         worst = max(worst, float(np.abs(expected - record["logprobs"]).max()))
     assert worst <= 1e-5, worst
+
+
+def test_a_draft_model_drafts_across_processes_as_in_one(drafted):
+    one, two = (jsonl(drafted / run / "rollouts.jsonl") for run in ("drafted-one", "drafted-two"))
+    assert len(one) == 2 * 4 and one == two
+    metrics = [[untimed(r) for r in jsonl(drafted / run / "metrics.jsonl") if "loss" in r]
+               for run in ("drafted-one", "drafted-two")]
+    assert len(metrics[0]) == 1 and metrics[1][0] == {key: pytest.approx(value, rel=1e-5, abs=1e-6)
+                                                       for key, value in metrics[0][0].items()}
+    # the replayed decode recomputes what the verify rounds recorded to fp32 rounding, not bit for bit
+    assert metrics[0][0]["logprob_mismatch"] <= 1e-5
+    # an untrained draft of another seed: its drafts are rejected, each round rolling both stores back
+    assert metrics[0][0]["speculation_tokens_per_round"] == 1.0 and metrics[0][0]["speculation_acceptance_rate"] == 0

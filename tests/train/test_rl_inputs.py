@@ -336,12 +336,11 @@ def signalled(prompt_text, completion, record):
     raise StopRequested()
 
 
-@pytest.mark.parametrize("overrides, key", [(["rl.environment=calculator"], "rl.environment"),
-                                            (["rl.speculation.draft=runs/small"], "rl.speculation.draft")])
-def test_settings_of_one_process_are_refused_by_name_across_processes(overrides, key):
-    settings = load_config(MICRO, GRPO + overrides).rl
+def test_a_tool_environment_is_refused_by_name_across_processes():
+    settings = load_config(MICRO, GRPO + ["rl.environment=calculator"]).rl
     rl.refuse_across_processes(settings, 1)
     with pytest.raises(ConfigError) as error:
         rl.refuse_across_processes(settings, 2)
-    assert error.value.key == key and "runs in one process for now; this run has 2 processes" in str(error.value)
-    rl.refuse_across_processes(load_config(MICRO, GRPO + ["rl.speculation.prompt_lookup=2"]).rl, 2)
+    assert error.value.key == "rl.environment" and "runs in one process for now; this run has 2 processes" in str(error.value)
+    for speculation in ("rl.speculation.prompt_lookup=2", "rl.speculation.draft=runs/small"):
+        rl.refuse_across_processes(load_config(MICRO, GRPO + [speculation]).rl, 2)
