@@ -14,6 +14,8 @@ arrives from outside — HTTP requests, the terminal — and decides what runs; 
                      before it is made, so the followers make it at the same time.
     follow           a follower's loop: make each call the leader made, on its own copy of the
                      object (built the same way, from the same checkpoint and flags), until `stop`.
+    on_the_leader    a value computed by the leader alone (a call with effects: a reward, a tool)
+                     and taken by every follower.
 
 Every call is mirrored, reads too, so each copy's host state — slot and page tables, the prefix
 cache, snapshots, sampling positions — goes through the same changes in the same order and every
@@ -111,6 +113,28 @@ class Channel:
             if self._next - read <= WINDOW:
                 return
             time.sleep(0.01)
+
+
+def on_the_leader(channel: Channel | None, compute):
+    """``compute()`` on the leader alone, its (picklable) value sent to every follower, which returns
+    it without computing: a call with effects (a sandbox, a judge model, a quota, a tool) runs once,
+    and one that is not deterministic gives every process the same value. What ``compute`` raises on
+    the leader (an error, a signal's stop) is sent too and raised on every follower, so all stop
+    together. ``channel`` None (one process): ``compute()`` here."""
+    if channel is None:
+        return compute()
+    if not channel.leads:
+        outcome, value = pickle.loads(channel.receive())
+        if outcome == "raised":
+            raise value
+        return value
+    try:
+        value = compute()
+    except BaseException as error:
+        channel.send(pickle.dumps(("raised", error)))
+        raise
+    channel.send(pickle.dumps(("value", value)))
+    return value
 
 
 class PeerLost(RuntimeError):

@@ -27,11 +27,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
-import pickle
 import re
 from typing import Any, Callable, Sequence
 
 from k3jax.data.errors import DataError
+from k3jax.inference.mirror import on_the_leader
 from k3jax.training.signals import CallTimedOut, bounded_call
 
 RewardFunction = Callable[[str, str, dict], float]
@@ -159,29 +159,15 @@ def score_completions(terms: Sequence[RewardTerm], completions: Sequence, timeou
 
 def score_on_the_leader(terms: Sequence[RewardTerm], completions: Sequence, timeout: float | None,
                         channel) -> None:
-    """`score_completions` on process 0 of a jax.distributed run, its values sent to the other
-    processes over ``channel`` (a `k3jax.inference.mirror.Channel`; None in one process: scored here).
-
-    A reward may have effects (a sandbox, a judge model, a quota) and need not be deterministic, so
-    it runs once per completion and every process takes the leader's values: the update then sees
-    the same rewards on every process. What stops the leader (a `RewardError`, a signal's
-    `StopRequested`) is sent too and raised on every follower, so all processes stop together."""
-    if channel is None:
+    """`score_completions` on process 0 of a jax.distributed run, its values taken by the other
+    processes (`k3jax.inference.mirror.on_the_leader` over ``channel``; None in one process: scored
+    here): a reward with effects runs once per completion, the update sees the same rewards on
+    every process, and what stops the leader stops every process."""
+    def score() -> list:
         score_completions(terms, completions, timeout)
-        return
-    if not channel.leads:
-        outcome, value = pickle.loads(channel.receive())
-        if outcome == "raised":
-            raise value
-        for completion, (reward, reward_terms) in zip(completions, value, strict=True):
-            completion.reward, completion.reward_terms = reward, reward_terms
-        return
-    try:
-        score_completions(terms, completions, timeout)
-    except BaseException as error:
-        channel.send(pickle.dumps(("raised", error)))     # a RewardError (user_call wraps the rest) or a stop
-        raise
-    channel.send(pickle.dumps(("scored", [(c.reward, c.reward_terms) for c in completions])))
+        return [(c.reward, c.reward_terms) for c in completions]
+    for completion, (reward, reward_terms) in zip(completions, on_the_leader(channel, score), strict=True):
+        completion.reward, completion.reward_terms = reward, reward_terms
 
 
 def load_callable(name: str, setting: str) -> Any:

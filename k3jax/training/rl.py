@@ -39,8 +39,8 @@ no extra memory. Rollouts run on the run's mesh: the session pools are placed be
 parameters by the jitted steps themselves. A run of several processes (``python -m train ...
 --num-processes N``) rolls out as one: every process makes the same store calls, each program
 running on every process's shards; process 0 alone calls the rewards and sends their values to the
-others (`k3jax.training.rewards.score_on_the_leader`) and alone writes ``rollouts.jsonl``. A tool
-environment is refused across processes for now.
+others (`k3jax.training.rewards.score_on_the_leader`) and alone writes ``rollouts.jsonl``; a tool
+environment lives on process 0 too, which sends each turn's outcome to the others.
 
 With ``rl.speculation.prompt_lookup`` or ``rl.speculation.draft`` rollouts decode speculatively
 (`k3jax.training.rollout`, up to ``rl.speculation.k`` drafts a round) on each step's own store, so on
@@ -103,13 +103,6 @@ def check_draft(config) -> int:
     return step
 
 
-def refuse_across_processes(rl, processes: int) -> None:
-    """A one-line `ConfigError` for the settings that run in one process only, when ``processes`` >
-    1: a tool environment (each process would call the tools)."""
-    if processes > 1 and rl.environment is not None:
-        raise ConfigError("rl.environment", f"runs in one process for now; this run has {processes} processes")
-
-
 def rollout_records(groups, policy_step: int) -> list[dict]:
     """The ``rollouts.jsonl`` records of one step's groups (``step``: the step they train, policy_step + 1;
     ``source``: the prompt's file and line (JSON) or row (Parquet); ``id``: the record's own, if it has one)."""
@@ -162,9 +155,8 @@ class RLTrainer(Trainer):
         return self.config.rl.rows
 
     def _check_data(self) -> None:
-        """The reward or environment, and the fields they read in every record; one device and process."""
+        """The reward or environment, and the fields they read in every record."""
         rl, records = self.config.rl, self.data.splits["train"] + self.data.splits["heldout"]
-        refuse_across_processes(rl, jax.process_count())
         if rl.environment is not None:
             if not self.data.chat:
                 raise ConfigError("rl.environment", "a tool environment needs chat prompts (records with 'messages')")

@@ -22,6 +22,8 @@ after each reply the environment answers with tool results, which are rendered i
 with the next generation prompt and appended to the same session (no new prefill). A reply whose
 tool call does not parse, or that the environment refuses (`ToolCallError`), is undone -- the
 session rolls back to its snapshot from before the reply -- and sampled again with another stream.
+With several processes the environments live on process 0, which sends each turn's outcome (tool
+messages, retry, end and reward) to the others: every tool runs once.
 
 With speculation settings (`k3jax.config.SpeculationConfig`) the sessions decode in speculative rounds instead
 (`k3jax.sessions.speculate`): each round drafts up to k tokens per session (prompt lookup or a draft model), verifies them in one
@@ -41,6 +43,7 @@ from typing import Callable
 import numpy as np
 
 from k3jax.data.chat_format import generation_prompt, render_conversation
+from k3jax.inference.mirror import on_the_leader
 from k3jax.sampling import log_softmax
 from k3jax.sessions import Sampling, SessionStore
 from k3jax.sessions.speculate import Speculator
@@ -209,7 +212,8 @@ class Rollout:
                  reward_channel=None):
         """``reward_timeout``: seconds a reward or environment call may take (None: unbounded);
         ``reward_channel``: with several processes, the `k3jax.inference.mirror.Channel` over which
-        process 0 sends the rewards it computed (`score_on_the_leader`)."""
+        process 0 sends the rewards it computed (`score_on_the_leader`) and what each environment
+        turn led to (the environments live on process 0 alone)."""
         self.model, self.dataset, self.settings = model, dataset, settings
         self.rewards = reward if isinstance(reward, list) or reward is None else [RewardTerm("reward", 1.0, reward)]
         self.environment, self.reward_timeout, self.reward_channel = environment, reward_timeout, reward_channel
@@ -309,12 +313,11 @@ class Rollout:
                             self.reward_channel)
 
     def _episodes(self, sessions: dict, seed: int, greedy: bool) -> None:
-        """Assistant turns of every episode together, one batched decode per turn, until each is done."""
-        envs = {}
-        for sid, (_, completion) in sessions.items():
-            env = self.environment()
-            self._environment_call(completion, lambda: env.reset(completion.prompt.record))
-            envs[sid] = env
+        """Assistant turns of every episode together, one batched decode per turn, until each is done.
+        With several processes the environments live on process 0 alone, which sends what each turn
+        led to (`k3jax.inference.mirror.on_the_leader`): each tool runs once."""
+        envs: dict = {}                     # the leader's only
+        on_the_leader(self.reward_channel, lambda: envs.update(self._started_environments(sessions)))
         attempts, turns, turn_retries = dict.fromkeys(sessions, 0), dict.fromkeys(sessions, 0), dict.fromkeys(sessions, 0)
         running = set(sessions)
         while running:
@@ -322,10 +325,14 @@ class Rollout:
             rules = {sid: self._rule(seed, sessions[sid][0], attempts[sid], greedy) for sid in running}
             limits = {sid: self._room(sessions[sid][1]) for sid in running}
             decoded = decode(self.store, rules, limits, self.dataset.stop_id, self.speculator)
+            replies = on_the_leader(self.reward_channel, lambda: {
+                sid: self._reply(envs[sid], sessions[sid][1], decoded[sid]) for sid in sorted(running)})
             for sid in sorted(running):
                 completion = sessions[sid][1]
                 attempts[sid] += 1
-                outcome = self._reply(envs[sid], completion, decoded[sid])
+                outcome, ended = replies[sid]
+                for field, value in ended.items():
+                    setattr(completion, field, value)
                 if outcome == "retry" and turn_retries[sid] < self.tool_retries:
                     turn_retries[sid] += 1
                     completion.retries += 1
@@ -348,27 +355,34 @@ class Rollout:
                         continue
                 running.discard(sid)
 
-    def _reply(self, env, completion: Completion, decoded: Decoded):
-        """What a reply leads to: "retry" (a call that does not parse or run), a tuple of tool
-        messages, or None when the episode ended (its reward and finish reason set)."""
+    def _started_environments(self, sessions: dict) -> dict:
+        """``{sid: environment}``: one per episode, reset with its prompt's record."""
+        envs = {}
+        for sid, (_, completion) in sessions.items():
+            env = self.environment()
+            self._environment_call(completion, lambda: env.reset(completion.prompt.record))
+            envs[sid] = env
+        return envs
+
+    def _reply(self, env, completion: Completion, decoded: Decoded) -> tuple:
+        """``(what a reply leads to, the completion's fields it sets)``: "retry" (a call that does not
+        parse or run), a tuple of tool messages, or None when the episode ended (its reward, finish
+        reason and text set); every reply that reaches the environment adds its tool calls."""
         if not decoded.stopped:
-            completion.finish_reason, completion.reward = "length", 0.0
-            completion.text = self._text(decoded.tokens)
-            return None
+            return None, {"finish_reason": "length", "reward": 0.0, "text": self._text(decoded.tokens)}
         reply = self.dataset.encoder.parse_reply(decoded.tokens, self.dataset.thinking)
         if reply.malformed:
-            return "retry"
+            return "retry", {}
         message = {**reply.message(self.dataset.thinking), "tool_calls": reply.tool_calls}
         try:
             turn = self._environment_call(completion, lambda: env.step(message))
         except ToolCallError:
-            return "retry"
-        completion.tool_calls += len(reply.tool_calls)
+            return "retry", {}
+        calls = {"tool_calls": completion.tool_calls + len(reply.tool_calls)}
         if turn.done:
-            completion.finish_reason, completion.text = "stop", reply.content
-            completion.reward = checked_reward(turn.reward, completion.prompt.where)
-            return None
-        return tuple(turn.messages)
+            return None, {**calls, "finish_reason": "stop", "text": reply.content,
+                          "reward": checked_reward(turn.reward, completion.prompt.where)}
+        return tuple(turn.messages), calls
 
     def _environment_call(self, completion: Completion, call):
         """``call()`` of the episode's environment, bounded (`user_call`; a `ToolCallError` passes)."""

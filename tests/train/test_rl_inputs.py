@@ -334,13 +334,3 @@ def test_across_processes_the_leader_scores_and_the_followers_take_its_values(mo
 
 def signalled(prompt_text, completion, record):
     raise StopRequested()
-
-
-def test_a_tool_environment_is_refused_by_name_across_processes():
-    settings = load_config(MICRO, GRPO + ["rl.environment=calculator"]).rl
-    rl.refuse_across_processes(settings, 1)
-    with pytest.raises(ConfigError) as error:
-        rl.refuse_across_processes(settings, 2)
-    assert error.value.key == "rl.environment" and "runs in one process for now; this run has 2 processes" in str(error.value)
-    for speculation in ("rl.speculation.prompt_lookup=2", "rl.speculation.draft=runs/small"):
-        rl.refuse_across_processes(load_config(MICRO, GRPO + [speculation]).rl, 2)

@@ -23,6 +23,7 @@ from k3jax.config import SpeculationConfig
 from k3jax.training.rollout import Rollout, SamplingSettings, replay
 from tests.data.chat_tokenizer import write_chat_tokenizer
 from tests.helpers import MICRO
+from tests.train.test_rl_inputs import MemoryChannel
 
 @pytest.fixture(scope="module")
 def model():
@@ -183,6 +184,10 @@ class Scripted:
         return Turn(done=True, reward=1.5)
 
 
+def never_built():
+    raise AssertionError("a follower process built an environment")
+
+
 @pytest.mark.slow   # ~40 s: long chat sequences compile their own prefill, decode and reference programs
 def test_tool_episodes_continue_their_session_through_tool_results_and_rollbacks(model, forward, tmp_path):
     tokenizer = write_chat_tokenizer(tmp_path / "tok")
@@ -192,7 +197,9 @@ def test_tool_episodes_continue_their_session_through_tool_results_and_rollbacks
                          thinking_effort=None)
     data = StopAt(chat, 445)
     settings = SamplingSettings(temperature=1.0, top_k=1, top_p=1.0, max_new_tokens=60)
-    rollout = Rollout(model, data, settings, environment=Scripted, tool_retries=2, max_turns=4)
+    messages = []           # as process 0 of several: it alone runs the environments, the others take its outcomes
+    rollout = Rollout(model, data, settings, environment=Scripted, tool_retries=2, max_turns=4,
+                      reward_channel=MemoryChannel(True, messages))
     groups = rollout.sample(chat.prompts(0, 2), 2, seed=3)
     tool_turn = lambda n: chat.encoder.encode(render_conversation(  # noqa: E731
         [{"role": "tool", "name": "add", "content": str(40 + n)}], thinking=False, thinking_effort=None)
@@ -209,6 +216,12 @@ def test_tool_episodes_continue_their_session_through_tool_results_and_rollbacks
         assert sum(1 for t, s in zip(c.tokens, c.sampled) if s and t == 445) == 2      # two replies kept
     assert finished >= 2 and rollout.store.sessions() == []
     assert len(Scripted.calls) >= 3 * finished
+    follower = Rollout(model, data, settings, environment=never_built, tool_retries=2, max_turns=4,
+                       reward_channel=MemoryChannel(False, messages))
+    followed = follower.sample(chat.prompts(0, 2), 2, seed=3)      # the same store calls, no environment
+    fields = lambda c: (c.tokens, c.sampled, c.logprobs, c.finish_reason, c.text, c.reward, c.tool_calls,  # noqa: E731
+                        c.retries)
+    assert [list(map(fields, g)) for g in followed] == [list(map(fields, g)) for g in groups] and messages == []
     for group, values in zip(groups, replay(SessionStore(model, prefix_cache=False), groups)):
         for c, v in zip(group, values):            # the retried replies are not replayed: other batches
             assert np.abs(v - recorded(c)).max() <= 1e-6
