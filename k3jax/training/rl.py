@@ -12,7 +12,8 @@ holds exactly these parameters):
               policy-gradient objective (`k3jax.training.grpo`: the DAPO / GSPO options, the groups and
               completions that ``rl.dynamic_sampling`` / ``rl.overlong_filter`` leave out, and the
               groups of up to ``rl.resample_rounds`` more rounds of fresh prompts that refill them),
-              the first with the very parameters that sampled (``logprob_mismatch`` = max |recomputed - recorded| log-prob); with
+              the first with the very parameters that sampled (``logprob_mismatch`` = max
+              |recomputed - recorded| log-prob); with
               ``rl.update_logprobs=decode`` each first replays the rollout's decode on the sampled
               tokens at its parameters for the log-probs' values (`k3jax.training.rollout.replay`:
               on the first update the recorded ones bit for bit), the training forward giving their
@@ -27,8 +28,8 @@ the run saves step 0 before sampling and then every ``checkpoint.every`` steps, 
 a resampled group's ``resampling`` round; the update's groups only),
 and ``metrics.jsonl`` one record per step (reward mean / std, pass@1, pass@G and completion length
 of the step's own prompts; KL, clip fraction, log-prob mismatch, rollout and update seconds; with
-``rl.resample_rounds`` the rounds sampled and the update's resampled groups). Held-out evaluation (every
-``train.eval_every`` steps and at the end): the mean reward of greedy completions of the first
+``rl.resample_rounds`` the rounds sampled and the update's resampled groups). Held-out evaluation
+(every ``train.eval_every`` steps and at the end): the mean reward of greedy completions of the first
 ``rl.eval_prompts`` held-out prompts. A resumed run samples exactly what the killed one would have:
 the sampling keys are functions of ``(train.seed, step, prompt slot, sample)``, and records of steps
 after the restored checkpoint are dropped from both files.
@@ -69,8 +70,8 @@ from k3jax.layers.lora import set_adapter_dropout
 from k3jax.sessions import SessionStore
 from k3jax.sharding import compiled_together
 from k3jax.training.environments import load_environment
-from k3jax.training.grpo import (group_advantages, groups_for_update, kept_completions, logprob_rows, make_logprob_step, overlong_penalty,
-                                 policy_objective, update_rows)
+from k3jax.training.grpo import (group_advantages, groups_for_update, kept_completions, logprob_rows, make_logprob_step,
+                                 overlong_penalty, policy_objective, update_rows)
 from k3jax.training.metrics import MetricsLog, Progress
 from k3jax.training.rewards import check_records, load_rewards
 from k3jax.inference import InputError, draft_mesh, draft_mismatch, load_draft
