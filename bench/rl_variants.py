@@ -9,8 +9,8 @@ OVERRIDE...`` as a subprocess (``PYTHONPATH`` = the repository), all with the co
 draws from the same streams; the variants' samples diverge as their policies do). Default variants:
 plain GRPO and GRPO with DAPO's dynamic sampling (``rl.dynamic_sampling=true``). The table gives, per
 variant, the training reward's mean over steps 1-25, 26-50, ... (metrics.jsonl's ``reward_mean``),
-the held-out greedy accuracy at each evaluation, the groups dropped (dynamic sampling) and the wall
-time. A benchmark: the tests do not run it.
+the held-out greedy accuracy at each evaluation, the groups dropped (dynamic sampling) and refilled
+from more rounds (``rl.resample_rounds``) and the wall time. A benchmark: the tests do not run it.
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ def main(argv=None) -> None:
         results[name] = {"overrides": overrides, "seconds": seconds,
                          "reward_mean": [r["reward_mean"] for r in steps],
                          "groups_dropped": [r.get("groups_dropped") for r in steps],
+                         "groups_resampled": [r.get("groups_resampled") for r in steps],
                          "heldout": {r["step"]: r["heldout_pass"] for r in records if r.get("kind") == "eval"}}
     length = max(len(r["reward_mean"]) for r in results.values())
     windows = [(start, min(start + args.window, length)) for start in range(0, length, args.window)]
@@ -52,12 +53,14 @@ def main(argv=None) -> None:
     for name, result in results.items():
         curve = result["reward_mean"]
         means = [sum(curve[a:b]) / max(len(curve[a:b]), 1) for a, b in windows]
-        dropped = [d for d in result["groups_dropped"] if d is not None]
+        dropped, resampled = ([v for v in result[key] if v is not None]
+                              for key in ("groups_dropped", "groups_resampled"))
         rows.append([name, *(f"{m:.3f}" for m in means),
                      " ".join(f"{v:.3f}" for v in result["heldout"].values()),
-                     f"{sum(dropped)}" if dropped else "-", f"{result['seconds']:.0f}"])
+                     f"{sum(dropped)}" if dropped else "-", f"{sum(resampled)}" if resampled else "-",
+                     f"{result['seconds']:.0f}"])
     print(table(["variant", *(f"reward {a + 1}-{b}" for a, b in windows), "held-out greedy (each eval)",
-                 "groups dropped", "wall s"], rows))
+                 "groups dropped", "groups resampled", "wall s"], rows))
     write_json(args.out, {"config": args.config, "sft": args.sft, "variants": results})
 
 
