@@ -30,6 +30,16 @@ TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0",
                   *(("--xla_cpu_use_fusion_emitters=false",) if jaxlib_minor() == (0, 10) else ()))
 
 
+def run_on_the_cpu() -> None:
+    """The suite runs on the CPU, this process and the subprocesses its tests start
+    (``JAX_PLATFORMS=cpu`` unless set): with the ``tpu`` extra installed, JAX would otherwise start
+    by looking for a TPU (slower, and five lines of warnings on stderr, which the one-line error
+    tests read). Compile-only TPU devices (`k3jax.tpu`, tests/test_tpu.py) need no TPU platform."""
+    if "JAX_PLATFORMS" not in os.environ:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        jax.config.update("jax_platforms", "cpu")      # this process imported JAX before reading it
+
+
 def compile_for_tests() -> None:
     """Compile this process's programs, and its subprocesses', with `TEST_XLA_FLAGS`.
 
@@ -53,6 +63,7 @@ def environment_compiling_as_users_do() -> dict:
     return {**os.environ, "XLA_FLAGS": flags}
 
 
+run_on_the_cpu()
 compile_for_tests()
 
 # Every compiled XLA:CPU program keeps a few memory mappings (its code and constants), and Linux
