@@ -146,7 +146,13 @@ def speculation_from(args: argparse.Namespace, config) -> tuple[SpeculationConfi
     settings = speculation_settings(args)
     if settings is None or settings.draft is None:
         return settings, None
-    return settings, load_draft(settings.draft, config, mesh=draft_mesh(args.mesh is not None), dtype=args.dtype)
+    return settings, load_draft_beside(settings.draft, config, args)
+
+
+def load_draft_beside(path: str, config, args: argparse.Namespace):
+    """The draft run ``path``'s model, checked against a run trained with ``config``, placed beside
+    the model ``--mesh`` places (`k3jax.inference.draft_mesh`) in ``--dtype``."""
+    return load_draft(path, config, mesh=draft_mesh(args.mesh is not None), dtype=args.dtype)
 
 
 def shared_lines(stream):

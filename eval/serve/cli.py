@@ -39,11 +39,11 @@ import threading
 
 from k3jax.checkpoint import quiet_checkpoint_io
 from k3jax.host import process_flags
-from k3jax.inference import InputError, draft_mesh, load_draft
+from k3jax.inference import InputError
 from k3jax.inference.mirror import Channel, Leader
 
-from ..flags import (OneLineParser, add_placement_flags, add_speculation_flags, byte_count, load_model,
-                     speculation_settings)
+from ..flags import (OneLineParser, add_placement_flags, add_speculation_flags, byte_count, load_draft_beside,
+                     load_model, speculation_settings)
 
 DEFAULT_COMPILATION_CACHE = "~/.cache/k3jax/xla"    # `train.compilation_cache`'s default
 DEFAULT_STORED_RESPONSES = 256
@@ -124,7 +124,7 @@ def load_draft_model(args: argparse.Namespace, config):
     if args.speculation is None or args.speculation.draft is None:
         return None
     try:
-        return load_draft(args.speculation.draft, config, mesh=draft_mesh(args.mesh is not None), dtype=args.dtype)
+        return load_draft_beside(args.speculation.draft, config, args)
     except InputError as error:
         raise InputError(f"--draft: {error}") from None
 
