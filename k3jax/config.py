@@ -660,6 +660,7 @@ class AxisRules:
     latent: tuple[MeshAxis, ...] = ("fsdp",)
     layers: tuple[MeshAxis, ...] = ()
     lora_rank: tuple[MeshAxis, ...] = ()  # the rank of LoRA adapters (`k3jax.layers.lora`): replicated
+    lora_slots: tuple[MeshAxis, ...] = ()  # the adapters of a serving bank (`k3jax.layers.lora.AdapterBank`): replicated
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

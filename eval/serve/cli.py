@@ -22,6 +22,12 @@ host): each loads its shards; process 0 owns HTTP and the engine, and its store'
 calls are mirrored to the others (`k3jax.inference.mirror`), which make the same calls on their own
 copies. SIGTERM on any process lets process 0 drain, then every process stops.
 
+LoRA fine-tunes of the served run (``--lora NAME=RUN_DIR``, repeatable; `k3jax.inference.adapters`)
+are served beside it, a request's ``model`` choosing the base or an adapter by name, and requests
+of different adapters decode in one batch. ``--max-loras N`` leaves room for adapters loaded later
+and ``--runtime-lora-updates`` opens vLLM's routes for that, ``POST /v1/load_lora_adapter``
+(``{"lora_name", "lora_path"}``) and ``POST /v1/unload_lora_adapter`` (``{"lora_name"}``).
+
 Speculative decoding (`k3jax.sessions.speculate`): the flags of `eval.flags` (``--prompt-lookup N``
 or ``--draft RUN_DIR``, ``--speculate-k``, ``--speculate-rollback``, ``--[no-]speculate-adaptive``),
 from the one declaration of the settings (`k3jax.config.SpeculationConfig`); a draft must read the
@@ -104,6 +110,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="on SIGTERM, seconds running requests get to finish (default 30)")
     add_placement_flags(parser)
     add_speculation_flags(parser)
+    add_lora_flags(parser)
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
@@ -118,6 +125,42 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def lora_module(text: str) -> tuple[str, str]:
+    """``--lora NAME=RUN_DIR`` -> (name, directory)."""
+    name, equals, path = text.partition("=")
+    if not equals or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=RUN_DIR, got {text!r}")
+    return name.strip(), path.strip()
+
+
+def add_lora_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("LoRA adapters served beside the model (a request's model picks one)")
+    group.add_argument("--lora", type=lora_module, action="append", default=[], metavar="NAME=RUN_DIR",
+                       help="a LoRA fine-tune of this run, served as model NAME (repeatable)")
+    group.add_argument("--max-loras", type=_positive(int), default=None,
+                       help="adapters loaded at once (default: the number of --lora)")
+    group.add_argument("--max-lora-rank", type=_positive(int), default=None,
+                       help="the largest adapter rank (default: the largest of --lora's)")
+    group.add_argument("--runtime-lora-updates", action="store_true",
+                       help="open POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read any run "
+                            "directory this process can read: give an --api-key)")
+
+
+def load_adapters(args: argparse.Namespace, run):
+    """The LoRA adapters ``--lora`` names, in banks on ``run.model`` (None without ``--lora`` or
+    ``--max-loras``); the banks cover the weights the adapters adapt, or, with none given, every
+    weight an adapter can join except routed experts."""
+    if not args.lora and args.max_loras is None:
+        if args.runtime_lora_updates:
+            raise InputError("--runtime-lora-updates: give --max-loras (and --max-lora-rank) to make room for adapters")
+        return None
+    from k3jax.inference.adapters import ServedAdapters
+    names = [name for name, _ in args.lora]
+    if len(set(names)) != len(names) or (args.model_name or run.run_dir.name) in names:
+        raise InputError(f"--lora: every adapter needs a name of its own, other than the model's ({', '.join(names)})")
+    return ServedAdapters.attach(run, dict(args.lora), capacity=args.max_loras, rank=args.max_lora_rank)
+
+
 def load_draft_model(args: argparse.Namespace, config):
     """The model of the ``--draft`` run (None without one), which must read the same token ids as
     a model trained with ``config``."""
@@ -130,13 +173,15 @@ def load_draft_model(args: argparse.Namespace, config):
 
 
 def load_engine_parts(args: argparse.Namespace):
-    """``(run, responses, store, speculator)`` for ``args``: the model loaded (on every process of a
-    mesh), stored state read, the speculator (None without one) over the store."""
+    """``(run, responses, store, speculator, adapters)`` for ``args``: the model loaded (on every
+    process of a mesh) with its LoRA adapters (None without), stored state read, the speculator
+    (None without one) over the store."""
     from .responses import ResponseStore
     from k3jax.sessions import SessionStore
     from k3jax.sessions.speculate import Speculator
 
     run = load_model(args)
+    adapters = load_adapters(args, run)
     draft = load_draft_model(args, run.config)
     budgets = dict(device_bytes=args.device_bytes, host_bytes=args.host_bytes)
     state_dir = None if args.state_dir is None else pathlib.Path(args.state_dir)
@@ -154,8 +199,10 @@ def load_engine_parts(args: argparse.Namespace):
         store.check_length(args.max_model_len)
     except ValueError as error:
         raise InputError(f"--max-model-len {args.max_model_len}: {error}") from None
+    if adapters is not None:
+        store.serve_adapters(adapters.tags())
     speculator = None if args.speculation is None else Speculator.of(store, args.speculation, draft)
-    return run, responses, store, speculator
+    return run, responses, store, speculator, adapters
 
 
 def build(args: argparse.Namespace, parts=None, leader=None):
@@ -171,11 +218,13 @@ def build(args: argparse.Namespace, parts=None, leader=None):
     from k3jax.inference.mirror import Mirrored
     from k3jax.sessions import Snapshot
 
-    run, responses, store, speculator = parts or load_engine_parts(args)
-    served = ServedModel(run, args.model_name or run.run_dir.name, args.max_model_len)
+    run, responses, store, speculator, adapters = parts or load_engine_parts(args)
     if leader is not None:
         store = Mirrored(store, "store", leader, handles=(Snapshot,))
         speculator = None if speculator is None else Mirrored(speculator, "speculator", leader)
+        adapters = None if adapters is None else Mirrored(adapters, "adapters", leader)
+    served = ServedModel(run, args.model_name or run.run_dir.name, args.max_model_len, adapters,
+                         runtime_lora_updates=args.runtime_lora_updates)
     engine = Engine(store, max_batch=args.max_batch, max_queue=args.max_queue, speculator=speculator)
     server = Server(served, engine, responses, api_key=args.api_key, request_timeout=args.request_timeout,
                     allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins)
@@ -225,8 +274,8 @@ def follow_process_zero(channel, parts) -> int:
         print(f"process {channel.process}: stopping with process 0", file=sys.stderr, flush=True)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, wait_for_process_zero)
-    _, _, store, speculator = parts
-    follow(channel, {"store": store, "speculator": speculator})
+    _, _, store, speculator, adapters = parts
+    follow(channel, {"store": store, "speculator": speculator, "adapters": adapters})
     jax.distributed.shutdown()
     return 0
 

@@ -46,6 +46,7 @@ class _Choices:
     def __init__(self, served: ServedModel, request: Choices, prompts: list[list[int]], max_tokens_default: int | None,
                  max_tokens: int | None):
         self.served, self.prompts = served, prompts
+        self.model, self.adapter = params.model_choice(request, served)
         self.n = request.n
         self.temperature, self.top_p, self.seed = params.sampling(request)
         self.stops = request.stop
@@ -122,7 +123,7 @@ class _Choices:
         if event[0] == "error":
             return [error_body(event[1])]
         if event[0] == "result" and self.include_usage:
-            return [{"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.served.name,
+            return [{"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
                      "choices": [], "usage": event[1]["usage"]}]
         return []
 
@@ -134,7 +135,6 @@ class CompletionPlan(_Choices):
 
     def __init__(self, served: ServedModel, body: dict | CompletionRequest):
         request = CompletionRequest.parse(body)
-        params.check_model(request, served.name)
         super().__init__(served, request, _prompts(served, request.prompt), 16, request.max_tokens)
         self.echo = request.echo
         self.logprobs = request.logprobs
@@ -146,7 +146,7 @@ class CompletionPlan(_Choices):
 
     def job(self, notify, deadline) -> Job:
         return Job(self.prepare, self.finish, notify, sequences=len(self.prompts) * self.n, stopped=self.stopped,
-                   deadline=deadline)
+                   deadline=deadline, adapter=self.adapter)
 
     # ---------------------------------------------------------------- engine thread
     def prepare(self, store):
@@ -155,13 +155,13 @@ class CompletionPlan(_Choices):
         sequences = []
         for number, prompt in enumerate(self.prompts):
             if self.echo and self.logprobs is not None:
-                first = store.open(prompt[:1])         # every prompt position's logits: no prefix reuse
+                first = store.open(prompt[:1], adapter=self.adapter)   # every prompt position's logits: no prefix reuse
                 logits = [store.logits(first)[None]]
                 yield from prefill_in_turns(store, prompt[1:], PREFILL_TURN_TOKENS, sid=first, logits=logits)
                 scores = token_logprobs(np.concatenate(logits)[:-1], prompt[1:], self.logprobs) if len(prompt) > 1 else []
                 self.prompt_scores[number] = [None] + scores
             else:
-                first, cached = yield from open_in_turns(store, prompt)
+                first, cached = yield from open_in_turns(store, prompt, self.adapter)
                 self.cached_tokens += cached
             sids = [first] + [store.fork(first) for _ in range(self.n - 1)]
             sequences += [self.sequence(sid, choice, self.logprobs, len(prompt)) for choice, sid in enumerate(sids)]
@@ -173,7 +173,7 @@ class CompletionPlan(_Choices):
     def finish(self, store, sequences) -> dict:
         close_sessions(store, sequences)
         choices = [self.choice(index, sequence) for index, sequence in enumerate(sequences)]
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.served.name,
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage(sequences)}
 
     # ---------------------------------------------------------------- bodies
@@ -235,7 +235,7 @@ class CompletionPlan(_Choices):
         logprobs = None
         if logprob is not None and token is not None:
             logprobs = self.logprobs_body([token], [logprob])
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.served.name,
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": [{"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
@@ -276,7 +276,6 @@ class ChatPlan(_Choices):
 
     def __init__(self, served: ServedModel, body: dict | ChatRequest):
         request = ChatRequest.parse(body)
-        params.check_model(request, served.name)
         self.chat = served.require_chat()
         self.thinking, self.effort = params.chat_reasoning(request.reasoning_effort, request.chat_template_kwargs,
                                                             self.chat)
@@ -295,11 +294,12 @@ class ChatPlan(_Choices):
                                                 lambda: served.grammar_vocabulary("response_format")), "response_format")
 
     def job(self, notify, deadline) -> Job:
-        return Job(self.prepare, self.finish, notify, sequences=self.n, stopped=self.stopped, deadline=deadline)
+        return Job(self.prepare, self.finish, notify, sequences=self.n, stopped=self.stopped, deadline=deadline,
+                   adapter=self.adapter)
 
     def prepare(self, store):
         """The prompt prefilled in turns, its other choices forked: a generator (`Job`)."""
-        first, self.cached_tokens = yield from open_in_turns(store, self.prompts[0])
+        first, self.cached_tokens = yield from open_in_turns(store, self.prompts[0], self.adapter)
         sids = [first] + [store.fork(first) for _ in range(self.n - 1)]
         return [self.sequence(sid, choice, self.top_logprobs if self.logprobs else None, len(self.prompts[0]))
                 for choice, sid in enumerate(sids)]
@@ -313,7 +313,7 @@ class ChatPlan(_Choices):
         close_sessions(store, sequences)
         replies = [self.chat.encoder.parse_reply(sequence.tokens, self.thinking) for sequence in sequences]
         choices = [self.choice(index, sequence, reply) for index, (sequence, reply) in enumerate(zip(sequences, replies))]
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.served.name,
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage(sequences, sum(reply.reasoning_tokens for reply in replies))}
 
     def message(self, reply, finish_reason: str) -> tuple[dict, str]:
@@ -371,7 +371,7 @@ class ChatPlan(_Choices):
                 **({"content": content} if content else {})}
 
     def chunk(self, index: int, delta: dict, logprobs=None, finish_reason=None) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.served.name,
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                 "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 

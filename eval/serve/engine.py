@@ -94,11 +94,14 @@ class Job:
     ``stopped(sequence) -> bool`` says whether text-level stop conditions end a sequence after its
     latest token; ``finish(store, sequences) -> result`` runs when every sequence has ended (close
     or keep the sessions); ``abort(store, sequences)`` when the job is cancelled or fails (close
-    them). ``sequences`` counts the sequences ``prepare`` will make (for ``max_batch``)."""
+    them). ``sequences`` counts the sequences ``prepare`` will make (for ``max_batch``); ``adapter``
+    is the tag of the LoRA adapter its sessions run on ("" the base)."""
 
     def __init__(self, prepare: Callable, finish: Callable, notify: Callable, *, sequences: int = 1,
-                 stopped: Callable | None = None, abort: Callable | None = None, deadline: float | None = None):
+                 stopped: Callable | None = None, abort: Callable | None = None, deadline: float | None = None,
+                 adapter: str = ""):
         self.prepare, self.finish, self.notify, self.sequences = prepare, finish, notify, sequences
+        self.adapter = adapter
         self.stopped = stopped or (lambda sequence: False)
         self.abort = abort or close_sessions
         self.deadline = deadline
@@ -115,13 +118,13 @@ def close_sessions(store: SessionStore, sequences) -> None:
             store.close(sequence.sid)
 
 
-def open_in_turns(store: SessionStore, prompt: list[int]):
-    """A generator opening a session on ``prompt`` in turns (`prefill_in_turns`, a `Job`'s
-    ``prepare`` yields from it) -> (the session, how many prompt tokens were resumed from the prefix
+def open_in_turns(store: SessionStore, prompt: list[int], adapter: str = ""):
+    """A generator opening a session on ``prompt`` (served by LoRA adapter ``adapter``, "" the base)
+    in turns (`prefill_in_turns`, a `Job`'s ``prepare`` yields from it) -> (the session, how many prompt tokens were resumed from the prefix
     cache rather than prefilled: the rise of the store's ``prefix_tokens_reused`` counter across the
     first turn, whose `SessionStore.open` alone looks the prefix up; other jobs run only at yields)."""
     before = store.stats()["prefix_tokens_reused"]
-    turns = prefill_in_turns(store, prompt, PREFILL_TURN_TOKENS)
+    turns = prefill_in_turns(store, prompt, PREFILL_TURN_TOKENS, adapter=adapter)
     try:
         next(turns)
     except StopIteration as done:
@@ -178,6 +181,10 @@ class Engine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("call", function, future))
         return future
+
+    def uses_adapter(self, tag: str) -> bool:
+        """Whether an admitted job (preparing or running) runs on adapter ``tag`` (engine thread)."""
+        return any(job.adapter == tag for job in (*self._preparing, *self._jobs))
 
     @property
     def queue_depth(self) -> int:

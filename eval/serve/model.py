@@ -23,9 +23,12 @@ from .limits import check_text_length
 class ServedModel:
     """The loaded run (``run``: an `k3jax.inference.LoadedRun`) as the server presents it."""
 
-    def __init__(self, run, name: str, max_model_len: int):
+    def __init__(self, run, name: str, max_model_len: int, adapters=None, runtime_lora_updates: bool = False):
+        """``adapters``: the LoRA adapters served beside the base (`k3jax.inference.adapters.ServedAdapters`);
+        ``runtime_lora_updates``: whether requests may load and unload them."""
         config = run.config
         self.run, self.model, self.config, self.name, self.max_model_len = run, run.model, config, name, max_model_len
+        self.adapters, self.runtime_lora_updates = adapters, runtime_lora_updates
         self.vocab_size = config.model.vocab_size
         self.chat = chat_turns_for(config)
         has_text = config.data.tokenizer is not None or config.data.kind != "mqar"
@@ -47,6 +50,19 @@ class ServedModel:
             from k3jax.grammar import grammar_tokenizer
             self._grammar_vocabulary = grammar_tokenizer(self.tokenizer, self.vocab_size, self.eos_id)
         return self._grammar_vocabulary
+
+    # ------------------------------------------------------------------ models
+    def resolve(self, requested: str | None) -> tuple[str, str] | None:
+        """``(name, adapter tag)`` of the model a request names: the base ("" its tag) for its name
+        or None, a loaded adapter for its name; None for any other name."""
+        if requested is None or requested == self.name:
+            return self.name, ""
+        adapter = None if self.adapters is None else self.adapters.adapters.get(requested)
+        return None if adapter is None else (requested, adapter.tag)
+
+    def model_names(self) -> list[str]:
+        """The base's name, then the loaded adapters'."""
+        return [self.name, *([] if self.adapters is None else list(self.adapters.adapters))]
 
     # ------------------------------------------------------------------ text
     def encode(self, text: str) -> list[int]:

@@ -11,11 +11,14 @@ from .limits import shown
 from .protocol import ChatTemplateKwargs, Choices, Request, Sampled
 
 
-def check_model(request: Request, served: str) -> None:
-    """A 404 unless the request names the served model (or none)."""
-    if request.model is not None and request.model != served:
-        raise ServeError(404, f"the model {shown(request.model)} does not exist; this server serves {served!r}",
-                         "not_found_error", param="model")
+def model_choice(request: Request, served) -> tuple[str, str]:
+    """``(name, adapter tag)`` of the model the request names (`ServedModel.resolve`: the base,
+    which no name also picks, or a loaded LoRA adapter); a 404 for any other name."""
+    choice = served.resolve(request.model)
+    if choice is None:
+        raise ServeError(404, f"the model {shown(request.model)} does not exist; this server serves "
+                         f"{', '.join(map(repr, served.model_names()))}", "not_found_error", param="model")
+    return choice
 
 
 def sampling(request: Sampled) -> tuple[float, float | None, int]:

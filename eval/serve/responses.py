@@ -84,7 +84,7 @@ class ResponseStore:
         responses past the capacity."""
         if self.journal is not None:
             try:
-                self.journal.write({**dataclasses.asdict(item), "tokens": store.tokens(item.sid).tolist()})
+                self.journal.write(_entry(store, item))
             except OSError as error:
                 raise ServeError(507, f"the response could not be stored in {self.journal.directory}: "
                                  f"{error.strerror or error}", "server_error") from None
@@ -154,8 +154,7 @@ class ResponseStore:
         entries, unreadable = journal.read()
         notes += [f"skipped {name}: an unreadable journal file" for name in unreadable]
         if not journaled:         # written by a version without a journal: what it saved, journaled from now on
-            entries = {key: {**dataclasses.asdict(item), "tokens": store.tokens(item.sid).tolist()}
-                       for key, item in saved.items() if item.sid in store.sessions()}
+            entries = {key: _entry(store, item) for key, item in saved.items() if item.sid in store.sessions()}
             for entry in entries.values():
                 journal.write(entry)
         notes += [f"skipped {key}: its session file is damaged" for key, item in saved.items()
@@ -177,15 +176,21 @@ class ResponseStore:
 def _restored(store: SessionStore, saved: StoredResponse | None, entry: dict) -> tuple[StoredResponse | None, str | None]:
     """A journal ``entry``'s stored response: its ``saved`` session where that holds its tokens, else
     a session prefilled with them -> (the response or None when its tokens cannot be, a note or None)."""
-    tokens = entry["tokens"]
-    if saved is not None and saved.sid in store.sessions() and store.tokens(saved.sid).tolist() == tokens:
+    tokens, adapter = entry["tokens"], entry.get("adapter", "")
+    if saved is not None and saved.sid in store.sessions() and store.tokens(saved.sid).tolist() == tokens \
+            and store.adapter(saved.sid) == adapter:
         return saved, None
     try:
-        sid = store.open(tokens)
+        sid = store.open(tokens, adapter=adapter)
     except ValueError as error:
         return None, f"skipped {entry['id']}: its tokens cannot be prefilled ({error})"
     item = StoredResponse(entry["id"], sid, entry["messages"], entry["tools"], entry["body"])
     return item, f"rebuilt {entry['id']} by a prefill of its {len(tokens)} tokens"
+
+
+def _entry(store: SessionStore, item: StoredResponse) -> dict:
+    """A stored response as its journal keeps it: the item, its session's tokens and adapter tag."""
+    return {**dataclasses.asdict(item), "tokens": store.tokens(item.sid).tolist(), "adapter": store.adapter(item.sid)}
 
 
 def _read_state(directory: pathlib.Path) -> dict | None:
@@ -259,7 +264,7 @@ class ResponsePlan:
 
     def __init__(self, served: ServedModel, body: dict | ResponseRequest, responses: ResponseStore):
         request = ResponseRequest.parse(body)
-        params.check_model(request, served.name)
+        self.model, self.adapter = params.model_choice(request, served)
         self.served, self.responses, self.chat = served, responses, served.require_chat()
         effort = request.reasoning.effort if request.reasoning is not None else None
         self.thinking, self.effort = params.chat_reasoning(effort, None, self.chat, "reasoning.effort")
@@ -285,7 +290,7 @@ class ResponsePlan:
         self.cached_tokens = 0
 
     def job(self, notify, deadline) -> Job:
-        return Job(self.prepare, self.finish, notify, deadline=deadline)
+        return Job(self.prepare, self.finish, notify, deadline=deadline, adapter=self.adapter)
 
     def prepare(self, store: SessionStore):
         previous = self.responses.get(self.previous_id) if self.previous_id is not None else None
@@ -297,13 +302,16 @@ class ResponsePlan:
         room = self.served.max_model_len - len(self.prompt)
         max_tokens = max(room, 0) if self.max_tokens is None else self.max_tokens
         self.served.check_length(len(self.prompt), max_tokens)
+        if previous is not None and store.adapter(previous.sid) != self.adapter:
+            raise ServeError(400, f"previous_response_id {self.previous_id} was answered by another model than "
+                             f"{self.model!r}; continue it with the model that answered it", param="model")
         stored = store.tokens(previous.sid).tolist() if previous is not None else None
         if stored is not None and len(stored) < len(self.prompt) and self.prompt[: len(stored)] == stored:
             sid = store.fork(previous.sid)
             self.cached_tokens = len(stored)
             yield from prefill_in_turns(store, self.prompt[len(stored):], PREFILL_TURN_TOKENS, sid=sid)
         else:
-            sid, self.cached_tokens = yield from open_in_turns(store, self.prompt)
+            sid, self.cached_tokens = yield from open_in_turns(store, self.prompt, self.adapter)
         eos = frozenset() if self.served.eos_id is None else frozenset([self.served.eos_id])
         constraint = None
         if self.grammar is not None:
@@ -336,7 +344,7 @@ class ResponsePlan:
         sid = sequence.sid
         if store.tokens(sid).tolist() != canonical:
             store.close(sid)
-            sid = store.open(canonical)
+            sid = store.open(canonical, adapter=self.adapter)
         self.responses.add(store, StoredResponse(self.id, sid, self.messages + [message], self.tools, body))
         return body
 
@@ -375,7 +383,7 @@ class ResponsePlan:
     def envelope(self, status: str, output: list, usage: dict | None) -> dict:
         """The response object around ``output`` (a stream's first events: in progress, no output)."""
         return {
-            "id": self.id, "object": "response", "created_at": self.created, "model": self.served.name,
+            "id": self.id, "object": "response", "created_at": self.created, "model": self.model,
             "status": status, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "previous_response_id": self.previous_id, "output": output, "store": self.keep,
             "temperature": self.temperature, "top_p": 1.0 if self.top_p is None else self.top_p,

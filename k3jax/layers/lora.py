@@ -20,6 +20,16 @@ unchanged); their factors are `LoRA` variables, not ``nnx.Param``s. `attach_adap
 to a built model; a layer computes an adaptable weight through `adapted_project` /
 `adapted_weight`, which add the adapter's term when there is one. With dropout, each adapter
 holds a `LoRADropoutSeed` slot the training forward fills with per-step keys (`dropout_keys`).
+
+Serving several adapters over one base (S-LoRA / Punica batching) uses an `AdapterBank` in the
+same place: N adapters of one weight side by side, slot 0 the base (zeros), each token choosing
+its slot from the bank's `AdapterRows` slot (`set_adapter_rows`, filled by every serving call):
+
+    y = x W + sum_n [slot(token) = n] s_n (x A_n) B_n
+
+computed as one product of rank N * R (R the largest rank; a smaller adapter is zero-padded,
+which adds exact zeros): h = x [A_0 | ... | A_{N-1}] [..., N, R], h *= onehot(slot) s, y += h B,
+contracting N and R together, so no [..., N, out] product is ever formed.
 """
 from __future__ import annotations
 
@@ -34,7 +44,7 @@ from flax import nnx
 from k3jax.layers.linear import project
 from k3jax.layers.params import logical_axes
 
-RANK_AXIS, STACK_AXIS, EXPERT_AXIS = "lora_rank", "layers", "experts"
+RANK_AXIS, STACK_AXIS, EXPERT_AXIS, SLOT_AXIS = "lora_rank", "layers", "experts", "lora_slots"
 ADAPTER_SUFFIX = "_lora"
 
 
@@ -98,6 +108,53 @@ class Adapter(nnx.Module):
         return lora_delta(dropout(x, self.dropout_rate, key), self.a[...], self.b[...], self.scale, dtype, contract)
 
 
+class AdapterScales(nnx.Variable):
+    """The scales s_n = alpha_n / r_n of an `AdapterBank`'s slots (0 for a free slot and the base)."""
+
+
+class AdapterRows(nnx.Variable):
+    """The slot of every token of one call (int32 [..., B, T], leading stacked-layer axes) of an
+    `AdapterBank`: a per-call input, set by `set_adapter_rows`; never trained or saved."""
+
+
+class AdapterBank(nnx.Module):
+    """N adapters of one weight, chosen per token (the module doc's bank): ``a`` [*stack, in..., N, R],
+    ``b`` [*stack, N, R, out...] (`LoRA`), ``scales`` [*stack, N] (`AdapterScales`), ``rows`` the
+    call's slots (`AdapterRows`, None: every token on slot 0, the base)."""
+
+    def __init__(self, a: jax.Array, b: jax.Array, scales: jax.Array, a_axes, b_axes, scale_axes):
+        self.a = LoRA(a, logical_axes=tuple(a_axes))
+        self.b = LoRA(b, logical_axes=tuple(b_axes))
+        self.scales = AdapterScales(scales, logical_axes=tuple(scale_axes))
+        self.rows: AdapterRows | None = nnx.data(None)
+
+    @property
+    def slots(self) -> int:
+        return self.scales.shape[-1]
+
+    def row_weights(self, lead: tuple, dtype) -> jax.Array:
+        """``[*lead, N]``: s_n where token's slot is n, else 0; ``lead`` the leading axes of the
+        input (a call's [B, T], or its B * T tokens flattened)."""
+        scales = self.scales[...].astype(jnp.float32)
+        if self.rows is None:
+            return jnp.zeros((*lead, self.slots), dtype)
+        rows = self.rows[...]
+        if math.prod(lead) != rows.size:
+            raise ValueError(f"adapter bank: an input of leading shape {lead} does not match the call's "
+                             f"{rows.shape} token slots")
+        return (jax.nn.one_hot(rows.reshape(lead), self.slots, dtype=jnp.float32) * scales).astype(dtype)
+
+    def low_rank(self, h: jax.Array, dtype) -> jax.Array:
+        """``h [*lead, N, R]`` (the input through every slot's A) with each token's other slots
+        zeroed and its own scaled by s_n."""
+        return h * self.row_weights(h.shape[:-2], dtype)[..., None]
+
+    def __call__(self, x: jax.Array, dtype, contract: int = 1) -> jax.Array:
+        """``sum_n [slot = n] s_n (x A_n) B_n`` in ``dtype``."""
+        h = self.low_rank(project(x, self.a[...], dtype, contract), dtype)
+        return project(h, self.b[...], dtype, 2)
+
+
 def _stacked(axes) -> int:
     """1 when the leading axis is the scanned "layers" axis, else 0."""
     return int(bool(axes) and axes[0] == STACK_AXIS)
@@ -111,9 +168,12 @@ def adapted_project(module: nnx.Module, name: str, x: jax.Array, dtype, contract
 
 
 def adapted_weight(module: nnx.Module, name: str, dtype) -> jax.Array:
-    """The weight ``module.<name>`` in ``dtype``, with its adapter merged in (``W + s A B``) if it has one."""
+    """The weight ``module.<name>`` in ``dtype``, with its adapter merged in (``W + s A B``) if it has
+    one; an `AdapterBank` (one adapter per token) cannot be merged: its layer asks `adapter_bank`."""
     weight = getattr(module, name)[...]
     adapter = getattr(module, name + ADAPTER_SUFFIX, None)
+    if isinstance(adapter, AdapterBank):
+        raise ValueError(f"{type(module).__name__}.{name}: an adapter bank is computed beside the weight, not merged")
     if adapter is None:
         return weight.astype(dtype)
     return merged_weight(weight, adapter.a[...], adapter.b[...], adapter.scale, adapter.routed).astype(dtype)
@@ -231,6 +291,42 @@ def dropout_keys(slots: dict, key: jax.Array | None) -> dict:
         own = jax.random.fold_in(key, _path_hash(path))
         return jax.random.key_data(jax.random.split(own, slot.shape[:-1]) if len(slot.shape) > 1 else own)
     return {path: fill(path, slot) for path, slot in slots.items()}
+
+
+def adapter_bank(module: nnx.Module, name: str) -> AdapterBank | None:
+    """The `AdapterBank` of weight ``module.<name>``, None when it has none (or a plain adapter)."""
+    adapter = getattr(module, name + ADAPTER_SUFFIX, None)
+    return adapter if isinstance(adapter, AdapterBank) else None
+
+
+def attach_banks(model: nnx.Module, weights: list[AdaptableWeight], slots: int, rank: int) -> None:
+    """An empty `AdapterBank` (``slots`` slots of rank ``rank``, every factor and scale zero) beside
+    each of ``weights`` of ``model`` (in place). Routed experts take none: their adapters are merged
+    into the weights the dispatch computes with."""
+    for item in weights:
+        if item.routed:
+            raise ValueError(f"{item.path}: routed experts' adapters cannot be chosen per token")
+        stack = _stacked(item.axes)
+        in_shape, in_axes = item.shape[stack:stack + item.input_dims], item.axes[stack:stack + item.input_dims]
+        out_shape, out_axes = item.shape[stack + item.input_dims:], item.axes[stack + item.input_dims:]
+        lead, lead_axes = item.shape[:stack], item.axes[:stack]
+        a = jnp.zeros((*lead, *in_shape, slots, rank), jnp.float32)
+        b = jnp.zeros((*lead, slots, rank, *out_shape), jnp.float32)
+        setattr(item.module, item.name + ADAPTER_SUFFIX, AdapterBank(
+            a, b, jnp.zeros((*lead, slots), jnp.float32), (*lead_axes, *in_axes, SLOT_AXIS, RANK_AXIS),
+            (*lead_axes, SLOT_AXIS, RANK_AXIS, *out_axes), (*lead_axes, SLOT_AXIS)))
+
+
+def set_adapter_rows(model: nnx.Module, rows: jax.Array | None) -> None:
+    """Every `AdapterBank` of ``model`` serves the tokens of the next call from slots ``rows``
+    (int32 [B, T]; None: no bank is used), broadcast over its stacked layers."""
+    if rows is None:
+        return
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, AdapterBank):
+            lead = module.scales.shape[:-1]
+            module.rows = AdapterRows(jnp.broadcast_to(rows.astype(jnp.int32), (*lead, *rows.shape)),
+                                      logical_axes=(*module.scales.get_metadata()["logical_axes"][:-1], None, None))
 
 
 def set_adapter_dropout(model: nnx.Module, rate: float) -> None:

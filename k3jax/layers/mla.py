@@ -12,6 +12,12 @@ For x in R^d, H heads of n (nope) + r (rope, never rotated) query/key dims and V
 Training (no cache) runs this expanded form. With a cache, each call appends [c~ | k_r] for its
 tokens and attends in the absorbed form: queries q_lat = W_kvb,k^T q_nope (per head) and [q_lat | q_r]
 score against the shared cached [c~ | k_r]; the mixed latent is expanded by W_kvb,v afterwards.
+
+Served with an adapter bank on W_kvb (`k3jax.layers.lora.AdapterBank`, one adapter per token), the
+absorbed form keeps W_kvb and adds each token's low-rank term beside it, with w_n the token's
+slot weight (s_n on its own slot, 0 elsewhere):
+
+    q_lat += sum_{n,r} A_n[:, r] w_n (q_nope . B_n,k[r])       o += sum_{n,r} (o_lat . A_n[:, r]) w_n B_n,v[r]
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from flax import nnx
 
 from k3jax.config import MLAConfig
 from k3jax.layers.linear import project
-from k3jax.layers.lora import adapted_project, adapted_weight
+from k3jax.layers.lora import AdapterBank, adapted_project, adapted_weight, adapter_bank
 from k3jax.layers.params import param, truncated_normal
 from k3jax.layers.scope import scoped
 from k3jax.memory import MLAMemory, MLAPages, page_rows, set_latent_rows
@@ -31,11 +37,14 @@ from k3jax.ops.attention import KERNEL_IMPLEMENTATIONS, attention, resolved_impl
 from k3jax.ops.norms import rms_norm
 
 
-def _expand_keys_values(latent: jax.Array, kv_b_proj: jax.Array, *, config: MLAConfig, dtype) -> tuple:
+def _expand_keys_values(latent: jax.Array, kv_b_proj: jax.Array, *, config: MLAConfig, dtype,
+                        bank: AdapterBank | None = None) -> tuple:
     """``[c~ | k_r]`` ``[B, T, kv_lora + r]`` -> keys ``[k_nope | k_r] [B, T, H, n + r]`` (k_r shared
-    by every head) and values ``[B, T, H, V]``."""
+    by every head) and values ``[B, T, H, V]`` (with ``bank``: each token's adapter term added)."""
     c, k_rope = latent[..., : config.kv_lora_rank], latent[..., config.kv_lora_rank :]
     kv = project(c, kv_b_proj, dtype)                                                # [B, T, H, n + V]
+    if bank is not None:
+        kv = kv + bank(c, dtype)
     k_nope, v = kv[..., : config.nope_head_dim], kv[..., config.nope_head_dim :]
     k_rope = jnp.broadcast_to(k_rope[:, :, None].astype(dtype), (*k_nope.shape[:-1], config.rope_head_dim))
     return jnp.concatenate([k_nope, k_rope], axis=-1), v
@@ -119,14 +128,17 @@ class MLALayer(nnx.Module):
         over its mesh axis and only the compact latent crosses devices; with ``head_parallel`` a
         kernel XLA cannot partition (splash) runs on each device's rows and heads."""
         cfg = self.config
-        expand = functools.partial(_expand_keys_values, config=cfg, dtype=self.dtype)
+        bank = adapter_bank(self, "kv_b_proj")
+        expand = functools.partial(_expand_keys_values, config=cfg, dtype=self.dtype, bank=bank)
         options = dict(scale=cfg.qk_head_dim**-0.5, implementation=cfg.attention_implementation,
                        block_size=cfg.attention_block_size)
+        if bank is not None and self.context_parallel is not None:
+            raise ValueError("an adapter bank on kv_b_proj does not run context-parallel (a sequence split over devices)")
         if self.context_parallel is not None:
             segments = jnp.zeros(q.shape[:2], jnp.int32) if segments is None else segments
             return self.context_parallel.attention(q, latent, segments, adapted_weight(self, "kv_b_proj", self.dtype),
                                                    expand=expand, **options)
-        keys, values = expand(latent, adapted_weight(self, "kv_b_proj", self.dtype))
+        keys, values = expand(latent, self._kv_b(bank))
         implementation = resolved_implementation(cfg.attention_implementation, True, segments is not None)
         per_device = self.head_parallel is not None and implementation in KERNEL_IMPLEMENTATIONS
         run = self.head_parallel.attention if per_device else attention
@@ -162,9 +174,15 @@ class MLALayer(nnx.Module):
         key_segments = jnp.where(slots >= memory.document_start[:, None], key_segments, jnp.iinfo(jnp.int32).min)
         positions = memory.length[:, None] + jnp.arange(length)
 
-        kv_b = adapted_weight(self, "kv_b_proj", self.dtype)
+        bank = adapter_bank(self, "kv_b_proj")
+        kv_b = self._kv_b(bank)
         key_proj, value_proj = kv_b[..., : cfg.nope_head_dim], kv_b[..., cfg.nope_head_dim :]
-        q_latent = jnp.einsum("bthn,chn->bthc", q[..., : cfg.nope_head_dim], key_proj)
+        q_nope = q[..., : cfg.nope_head_dim]
+        q_latent = jnp.einsum("bthn,chn->bthc", q_nope, key_proj)
+        if bank is not None:
+            weights = bank.row_weights(q.shape[:2], self.dtype)[:, :, None, :, None]       # [B, T, 1, N, 1]
+            low = jnp.einsum("bthn,srhn->bthsr", q_nope, bank.b[...][..., : cfg.nope_head_dim].astype(self.dtype))
+            q_latent = q_latent + jnp.einsum("bthsr,csr->bthc", low * weights, bank.a[...].astype(self.dtype))
         queries = jnp.concatenate([q_latent, q[..., cfg.nope_head_dim :]], axis=-1)   # [B, T, H, kv_lora + r]
         keys = cache.astype(self.dtype)[:, :, None, :]                                 # one shared head
         implementation = "dense" if cfg.attention_implementation == "dense" else "xla"
@@ -173,6 +191,9 @@ class MLALayer(nnx.Module):
                           query_segments=segments, key_segments=key_segments,
                           implementation=implementation, block_size=cfg.attention_block_size)
         o = jnp.einsum("bthc,chv->bthv", mixed, value_proj)
+        if bank is not None:
+            low = jnp.einsum("bthc,csr->bthsr", mixed, bank.a[...].astype(self.dtype)) * weights
+            o = o + jnp.einsum("bthsr,srhv->bthv", low, bank.b[...][..., cfg.nope_head_dim :].astype(self.dtype))
         overflow = memory.length + length > cache.shape[1]
         o = jnp.where(overflow[:, None, None, None], jnp.nan, o)
 
@@ -180,6 +201,10 @@ class MLALayer(nnx.Module):
         last_start = jnp.max(jnp.where(starts, jnp.arange(length), 0), axis=1)
         document_start = jnp.where(jnp.any(starts, axis=1), memory.length + last_start, memory.document_start)
         return o, MLAMemory(cache, memory.length + length, document_start)
+
+    def _kv_b(self, bank: AdapterBank | None) -> jax.Array:
+        """W_kvb in ``dtype``: with its adapter merged in, or alone beside a ``bank`` (added per token)."""
+        return self.kv_b_proj[...].astype(self.dtype) if bank is not None else adapted_weight(self, "kv_b_proj", self.dtype)
 
     def _queries(self, x: jax.Array) -> jax.Array:
         """``[B, T, H, n + r]``: W_q x, or W_qb RMSNorm(W_qa x) with q-LoRA."""

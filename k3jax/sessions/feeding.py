@@ -49,6 +49,23 @@ class Feeder:
         self.chunk_size = model.config.kda.chunk_size
         self.counts = dict.fromkeys(("prefill_tokens", "decode_steps", "decode_tokens"), 0)
         self.gathered_decode = False
+        self.adapter_slots: dict[str, int] | None = None   # {tag: bank slot}; None: the model has no bank
+
+    def serve_adapters(self, model, slots: Mapping[str, int]) -> None:
+        """Serve sessions tagged with an adapter from its slot of ``model``'s adapter banks
+        (``{tag: slot}``, the base "" on 0), with ``model``'s current weights (a slot just filled)."""
+        self.params = nnx.state(model)
+        self.adapter_slots = {"": 0, **slots}
+
+    def adapters(self, values: Sequence[Value], pad: int = 0) -> np.ndarray | None:
+        """The bank slot of each value, then ``pad`` base rows (None without banks); ValueError for
+        a value whose adapter is no longer served."""
+        if self.adapter_slots is None:
+            return None
+        for value in values:
+            if value.adapter not in self.adapter_slots:
+                raise ValueError(f"adapter {value.adapter.split('@')[0]!r} is not loaded")
+        return np.asarray([self.adapter_slots[v.adapter] for v in values] + [0] * pad, np.int32)
 
     # ------------------------------------------------------------------ one session, one step
     def prefill(self, value: Value, tokens: list[int], every_position: bool = True) -> np.ndarray | None:
@@ -61,7 +78,7 @@ class Feeder:
             logits, self.device.arrays = paged.prefill_piece(
                 self.graph, self.params, self.device.arrays, np.int32(value.slot),
                 self.device.table(value.pages, bucket), np.int32(value.length),
-                np.asarray(tokens[done : done + size], np.int32))
+                np.asarray(tokens[done : done + size], np.int32), self._adapter(value))
             value.tokens.extend(tokens[done : done + size])
             done += size
             outputs.append(logits)
@@ -73,11 +90,15 @@ class Feeder:
         self.remember_prefix(value)
         return np.asarray(jnp.concatenate(outputs)) if every_position else None
 
+    def _adapter(self, value: Value) -> np.ndarray | None:
+        slots = self.adapters([value])
+        return None if slots is None else slots[0]
+
     def remember_prefix(self, value: Value) -> None:
         """Cache ``value``'s state (it is on device) and pages at its current length (with the prefix cache on)."""
         if not self.prefix_cache:
             return
-        key = self.prefix.key(value.tokens)
+        key = self.prefix.key(value.tokens, value.adapter)
         if self.prefix.touch(key):
             return
         state, conv = self.device.read_slot(value.slot)
@@ -109,7 +130,8 @@ class Feeder:
             batch = batch._replace(logits=one_hot)
         tokens, logits, self.device.arrays = paged.decode_step(
             self.graph, self.params, self.device.arrays, batch.slots, batch.tables,
-            batch.lengths, batch.logits, batch.sampling, gathered=self.gathered_decode, adjustment=batch.adjustment)
+            batch.lengths, batch.logits, batch.sampling, gathered=self.gathered_decode, adjustment=batch.adjustment,
+            adapters=self.adapters(values, len(batch.slots) - len(values)))
         tokens, logits = np.asarray(tokens), np.asarray(logits)
         for index, (value, sampling) in enumerate(zip(values, samplings)):
             value.tokens.append(int(tokens[index]))
@@ -161,7 +183,7 @@ class Feeder:
             restore = tuple(jnp.concatenate([a, jnp.zeros((pad, *a.shape[1:]), a.dtype)]) for a in restore)
         logits, device.arrays, saved = paged.feed_rows(
             self.graph, self.params, device.arrays, slots, tables, lengths, rows, restore,
-            every_position=every_position)
+            every_position=every_position, adapters=self.adapters(values, pad))
         return np.asarray(logits)[: len(values)], saved
 
     def keep_positions(self, values: list[Value], saved, positions: list[int]) -> None:

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.layers.lora import set_adapter_rows
 from k3jax.sampling import Adjustment, adjusted_logits, sample_logits
 from k3jax.memory import KDAMemory, KDAPool, KDAPositions, Memory, MLAMemory, MLAPages, page_rows, set_latent_rows
 
@@ -186,19 +187,31 @@ def scatter_bank(pools: Pools, slots, tables, lengths, bank: Memory, new_tokens:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("pools",))
-def prefill_piece(graph: StaticGraph, params, pools: Pools, slot, table, length, tokens):
-    """One sequence continues by ``tokens [T]``: -> (logits [T, vocab] fp32, pools)."""
-    slots, tables, lengths = slot[None], table[None], length[None]
+def model_for(graph: StaticGraph, params, adapters, shape) -> nnx.Module:
+    """The model of ``graph`` with ``params``, its adapter banks (if any) serving the tokens of a
+    call of ``shape`` [B, T] from slots ``adapters [B]`` (`k3jax.layers.lora.set_adapter_rows`;
+    None: a model without banks)."""
     model = graph.merge(params)
+    if adapters is not None:
+        set_adapter_rows(model, jnp.broadcast_to(adapters[:, None], shape))
+    return model
+
+
+@functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("pools",))
+def prefill_piece(graph: StaticGraph, params, pools: Pools, slot, table, length, tokens, adapter=None):
+    """One sequence continues by ``tokens [T]`` (served by adapter slot ``adapter``, None: the
+    model has no adapter bank): -> (logits [T, vocab] fp32, pools)."""
+    slots, tables, lengths = slot[None], table[None], length[None]
+    model = model_for(graph, params, None if adapter is None else adapter[None], (1, tokens.shape[0]))
     out = model(tokens[None], memory=gather_bank(pools, slots, tables, lengths, model.config.mla.latent_width))
     return host_readable(model, out.logits[0]), scatter_bank(pools, slots, tables, lengths, out.memory, tokens.shape[0])
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "every_position"), donate_argnames=("pools",))
-def feed_rows(graph: StaticGraph, params, pools: Pools, slots, tables, lengths, tokens, restore=None, every_position=False):
-    """B sequences continue by ``tokens [B, T]`` each, in one call (a speculative round's verify
-    and replay, `k3jax.sessions.speculate`) -> (logits [B, T, vocab] fp32, pools, saved KDA states
+def feed_rows(graph: StaticGraph, params, pools: Pools, slots, tables, lengths, tokens, restore=None, every_position=False,
+              adapters=None):
+    """B sequences continue by ``tokens [B, T]`` each (served by adapter slots ``adapters [B]``, as
+    `model_for`), in one call (a speculative round's verify and replay, `k3jax.sessions.speculate`) -> (logits [B, T, vocab] fp32, pools, saved KDA states
     and conv tails ``(state, conv)``): the slots' from before the call ``[B, ...]``, or with
     ``every_position`` the states and tails after every token ``[B, T, ...]`` (fed token by token,
     `k3jax.memory.KDAPositions`; `keep_positions` then sets each slot to the position it keeps).
@@ -209,7 +222,7 @@ def feed_rows(graph: StaticGraph, params, pools: Pools, slots, tables, lengths, 
     or written) and free slots of their own."""
     if restore is not None:
         pools = set_slots(pools, slots, *restore)
-    model = graph.merge(params)
+    model = model_for(graph, params, adapters, tokens.shape)
     bank = gather_bank(pools, slots, tables, lengths, model.config.mla.latent_width)
     if not every_position:
         out = model(tokens, memory=bank)
@@ -271,9 +284,9 @@ class RowSampling(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("graph", "gathered"), donate_argnames=("pools",))
 def decode_step(graph: StaticGraph, params, pools: Pools, slots, tables, lengths, logits, sampling: RowSampling,
-                gathered: bool = False, adjustment: Adjustment | None = None):
+                gathered: bool = False, adjustment: Adjustment | None = None, adapters=None):
     """Every row samples its next token from ``logits [B, vocab]`` with its own `RowSampling` and
-    feeds it: -> (tokens [B], their logits [B, vocab] fp32, pools). Slots must be distinct (padding
+    feeds it (served by adapter slots ``adapters [B]``, as `model_for`): -> (tokens [B], their logits [B, vocab] fp32, pools). Slots must be distinct (padding
     rows: free slots). The model decodes over `pooled_bank` (its KDA kernels are its config's
     ``kda.implementation``). One program for every subset of sessions and sampling settings of a
     batch bucket and page bucket; a second one where rows adjust their logits first (``adjustment``
@@ -289,7 +302,7 @@ def decode_step(graph: StaticGraph, params, pools: Pools, slots, tables, lengths
         tokens = jax.vmap(sample_row)(logits, lengths, *sampling)
     else:
         tokens = jax.vmap(sample_row)(adjusted_logits(logits, adjustment, xp=jnp), lengths, *sampling, adjustment.min_p)
-    model = graph.merge(params)
+    model = model_for(graph, params, adapters, (logits.shape[0], 1))
     tokens = host_readable(model, tokens)
     if gathered:
         out = model(tokens[:, None], memory=gather_bank(pools, slots, tables, lengths, model.config.mla.latent_width))

@@ -3,7 +3,8 @@ end), read back by a store of the same model.
 
     manifest.json              {"format": FORMAT_VERSION, "fingerprint": the model's, "sessions": [sid, ...],
                                 "snapshots": [[sid, serial], ...], "next_session": .., "next_serial": ..}
-    session-{sid}.npz          tokens, logits, state, conv, rows   (see `k3jax.sessions.tiers`)
+    session-{sid}.npz          tokens, logits, state, conv, rows   (see `k3jax.sessions.tiers`),
+                               adapter (the LoRA adapter serving it; absent: the base)
     snapshot-{sid}-{serial}.npz
 """
 from __future__ import annotations
@@ -24,11 +25,13 @@ Item = TypeVar("Item")
 
 
 class SavedValue(NamedTuple):
-    """One session or snapshot as saved: its token ids, last logits and memory."""
+    """One session or snapshot as saved: its token ids, last logits, memory and adapter tag
+    (`k3jax.sessions.tiers.Value.adapter`)."""
 
     tokens: np.ndarray
     logits: np.ndarray
     memory: HostValue
+    adapter: str = ""
 
 
 class SavedValues(NamedTuple):
@@ -58,8 +61,10 @@ def save(directory, *, fingerprint: str, sessions: Mapping[int, Item], snapshots
         temporary.mkdir()
         for name, value in [(_session_file(sid), v) for sid, v in sessions.items()] + \
                            [(_snapshot_file(s, n), v) for (s, n), v in snapshots.items()]:
-            tokens, logits, memory = saved(value)
-            write_npz_atomically(temporary / name, **memory._asdict(), tokens=tokens, logits=logits)
+            item = saved(value)
+            tagged = {"adapter": np.asarray(item.adapter)} if item.adapter else {}
+            write_npz_atomically(temporary / name, **item.memory._asdict(), tokens=item.tokens, logits=item.logits,
+                                 **tagged)
         manifest = {"format": FORMAT_VERSION, "fingerprint": fingerprint, "sessions": sorted(sessions),
                     "snapshots": sorted(map(list, snapshots)), "next_session": next_session,
                     "next_serial": next_serial}
@@ -137,4 +142,4 @@ def read_values(directory: pathlib.Path, manifest: dict, fingerprint: str,
 
 
 def _saved_value(arrays: dict[str, np.ndarray]) -> SavedValue:
-    return SavedValue(arrays["tokens"], arrays["logits"], HostValue.among(arrays))
+    return SavedValue(arrays["tokens"], arrays["logits"], HostValue.among(arrays), str(arrays.get("adapter", "")))

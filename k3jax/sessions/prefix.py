@@ -3,7 +3,7 @@
 Prefill runs in pieces that end at every multiple of ``kda.chunk_size``; the KDA state and conv
 tails at each such boundary and at the end of each turn are kept (on the host) with the pages
 before them (shared: the cache holds a reference to each), keyed by sha256(model fingerprint,
-token ids). A new session resumes from the longest cached prefix of its prompt. Entries leave
+the serving adapter's tag, token ids). A new session resumes from the longest cached prefix of its prompt. Entries leave
 least recently used first: past ``MAX_PREFIX_ENTRIES``, when the store needs device or host
 room, and when a session needs pages the pools do not have free -- the cache holds spare pages
 only and never makes the pools grow (growing recompiles the programs over them;
@@ -48,16 +48,20 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def key(self, tokens) -> str:
+    def key(self, tokens, adapter: str = "") -> str:
+        """sha256(fingerprint, ``adapter``'s tag when it is not the base, token ids)."""
         digest = hashlib.sha256(self.fingerprint.encode())
+        if adapter:
+            digest.update(b"adapter:" + adapter.encode() + b"\0")
         digest.update(np.asarray(tokens, np.int32).tobytes())
         return digest.hexdigest()
 
-    def longest_prefix(self, tokens: list[int]) -> PrefixEntry | None:
-        """The entry of the longest cached prefix of ``tokens`` (counted as a hit), or None (a miss)."""
+    def longest_prefix(self, tokens: list[int], adapter: str = "") -> PrefixEntry | None:
+        """The entry of the longest cached prefix of ``tokens`` served by ``adapter`` (counted as a
+        hit), or None (a miss)."""
         for length in sorted(self.lengths, reverse=True):
             if length <= len(tokens):
-                entry = self.entries.get(self.key(tokens[:length]))
+                entry = self.entries.get(self.key(tokens[:length], adapter))
                 if entry is not None:
                     self.clock.touch(entry)
                     self.counts["prefix_hits"] += 1

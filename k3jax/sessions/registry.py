@@ -88,9 +88,9 @@ class Registry:
         """Hold the sessions and snapshots of a saved store (`k3jax.sessions.persist.read_values`),
         on host, and go on numbering from where it stopped."""
         for held, values in ((self.sessions, saved.sessions), (self.snapshots, saved.snapshots)):
-            for key, (tokens, logits, memory) in values.items():
-                value = Value([int(t) for t in tokens], logits)
-                self.tiers.put_on_host(value, memory)
+            for key, item in values.items():
+                value = Value([int(t) for t in item.tokens], item.logits, item.adapter)
+                self.tiers.put_on_host(value, item.memory)
                 held[key] = value
                 clock.touch(value)
         self.next_session, self.next_serial = next_session, next_serial

@@ -46,6 +46,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.checkpoint import tree_checksums
+from k3jax.layers.lora import AdapterBank
 from k3jax.sampling import check_sampling
 from k3jax.sessions import batching, paged, persist
 from k3jax.sessions.batching import Sampling
@@ -61,17 +62,18 @@ __all__ = ["SessionStore", "Snapshot", "model_fingerprint", "prefill_in_turns"]
 
 
 def prefill_in_turns(store: "SessionStore", tokens, turn_tokens: int, sid: int | None = None,
-                     logits: list | None = None):
+                     logits: list | None = None, adapter: str = ""):
     """A generator that opens a session on ``tokens`` (``sid`` None) or feeds them after session
     ``sid``'s history, about ``turn_tokens`` per turn (`paged.turn_stop`), yielding between turns
     -> the session's id (its return value). A server runs other requests' steps at each yield, and
     stops one whose deadline passed; the pieces, state and logits are those of one `open` /
-    `extend`. ``logits`` (with ``sid``): a list that receives each turn's `append` logits [t, vocab]."""
+    `extend`. ``logits`` (with ``sid``): a list that receives each turn's `append` logits [t, vocab].
+    ``adapter``: the LoRA adapter serving a session it opens (`SessionStore.open`)."""
     tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
     if sid is None:
         if logits is not None:
             raise ValueError("logits are collected when feeding an open session (give sid)")
-        sid, offset = store.open(tokens, limit=turn_tokens), 0
+        sid, offset = store.open(tokens, limit=turn_tokens, adapter=adapter), 0
     else:
         offset = len(store.tokens(sid))
     while (length := len(store.tokens(sid))) < offset + len(tokens):
@@ -85,11 +87,14 @@ def prefill_in_turns(store: "SessionStore", tokens, turn_tokens: int, sid: int |
 
 
 def model_fingerprint(model) -> str:
-    """sha256 of the model's config and every parameter and buffer value; of a model spread over
+    """sha256 of the model's config and every parameter and buffer value (not its adapter banks,
+    whose slots `serve_adapters` tags one by one); of a model spread over
     several processes, of each array's checksum (`k3jax.checkpoint.tree_checksums`, computed where
     the shards lie) instead, as no host holds its bytes."""
     digest = hashlib.sha256(json.dumps(dataclasses.asdict(model.config), sort_keys=True, default=str).encode())
-    leaves = sorted(jax.tree_util.tree_leaves_with_path(nnx.state(model)), key=lambda item: str(item[0]))
+    banks = [path for path, module in nnx.iter_modules(model) if isinstance(module, AdapterBank)]
+    weights = nnx.state(model, lambda path, _: not any(path[:len(bank)] == bank for bank in banks))
+    leaves = sorted(jax.tree_util.tree_leaves_with_path(weights), key=lambda item: str(item[0]))
     if not all(leaf.is_fully_addressable for _, leaf in leaves):
         sums = tree_checksums({"state": {jax.tree_util.keystr(path): leaf for path, leaf in leaves}})
         return hashlib.sha256(digest.digest() + json.dumps(sums, sort_keys=True).encode()).hexdigest()
@@ -132,19 +137,22 @@ class SessionStore:
         self.feeder = Feeder(model, self._device, self._tiers, self._prefix, self._registry, prefix_cache)
 
     # ------------------------------------------------------------------ public API
-    def open(self, prompt_tokens, limit: int | None = None) -> int:
+    def open(self, prompt_tokens, limit: int | None = None, adapter: str = "") -> int:
         """Prefill a new session with ``prompt_tokens`` ``[T]`` (T >= 1) -> its id. ``limit``: feed
         about that many tokens past the cached prefix now (`paged.turn_stop`: whole chunks, at least
         one); the session then holds a prefix of the prompt (`tokens`), and `extend` feeds the rest
-        (`prefill_in_turns`)."""
+        (`prefill_in_turns`). ``adapter``: the tag of the LoRA adapter that serves the session, its
+        forks and snapshots (`serve_adapters`; "" the base model)."""
         self._collect()
         if limit is not None and not (isinstance(limit, (int, np.integer)) and not isinstance(limit, bool) and limit >= 1):
             raise ValueError(f"limit must be a positive integer or None, got {limit!r}")
         tokens = self._check_tokens(prompt_tokens)
+        if adapter and adapter not in (self.feeder.adapter_slots or {}):
+            raise ValueError(f"adapter {adapter.split('@')[0]!r} is not loaded")
         self._tiers.check_fits(len(tokens))
-        entry = self._prefix.longest_prefix(tokens) if self.feeder.prefix_cache else None
+        entry = self._prefix.longest_prefix(tokens, adapter) if self.feeder.prefix_cache else None
         start = 0 if entry is None else entry.length
-        value = Value(list(tokens[:start]), None if entry is None else entry.logits)
+        value = Value(list(tokens[:start]), None if entry is None else entry.logits, adapter)
         if entry is None:
             state, conv = self._device.zero_state()
         else:
@@ -262,6 +270,17 @@ class SessionStore:
         if tokens:
             self._check_tokens(list(tokens.values()))
         return self._step(dict.fromkeys(tokens, Sampling()), forced=tokens)
+
+    def serve_adapters(self, slots: dict[str, int]) -> None:
+        """Serve the adapters of the model's banks (`k3jax.layers.lora.AdapterBank`) now loaded:
+        ``{tag: bank slot}`` (a tag names one adapter's weights, e.g. ``name@checksum``). Sessions
+        opened with a tag run on its slot; a session whose tag is gone refuses to be fed (its
+        cached prefixes are keyed by the tag, so a slot refilled with other weights reuses none)."""
+        self.feeder.serve_adapters(self.model, slots)
+
+    def adapter(self, sid) -> str:
+        """The tag of the adapter serving session ``sid`` ("" the base model)."""
+        return self._registry.session(sid).adapter
 
     def reserve(self, slots: int, pages: int) -> None:
         """Grow the device pools now (doubling, as they grow on demand) to at least ``slots`` free
@@ -416,7 +435,8 @@ class SessionStore:
         return self._tiers.arrays(value)
 
     def _saved(self, value: Value) -> persist.SavedValue:
-        return persist.SavedValue(np.asarray(value.tokens, np.int32), np.asarray(value.logits), self._arrays(value))
+        return persist.SavedValue(np.asarray(value.tokens, np.int32), np.asarray(value.logits), self._arrays(value),
+                                  value.adapter)
 
     @property
     def _host_tier(self) -> HostTier:

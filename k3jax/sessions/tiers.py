@@ -107,11 +107,13 @@ def read_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
 
 
 class Value:
-    """One sequence's memory and history: on device (slot + pages), on host, or in a file."""
+    """One sequence's memory and history: on device (slot + pages), on host, or in a file; and the
+    tag of the LoRA adapter that serves it ("" the base model; `SessionStore.serve_adapters`)."""
 
-    def __init__(self, tokens: list[int], logits):
+    def __init__(self, tokens: list[int], logits, adapter: str = ""):
         self.tokens = tokens
         self.logits = logits            # [vocab] of the last position
+        self.adapter = adapter
         self.slot: int | None = None
         self.pages: list[int] = []
         self.host: HostValue | None = None
@@ -248,13 +250,13 @@ class Tiers:
         on the device; uploaded from its host arrays or file otherwise (``source`` stays there)."""
         if source.slot is None:
             self.clock.touch(source)
-            copy = Value(list(source.tokens), np.array(source.logits))
+            copy = Value(list(source.tokens), np.array(source.logits), source.adapter)
             self._upload(copy, source, (*pinned, source))
             self.clock.touch(copy)
             return copy
         self.writable(source, 0, pinned)
         self.reserve(1, 0, (*pinned, source))
-        copy = Value(list(source.tokens), np.array(source.logits))
+        copy = Value(list(source.tokens), np.array(source.logits), source.adapter)
         copy.slot = self.device.copy_slot(source.slot)
         copy.pages = list(source.pages)
         self.device.pages.share(copy.pages)

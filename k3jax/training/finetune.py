@@ -29,7 +29,7 @@ from typing import NamedTuple
 import jax
 from flax import nnx
 
-from k3jax.checkpoint import CheckpointError, restore_subtree, tree_checksums
+from k3jax.checkpoint import CHECKSUMS, CheckpointError, restore_subtree, tree_checksums
 from k3jax.sharding import abstract
 from k3jax.config import ConfigError, FinetuneConfig, ModelConfig
 from k3jax.layers.lora import (LoRA, LoRADropoutSeed, adaptable_weights, attach_adapters, select_weights,
@@ -99,6 +99,23 @@ def base_fingerprint(frozen: dict) -> str:
     """SHA-256 of the per-array checksums (`k3jax.checkpoint.tree_checksums`) of a base's frozen
     parameters: the same for any sharding or device count, different for any changed bit."""
     return hashlib.sha256(json.dumps(tree_checksums(frozen), sort_keys=True).encode()).hexdigest()
+
+
+def saved_base_fingerprint(meta: dict, config: ModelConfig) -> str:
+    """`base_fingerprint` of the base a model of ``config`` saved in a (full) checkpoint, from the
+    checksums saved in its ``meta`` (no array is read): its parameters' (``params``) and MXFP4
+    codes' (``buffers``); `CheckpointError` when the checkpoint lacks one."""
+    model = nnx.eval_shape(lambda: K3Model(config, rngs=nnx.Rngs(0)))
+    _, _, _, frozen = nnx.split(model, RouterBias, LoRADropoutSeed, ...)
+    codec = StateCodec(frozen)
+    codes, saved = set(codec.keys_of(ExpertCodes)), meta.get(CHECKSUMS) or {}
+    sums = {}
+    for key in codec.shapes():
+        name = f"['{'buffers' if key in codes else 'params'}']['{key}']"
+        if name not in saved:
+            raise CheckpointError(f"the checkpoint has no saved checksum of {key} (a checkpoint of another model?)")
+        sums[f"['{key}']"] = saved[name]
+    return hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()
 
 
 def adapted_weights(config: ModelConfig, finetune: FinetuneConfig | None) -> list[tuple[str, bool]]:

@@ -1,4 +1,4 @@
-"""``GET /health``, ``GET /v1/models`` and ``GET /metrics`` (Prometheus's text format, written by
+"""``GET /health``, ``GET /v1/models`` (the model and its LoRA adapters) and ``GET /metrics`` (Prometheus's text format, written by
 `prometheus_client`: requests by route and status, tokens in and out, decode steps, batch size, queue depth, prefix-cache hits and
 hit rate, bytes per tier, and ``k3jax_speculation_*`` when the engine speculates)."""
 from __future__ import annotations
@@ -24,8 +24,12 @@ def register(app: FastAPI, server: Server) -> None:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": int(server.started),
-                                            "owned_by": "k3jax", "max_model_len": served.max_model_len}]}
+        """The base model, then each loaded LoRA adapter (its ``parent`` the base, as vLLM lists them)."""
+        base = {"id": served.name, "object": "model", "created": int(server.started), "owned_by": "k3jax",
+                "root": str(served.run.run_dir), "parent": None, "max_model_len": served.max_model_len}
+        adapters = [] if served.adapters is None else list(served.adapters.adapters.values())
+        return {"object": "list", "data": [base] + [
+            {**base, "id": adapter.name, "root": adapter.path, "parent": served.name} for adapter in adapters]}
 
     @app.get("/metrics")
     async def metrics():

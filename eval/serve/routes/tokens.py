@@ -8,7 +8,7 @@ from fastapi import FastAPI, Request
 from k3jax.data import DataError
 from ..errors import ServeError, bad
 from ..model import ServedModel
-from ..params import chat_reasoning, check_model
+from ..params import chat_reasoning, model_choice
 from ..protocol import DetokenizeRequest, TokenizeRequest
 from ..server import Server, off_loop, read_body
 
@@ -47,7 +47,7 @@ def register(app: FastAPI, server: Server) -> None:
 def tokenized(served: ServedModel, body: dict) -> dict:
     """``/tokenize``'s answer to ``body`` (run off the event loop: rendering and tokenizing take time)."""
     request = TokenizeRequest.parse(body)
-    check_model(request, served.name)
+    model_choice(request, served)
     tokens = tokenize(served, request)
     return {"count": len(tokens), "max_model_len": served.max_model_len, "tokens": tokens}
 
@@ -55,7 +55,7 @@ def tokenized(served: ServedModel, body: dict) -> dict:
 def detokenized(served: ServedModel, body: dict) -> dict:
     """``/detokenize``'s answer to ``body`` (off the event loop, as `tokenized`)."""
     request = DetokenizeRequest.parse(body)
-    check_model(request, served.name)
+    model_choice(request, served)
     if request.tokens:
         served.check_ids(request.tokens, "tokens")
     return {"prompt": served.decode(request.tokens)}
