@@ -1,7 +1,8 @@
 """A model run by two processes of 4 devices each (one jax.distributed system, ``--mesh
 expert=4,tensor=2`` over its 8 devices) gives what one process on one device gives:
 ``eval.generate``'s tokens, ``eval``'s perplexity, ``eval.chat``'s transcript with /fork and
-/rollback, and ``eval.serve``'s answers to the ``openai`` client (with speculative decoding). Process 0
+/rollback, and ``eval.serve``'s answers to the ``openai`` client (with speculative decoding, and LoRA
+adapters: one given at start decoding beside the base, one loaded and unloaded at run time). Process 0
 prints, writes and serves; process 1 runs the same steps silently."""
 import concurrent.futures
 import json
@@ -9,11 +10,13 @@ import re
 import signal
 import time
 
+import httpx
 import numpy as np
 import pytest
 
 from k3jax.training import Trainer
 from tests.serve.conftest import CHAT
+from tests.serve.test_adapters import lora_run
 from tests.sharding.programs.common import small_k3_config
 from tests.sharding.test_multi_device import LOAD_TIMEOUTS, free_port, start
 
@@ -27,11 +30,14 @@ SCRIPT = "3 QWERTY\nand again\n/fork\nsomething else\n/rollback\n/sessions\nlast
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(an MQAR run trained 3 steps, an untrained chat run), both with 8 experts and 2 heads a mixer."""
+    """(an MQAR run trained 3 steps, an untrained chat run, two LoRA runs of random factors on the
+    chat run), with 8 experts and 2 heads a mixer."""
     root = tmp_path_factory.mktemp("runs")
     Trainer(small_k3_config(f"run_dir={root / 'mqar'}", "train.steps=3", "train.eval_batches=0", EXPERTS)).run()
     Trainer(small_k3_config(f"run_dir={root / 'chat'}", *CHAT, "data.chat_thinking=false", EXPERTS)).save(force=True)
-    return root / "mqar", root / "chat"
+    tuned = lora_run(root, root / "chat", "tuned", 1, lora_rank=4, lora_alpha=8.0)
+    late = lora_run(root, root / "chat", "late", 2, lora_rank=2, lora_alpha=4.0, lora_targets=["mixer/*_proj"])
+    return root / "mqar", root / "chat", tuned, late
 
 
 def one_process(args, stdin_path=None) -> str:
@@ -111,18 +117,19 @@ def served_url(job, timeout=900) -> str:
     raise AssertionError("the server did not start:\n" + job.stderr_so_far()[-3000:])
 
 
-def requests_and_answers(url: str) -> list:
+def requests_and_answers(url: str, late_adapter: str) -> list:
     """The same requests to each server, as the ``openai`` client sends them: chat (plain, streamed,
     four at once, with tools, two sampled choices), completions with log-probs (plain steps beside
-    speculative rounds), a stored response and its continuation -> what each answered."""
+    speculative rounds), a stored response and its continuation, LoRA adapter "tuned" beside the
+    base, ``late_adapter`` loaded, used and unloaded -> what each answered."""
     from concurrent.futures import ThreadPoolExecutor
 
     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
     model = client.models.list().data[0].id
 
     def chat(text, **options):
-        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
-                                               max_tokens=10, **{"temperature": 0, **options})
+        reply = client.chat.completions.create(messages=[{"role": "user", "content": text}],
+                                               max_tokens=10, **{"model": model, "temperature": 0, **options})
         return [(choice.message.content, choice.message.tool_calls) for choice in reply.choices]
 
     answers = [chat("3 QWERTY")]
@@ -142,28 +149,37 @@ def requests_and_answers(url: str) -> list:
     second = client.responses.create(model=model, input="and now?", previous_response_id=first.id,
                                      max_output_tokens=6, temperature=0)
     answers.append((first.output_text, second.output_text, second.usage.input_tokens))
+    with ThreadPoolExecutor(2) as pool:
+        answers.append(list(pool.map(lambda name: chat("3 QWERTY", model=name), ["tuned", model])))
+    loaded = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "late", "lora_path": late_adapter}, timeout=600)
+    answers.append((loaded.status_code, chat("3 QWERTY", model="late")))
+    unloaded = httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "late"}, timeout=600)
+    answers.append((unloaded.status_code, [m.id for m in client.models.list().data][1:]))
     return answers
 
 
 def assert_same_answers(ours, theirs) -> None:
-    """Equal, log-probs within 1e-5."""
-    *plain, (text, tokens, logprobs), responses = ours
-    *plain_theirs, (text_theirs, tokens_theirs, logprobs_theirs), responses_theirs = theirs
-    assert plain == plain_theirs and responses == responses_theirs
+    """Equal, log-probs within 1e-5; the adapters answered, were loaded and unloaded."""
+    completion = 5                                 # (text, tokens, log-probs) of the completion
+    text, tokens, logprobs = ours[completion]
+    text_theirs, tokens_theirs, logprobs_theirs = theirs[completion]
+    assert ours[:completion] + ours[completion + 1:] == theirs[:completion] + theirs[completion + 1:]
     assert (text, tokens) == (text_theirs, tokens_theirs)
     np.testing.assert_allclose(logprobs, logprobs_theirs, atol=1e-5)
+    adapters, (loaded, _), (unloaded, models) = ours[-3:]
+    assert (loaded, unloaded, models) == (200, 200, ["tuned"]) and adapters[0] != adapters[1]
 
 
 def test_serve_across_processes_answers_as_one_process(runs):
     args = ["-m", "eval.serve", str(runs[1]), "--port", "0", "--compilation-cache", "none", "--max-model-len", "1024",
-            "--prompt-lookup", "2"]
+            "--prompt-lookup", "2", "--lora", f"tuned={runs[2]}", "--max-loras", "2", "--runtime-lora-updates"]
     one = start(args, devices=1)
     address = f"127.0.0.1:{free_port()}"
     two = [start([*args, *MESH, "--coordinator-address", address, "--num-processes", "2", "--process-id", str(i)],
                  devices=4) for i in range(2)]
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            answers = list(pool.map(requests_and_answers, [served_url(one), served_url(two[0])]))
+            answers = list(pool.map(requests_and_answers, [served_url(one), served_url(two[0])], [str(runs[3])] * 2))
         assert_same_answers(answers[1], answers[0])
         for job in (two[1], two[0], one):      # SIGTERM to a follower first: it waits for process 0
             job.send_signal(signal.SIGTERM)
