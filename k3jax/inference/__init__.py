@@ -7,6 +7,8 @@
                precision or cast (`load_run`, `restore_model`), a draft model checked against its
                target and placed beside it (`load_draft`, `draft_mismatch`, `draft_mesh`),
                `InputError` for every bad input on the way
+    adapters   several LoRA fine-tunes served over one base, each request choosing one, decoded in
+               one batch (`ServedAdapters`: adapter banks, loading and unloading by name)
     generation batched generation in one compiled loop (`generate`), or by speculative rounds
                over a session store
     chat       prompts and replies in K3's chat format, turn by turn (`chat_turns_for`, `ChatTurns`)

@@ -8,6 +8,7 @@ rolled back and moved between device, host and disk.
     for _ in prefill_in_turns(store, prompt, 512): ...   # a long prompt in turns (a server's chunked prefill)
     store.generate([sid, ...], 32)      # one batched jitted step per token over all the sessions
     store.step({sid: Sampling(...), ...})  # one token for each (a server's continuous batching)
+    store.serve_adapters({tag: slot}); store.open(prompt, adapter=tag)   # LoRA adapters of the model's banks
     store.feed({sid: token, ...})       # the same step, feeding given tokens (teacher forcing)
     store.reserve(slots, pages)         # grow the pools up front: one pool shape, one set of programs
     store.generate(sids, 32, speculator=Speculator(store, PromptLookup()))   # speculative rounds
