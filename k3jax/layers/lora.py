@@ -135,10 +135,9 @@ class AdapterBank(nnx.Module):
     def row_weights(self, lead: tuple, dtype) -> jax.Array:
         """``[*lead, N]``: s_n where token's slot is n, else 0; ``lead`` the leading axes of the
         input (a call's [B, T], or its B * T tokens flattened)."""
-        scales = self.scales[...].astype(jnp.float32)
         if self.rows is None:
             return jnp.zeros((*lead, self.slots), dtype)
-        rows = self.rows[...]
+        rows, scales = self.rows[...], self.scales[...].astype(jnp.float32)
         if math.prod(lead) != rows.size:
             raise ValueError(f"adapter bank: an input of leading shape {lead} does not match the call's "
                              f"{rows.shape} token slots")

@@ -111,3 +111,44 @@ def test_targets_by_logical_axis_and_unknown_targets(tiny):
     assert chosen == {"w_gate", "w_up", "w_down"}
     with pytest.raises(ValueError, match="'mixer/nope' selects no adaptable weight"):
         select_weights(model, ("mixer/nope",), False)
+
+
+@pytest.mark.parametrize("in_shape,out_shape,contract,flattened", [((6,), (5,), 1, False), ((2, 3), (5,), 2, False),
+                                                                   ((6,), (2, 3), 1, True)])
+def test_an_adapter_bank_gives_each_token_its_own_slots_term_in_float64(in_shape, out_shape, contract, flattened):
+    """AdapterBank: y = x W + s_n (x A_n) B_n with n the token's slot (0, the base: nothing added),
+    slots of ranks 3 and 1 zero-padded to the bank's rank 3; inputs [B, T, in...] or their tokens
+    flattened [B * T, in...] (as shared experts see them)."""
+    from k3jax.layers.lora import AdapterBank, adapted_project, set_adapter_rows
+
+    rng = np.random.default_rng(0)
+    batch, length, rank, scales = 2, 3, 3, [0.0, 0.5, 2.0]
+    x = rng.normal(size=(batch, length, *in_shape)).astype(np.float32)
+    w = rng.normal(size=(*in_shape, *out_shape)).astype(np.float32)
+    factors = [(np.zeros((*in_shape, rank)), np.zeros((rank, *out_shape))),
+               (rng.normal(size=(*in_shape, 3)), rng.normal(size=(3, *out_shape))),
+               (rng.normal(size=(*in_shape, 1)), rng.normal(size=(1, *out_shape)))]
+    a = np.stack([np.pad(f[0], [(0, 0)] * len(in_shape) + [(0, rank - f[0].shape[-1])]) for f in factors], -2)
+    b = np.stack([np.pad(f[1], [(0, rank - f[1].shape[0])] + [(0, 0)] * len(out_shape)) for f in factors])
+    holder = nnx.Module()
+    holder.w = nnx.Param(jnp.asarray(w))
+    in_axes, out_axes = (None,) * len(in_shape), (None,) * len(out_shape)
+    holder.w_lora = AdapterBank(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), jnp.asarray(scales),
+                                (*in_axes, "lora_slots", "lora_rank"), ("lora_slots", "lora_rank", *out_axes),
+                                ("lora_slots",))
+    rows = np.asarray([[1, 0, 2], [2, 2, 0]], np.int32)
+    set_adapter_rows(holder, jnp.asarray(rows))
+    inputs = x.reshape(batch * length, *in_shape) if flattened else x
+    y = np.asarray(adapted_project(holder, "w", jnp.asarray(inputs), jnp.float32, contract))
+    axes = list(range(-contract, 0))
+    expected = np.empty((batch, length, *out_shape))
+    for i in range(batch):
+        for t in range(length):
+            xt = x[i, t].astype(np.float64)
+            low_a, low_b = factors[rows[i, t]]
+            expected[i, t] = np.tensordot(xt, w, (axes, list(range(contract)))) + scales[rows[i, t]] * np.tensordot(
+                np.tensordot(xt, low_a, (axes, list(range(contract)))), low_b, 1)
+    np.testing.assert_allclose(y.reshape(expected.shape), expected, rtol=1e-5, atol=1e-5)
+    set_adapter_rows(holder, jnp.zeros((batch, 2), jnp.int32))
+    with pytest.raises(ValueError, match="does not match the call's"):
+        adapted_project(holder, "w", jnp.asarray(x), jnp.float32, contract)
