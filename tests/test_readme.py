@@ -65,6 +65,16 @@ SUBSTITUTIONS = {
     "python -m eval.plan configs/kimi-linear-48b.yaml --tpu v6e:2x2 --mesh tensor=4 --dtype bfloat16 --batch 8 "
     "--context 8192": (None, "needs libtpu (the tpu extra)"),
     "python -m bench.tpu_compile": (None, "needs libtpu, and compiles 80 programs (an hour on 2 shared cores)"),
+    "python -m eval.serve runs/chat --port 8000 --api-key secret --state-dir serve-state": (
+        None, "a server runs until it is stopped; tests/serve/test_server_process.py starts it as a process and "
+              "drives it with the openai client"),
+    "python -m eval.serve runs/base --lora math=runs/math-lora --lora chat=runs/chat-lora --max-loras 4 "
+    "--runtime-lora-updates --api-key secret": (
+        None, "a server runs until it is stopped, over LoRA runs of a base; tests/serve/test_adapters.py serves the "
+              "same flags in process and tests/sharding/test_inference_processes.py as processes"),
+    'curl -H "Authorization: Bearer secret" -H "Content-Type: application/json" -d \'{"lora_name": "code", '
+    '"lora_path": "runs/code-lora"}\' http://127.0.0.1:8000/v1/load_lora_adapter': (
+        None, "talks to the server above; tests/serve/test_adapters.py posts the same body"),
 }
 
 # README command prefix -> files (relative to the scratch copy; ~ is the scratch HOME) it must leave.
