@@ -69,8 +69,9 @@ class ServedAdapters:
                rank: int | None = None) -> "ServedAdapters":
         """Banks on ``run.model`` for ``runs`` ({name: LoRA run directory}), loaded into slots
         1.. in order; ``capacity`` slots for adapters in all (default: as many as ``runs``),
-        ``rank`` the banks' rank (default: the largest of ``runs``'). `InputError` for any bad
-        adapter, before the model changes."""
+        ``rank`` the banks' rank (default: the largest of ``runs``'). The banks cover the weights
+        ``runs`` adapt, or without any, every weight an adapter can join but the routed experts.
+        `InputError` for any bad adapter, before the model changes."""
         if run.config.finetune.lora:
             raise InputError(f"{run.run_dir} is a LoRA run: serve its base, with each fine-tune as --lora NAME=RUN")
         capacity = len(runs) if capacity is None else capacity
@@ -83,15 +84,19 @@ class ServedAdapters:
         weights: dict[str, None] = {}
         for d in described.values():
             weights.update(dict.fromkeys(d.weights))
-        chosen = [w for w in adaptable_weights(run.model) if w.path in weights]
+        chosen = [w for w in adaptable_weights(run.model) if not w.routed and (w.path in weights or not runs)]
+        served = cls(run, {}, rank, capacity)
+        for name, path in runs.items():
+            problem = served._mismatch(described[name], {w.path for w in chosen})
+            if problem is not None:
+                raise InputError(f"adapter {name} ({path}): {problem}")
         attach_banks(run.model, chosen, capacity + 1, rank)
-        banks = {w.path: getattr(w.module, w.name + ADAPTER_SUFFIX) for w in chosen}
+        served.banks = {w.path: getattr(w.module, w.name + ADAPTER_SUFFIX) for w in chosen}
         if run.placement is not None:
-            for bank in banks.values():
+            for bank in served.banks.values():
                 for variable in (bank.a, bank.b, bank.scales):
                     sharding = run.placement.sharding(variable.get_metadata()["logical_axes"], variable.shape)
                     variable.set_value(jax.device_put(variable.get_value(), sharding))
-        served = cls(run, banks, rank, capacity)
         for name, path in runs.items():
             served._load(name, path, described[name])
         return served
@@ -121,7 +126,7 @@ class ServedAdapters:
     def _load(self, name: str, path: str, described: "_Described") -> ServedAdapter:
         if name in self.adapters:
             raise InputError(f"an adapter named {name!r} is already loaded (unload it first)")
-        problem = self._mismatch(described)
+        problem = self._mismatch(described, self.banks.keys())
         if problem is not None:
             raise InputError(f"adapter {name} ({path}): {problem}")
         free = sorted(set(range(1, self.capacity + 1)) - {a.slot for a in self.adapters.values()})
@@ -140,17 +145,21 @@ class ServedAdapters:
         self.adapters[name] = adapter
         return adapter
 
-    def _mismatch(self, described: "_Described") -> str | None:
-        """Why ``described`` cannot be served over this base and banks (None: it can)."""
+    def _mismatch(self, described: "_Described", covered) -> str | None:
+        """Why ``described`` cannot be served over this base by banks on the weights ``covered``
+        (None: it can)."""
         base = self.run.config.model
         if dataclasses.replace(described.config.model, compute_dtype=base.compute_dtype) != base:
             return "it fine-tunes a model of another configuration than the one served"
+        if described.finetune.update_router_bias:
+            return ("it trained the routers' biases (finetune.update_router_bias), which every request shares; "
+                    "export it merged (python -m k3jax.convert export) and serve that")
         if described.finetune.lora_rank > self.rank:
             return f"its rank {described.finetune.lora_rank} is above the banks' {self.rank} (--max-lora-rank)"
-        missing = [w for w in described.weights if w not in self.banks]
+        missing = [w for w in described.weights if w not in covered]
         if missing:
             return (f"it adapts {missing[0]}, which no adapter given at start adapts (the banks cover "
-                    f"{len(self.banks)} weights; start the server with an adapter of each kind)")
+                    f"{len(covered)} weights; start the server with an adapter of each kind)")
         recorded = described.meta.get(BASE_META, {}).get("fingerprint")
         if recorded != self.base_fingerprint():
             base_record = described.meta.get(BASE_META, {})

@@ -121,6 +121,7 @@ def test_adapters_that_cannot_be_served_here_are_refused_in_one_line(runs, tmp_p
         ServedAdapters.attach(load_run(str(runs["wide"])), {"x": str(runs["attn"])})
     with pytest.raises(InputError, match="no such directory"):
         ServedAdapters.attach(run, {"x": str(tmp_path / "missing")})
+    assert not any(isinstance(m, AdapterBank) for _, m in nnx.iter_modules(run.model))   # refusals left it as it was
     served = ServedAdapters.attach(run, {"attn": str(runs["attn"])})
     with pytest.raises(InputError, match="its rank 4 is above the banks' 2"):
         served.load("wide", str(runs["wide"]))
@@ -128,6 +129,14 @@ def test_adapters_that_cannot_be_served_here_are_refused_in_one_line(runs, tmp_p
         served.load("again", str(runs["attn"]))
     with pytest.raises(InputError, match="already loaded"):
         served.load("attn", str(runs["attn"]))
+    narrow = ServedAdapters.attach(load_run(str(runs["base"])), {"attn": str(runs["attn"])}, capacity=2, rank=4)
+    with pytest.raises(InputError, match="which no adapter given at start adapts"):
+        narrow.load("wide", str(runs["wide"]))          # banks over the mixers only; wide adapts the FFNs too
+    biased = lora_run(tmp_path, runs["base"], "biased", 5, lora_rank=2, update_router_bias=True)
+    with pytest.raises(InputError, match="update_router_bias"):
+        narrow.load("biased", str(biased))
+    empty = ServedAdapters.attach(load_run(str(runs["base"])), {}, capacity=1, rank=4)   # room, no adapter yet
+    assert empty.load("wide", str(runs["wide"])).slot == 1 and not empty.tags().keys() - {empty.tag("wide")}
 
 
 @pytest.fixture(scope="module")
