@@ -60,6 +60,8 @@ class ServedAdapters:
 
     def __init__(self, run: LoadedRun, banks: dict[str, AdapterBank], rank: int, capacity: int):
         self.run, self.banks, self.rank, self.capacity = run, banks, rank, capacity
+        # {name: record}, replaced (never changed in place) by load and unload: other threads (an
+        # HTTP route listing the models) read it while the engine thread loads.
         self.adapters: dict[str, ServedAdapter] = {}
         self._base_fingerprint = None
 
@@ -111,7 +113,8 @@ class ServedAdapters:
         """Free adapter ``name``'s slot (its scale set to zero); `InputError` for an unknown name."""
         if name not in self.adapters:
             raise InputError(f"no adapter named {name!r} is loaded")
-        adapter = self.adapters.pop(name)
+        adapter = self.adapters[name]
+        self.adapters = {other: record for other, record in self.adapters.items() if other != name}
         for bank in self.banks.values():
             bank.scales.set_value(bank.scales.get_value().at[..., adapter.slot].set(0.0))
         return adapter
@@ -142,7 +145,7 @@ class ServedAdapters:
             bank.scales.set_value(bank.scales.get_value().at[..., slot].set(scale))
         adapter = ServedAdapter(name, path, described.step, f"{name}@{described.digest[:16]}", slot,
                                 described.finetune.lora_rank, described.finetune.lora_alpha, described.weights)
-        self.adapters[name] = adapter
+        self.adapters = {**self.adapters, name: adapter}
         return adapter
 
     def _mismatch(self, described: "_Described", covered) -> str | None:
