@@ -209,3 +209,21 @@ def test_runtime_loading_is_off_unless_asked(serving):
     client = serving[0]
     assert post(client, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/x"}, 403)["error"]["type"] \
         == "permission_error"
+
+
+@pytest.mark.slow
+def test_an_adapter_of_an_mxfp4_base_is_served_beside_its_packed_experts(tmp_path):
+    """A QLoRA-style run (attention and shared-expert adapters over MXFP4 routed experts): the base's
+    fingerprint is taken from the checksums of its packed codes (saved in ``buffers``), and the
+    served adapter equals its merged weights."""
+    mxfp4 = ["model.moe.expert_format=mxfp4", "model.moe.expert_matmul=ragged_dot", "model.moe.expert_width=32",
+             "model.moe.latent_dim=32", "model.moe.expert_tile=3"]
+    base = save_untrained(tmp_path / "base", CHAT + ["data.chat_thinking=false", *mxfp4])
+    lora = lora_run(tmp_path, base, "qlora", 1, lora_rank=4, lora_alpha=8.0)
+    run = load_run(str(base))
+    served = ServedAdapters.attach(run, {"qlora": str(lora)})
+    store = SessionStore(run.model)
+    store.serve_adapters(served.tags())
+    sid = store.open(PROMPT, adapter=served.tag("qlora"))
+    expected = np.asarray(merged(lora)(np.asarray([PROMPT], np.int32)).logits[0, -1])
+    np.testing.assert_allclose(store.logits(sid), expected, atol=2e-5, rtol=0)
