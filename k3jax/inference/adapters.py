@@ -173,8 +173,12 @@ class ServedAdapters:
     def base_fingerprint(self) -> str:
         """The served base's fingerprint, from the checksums saved with its checkpoint."""
         if self._base_fingerprint is None:
-            meta, config = saved_meta(self.run.checkpoints, self.run.step)
-            self._base_fingerprint = saved_base_fingerprint(meta, config.model)
+            try:
+                meta, config = saved_meta(self.run.checkpoints, self.run.step)
+                self._base_fingerprint = saved_base_fingerprint(meta, config.model)
+            except CheckpointError as error:
+                raise InputError(f"cannot check adapters against {self.run.checkpoints} step {self.run.step}: "
+                                 f"{error}") from None
         return self._base_fingerprint
 
 
