@@ -6,7 +6,7 @@ every adapter that cannot be served here refused in one line.
 
 The base is the micro chat run; the LoRA runs on it hold random factors (`write_lora_run`): "wide"
 (rank 4, alpha 8, the default targets, MLA's kv_b_proj among them) and "attn" (rank 2, alpha 4,
-the mixers' projections only).
+the mixers' projections only); the refusals make their own.
 """
 from __future__ import annotations
 
@@ -64,8 +64,7 @@ def runs(plain_chat_run, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     return {"base": plain_chat_run,
             "wide": lora_run(root, plain_chat_run, "wide", 1, lora_rank=4, lora_alpha=8.0),
-            "attn": lora_run(root, plain_chat_run, "attn", 2, lora_rank=2, lora_alpha=4.0, lora_targets=["mixer/*_proj"]),
-            "experts": lora_run(root, plain_chat_run, "experts", 3, lora_rank=2, lora_routed_experts=True)}
+            "attn": lora_run(root, plain_chat_run, "attn", 2, lora_rank=2, lora_alpha=4.0, lora_targets=["mixer/*_proj"])}
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +108,9 @@ def test_one_decode_batch_of_two_adapters_and_the_base_equals_each_merged_model(
 @pytest.mark.slow
 def test_adapters_that_cannot_be_served_here_are_refused_in_one_line(runs, tmp_path):
     run = load_run(str(runs["base"]))
+    experts = lora_run(tmp_path, runs["base"], "experts", 3, lora_rank=2, lora_routed_experts=True)
     with pytest.raises(InputError, match="routed experts"):
-        ServedAdapters.attach(run, {"x": str(runs["experts"])})
+        ServedAdapters.attach(run, {"x": str(experts)})
     reseeded = save_untrained(tmp_path / "reseeded", CHAT + ["data.chat_thinking=false", "train.seed=5"])
     other = lora_run(tmp_path, reseeded, "other", 4, lora_rank=2)      # a LoRA run of another base
     with pytest.raises(InputError, match="whose weights are not the served base's"):
@@ -186,7 +186,7 @@ def test_adapters_load_and_unload_at_run_time_and_bad_requests_are_4xx(lora_serv
     client, served, _ = lora_server
     assert post(client, "/v1/completions", {"model": "nope", "prompt": "x", "max_tokens": 1}, 404)["error"]["param"] == "model"
     post(client, "/v1/unload_lora_adapter", {"lora_name": "nope"}, 404)
-    post(client, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(runs["experts"])}, 400)
+    post(client, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(runs["base"])}, 400)   # not a LoRA run
     post(client, "/v1/load_lora_adapter", {"lora_name": "x"}, 400)
     post(client, "/v1/load_lora_adapter", {"lora_name": "wide", "lora_path": str(runs["wide"])}, 400)
     loaded = post(client, "/v1/load_lora_adapter", {"lora_name": "third", "lora_path": str(runs["attn"])})
