@@ -14,7 +14,10 @@ three ways taking turns; then the median seconds of a ``--prefill``-token prefil
 off), plain vs on an adapter. Nothing is asserted: the table and the JSON report what happened.
 
     python -m bench.lora_serving [--batch 1 8 32] [--adapters 4] [--rank 16] [--steps 16] [--trials 5]
-                                 [--prefill 512] [--json bench/lora_serving.json]
+                                 [--prefill 512] [--json bench/lora_serving.json] [OVERRIDE ...]
+
+``OVERRIDE``s (``key=value``) change the base's config, e.g. ``model.d_model=512`` for a model
+wider than the banks' rank N * R.
 """
 from __future__ import annotations
 
@@ -31,16 +34,16 @@ from bench.common import table, write_json
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def make_runs(root: pathlib.Path, adapters: int, rank: int) -> tuple[pathlib.Path, dict[str, str]]:
-    """An untrained tiny base run and ``adapters`` LoRA runs of random factors on it."""
+def make_runs(root: pathlib.Path, adapters: int, rank: int, overrides: list[str]) -> tuple[pathlib.Path, dict[str, str]]:
+    """An untrained tiny base run (``overrides`` applied) and ``adapters`` LoRA runs of random factors on it."""
     from k3jax.config import config_from_dict, load_config, to_dict
     from k3jax.convert.peft import write_lora_run
     from k3jax.training import Trainer
     from k3jax.training.finetune import abstract_lora_model
 
     base = root / "base"
-    trainer = Trainer(load_config(ROOT / "configs" / "tiny.yaml", [f"run_dir={base}", "checkpoint.async_save=false",
-                                                                    "logging.progress=false"]))
+    trainer = Trainer(load_config(ROOT / "configs" / "tiny.yaml", [*overrides, f"run_dir={base}",
+                                                                    "checkpoint.async_save=false", "logging.progress=false"]))
     trainer.save(force=True)
     trainer.checkpoints.wait()
     trainer.close()
@@ -109,7 +112,7 @@ def measure(base: pathlib.Path, runs: dict[str, str], batches: list[int], steps:
         prefill_seconds(store, tag)
     times = {way: statistics.median(prefill_seconds(*prefill_ways[way]) for _ in range(trials)) for way in prefill_ways}
     bank_bytes = sum(variable.get_value().nbytes for bank in served.banks.values() for variable in (bank.a, bank.b))
-    return {"decode": decode, "prefill": {"tokens": prefill, "seconds": times,
+    return {"d_model": banked_run.config.model.d_model, "decode": decode, "prefill": {"tokens": prefill, "seconds": times,
                                           "ratio_to_plain": times["on an adapter"] / times["plain"]},
             "banks": {"weights": len(served.banks), "slots": len(runs) + 1, "rank": served.rank, "bytes": bank_bytes}}
 
@@ -123,9 +126,10 @@ def main(argv=None) -> None:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument("--json", default="bench/lora_serving.json")
+    parser.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="key=value for the base's config")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as root:
-        base, runs = make_runs(pathlib.Path(root), args.adapters, args.rank)
+        base, runs = make_runs(pathlib.Path(root), args.adapters, args.rank, args.overrides)
         result = measure(base, runs, args.batch, args.steps, args.trials, args.prefill)
     ways = list(result["decode"][0]["tokens_per_second"])
     print(table(["batch", *(f"{way} tok/s" for way in ways), *(f"{way} / plain" for way in ways[1:])],
@@ -136,7 +140,7 @@ def main(argv=None) -> None:
           f"{prefill['seconds']['on an adapter']:.3f} s ({prefill['ratio_to_plain']:.2f}x)")
     banks = result["banks"]
     print(f"banks: {banks['weights']} weights x {banks['slots']} slots of rank {banks['rank']}, "
-          f"{banks['bytes'] / 2**20:.1f} MiB")
+          f"{banks['bytes'] / 2**20:.1f} MiB; d_model {result['d_model']}")
     write_json(args.json, {"args": vars(args), **result})
 
 
