@@ -34,9 +34,8 @@ from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from k3jax.checkpoint import META_DIGEST, CheckpointError, restore_subtree
+from k3jax.checkpoint import META_DIGEST, CheckpointError, RunCheckpoints, restore_subtree
 from k3jax.config import ConfigError
 from k3jax.inference.load import InputError, LoadedRun, locate_checkpoint, saved_meta
 from k3jax.layers.lora import (ADAPTER_SUFFIX, AdapterBank, adaptable_weights, attach_banks)
@@ -140,8 +139,8 @@ class ServedAdapters:
         for weight, bank in self.banks.items():
             a, b = factors.get(weight, (None, None))
             scale = described.finetune.lora_scale if a is not None else 0.0
-            bank.a.set_value(_filled(bank.a.get_value(), a, slot, bank.a.ndim - 2))
-            bank.b.set_value(_filled(bank.b.get_value(), b, slot, bank.scales.ndim - 1))
+            bank.a.set_value(_filled(bank.a.get_value(), a, slot, slot_axis=bank.a.ndim - 2))
+            bank.b.set_value(_filled(bank.b.get_value(), b, slot, slot_axis=bank.scales.ndim - 1))
             bank.scales.set_value(bank.scales.get_value().at[..., slot].set(scale))
         adapter = ServedAdapter(name, path, described.step, f"{name}@{described.digest[:16]}", slot,
                                 described.finetune.lora_rank, described.finetune.lora_alpha, described.weights)
@@ -204,6 +203,7 @@ def _describe(name: str, path: str) -> _Described:
         raise InputError(f"adapter name {name!r}: give a non-empty name without '@', '/' or spaces")
     checkpoints, step = locate_checkpoint(path, None)
     try:
+        step = _newest_step(checkpoints) if step is None else step
         meta, config = saved_meta(checkpoints, step)
     except (CheckpointError, ConfigError, KeyError, TypeError, ValueError) as error:
         raise InputError(f"adapter {name} ({path}): cannot read its checkpoint: {error}") from None
@@ -212,13 +212,12 @@ def _describe(name: str, path: str) -> _Described:
     if config.finetune.lora_routed_experts:
         raise InputError(f"adapter {name} ({path}) adapts the routed experts, whose adapters cannot be chosen per "
                          f"request; export it merged (python -m k3jax.convert export) and serve that")
-    step = step if step is not None else _newest_step(checkpoints)
     weights = tuple(path for path, _ in adapted_weights(config.model, config.finetune))
     return _Described(checkpoints, step, meta, config, str(meta.get(META_DIGEST, "")), weights)
 
 
 def _newest_step(checkpoints: pathlib.Path) -> int:
-    from k3jax.checkpoint import RunCheckpoints
+    """The newest step saved in ``checkpoints`` (`CheckpointError` when there is none)."""
     run = RunCheckpoints(checkpoints, read_only=True)
     try:
         return run.require_step(None)
@@ -242,20 +241,15 @@ def _restore_factors(described: _Described, placement) -> dict[str, tuple[jax.Ar
     return {weight: (restored[f"{weight}{suffix}a"], restored[f"{weight}{suffix}b"]) for weight in described.weights}
 
 
-def _filled(bank: jax.Array, factor: jax.Array | None, slot: int, slot_axis: int) -> jax.Array:
+@functools.partial(jax.jit, static_argnames="slot_axis", donate_argnums=0)
+def _filled(bank: jax.Array, factor: jax.Array | None, slot, slot_axis: int) -> jax.Array:
     """``bank`` with slot ``slot`` (axis ``slot_axis``, the rank right after it) := ``factor``
-    zero-padded to the bank's rank (zeros for None)."""
-    return _fill(bank, jnp.zeros((), bank.dtype) if factor is None else factor.astype(bank.dtype), slot, slot_axis)
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3), donate_argnums=0)
-def _fill(bank: jax.Array, factor: jax.Array, slot: int, slot_axis: int) -> jax.Array:
-    rank = bank.shape[slot_axis + 1]
-    if factor.ndim:
-        pad = [(0, 0)] * factor.ndim
-        pad[slot_axis] = (0, rank - factor.shape[slot_axis])
-        factor = jnp.pad(factor, pad)
+    zero-padded to the bank's rank (zeros for None); one program per bank shape, for every slot."""
+    shape = bank.shape[:slot_axis] + bank.shape[slot_axis + 1:]
+    if factor is None:
+        value = jnp.zeros(shape, bank.dtype)
     else:
-        factor = jnp.zeros(bank.shape[:slot_axis] + bank.shape[slot_axis + 1:], bank.dtype)
-    index = (slice(None),) * slot_axis + (slot,)
-    return bank.at[index].set(factor)
+        pad = [(0, 0)] * factor.ndim
+        pad[slot_axis] = (0, shape[slot_axis] - factor.shape[slot_axis])
+        value = jnp.pad(factor.astype(bank.dtype), pad)
+    return jax.lax.dynamic_update_index_in_dim(bank, value, slot, slot_axis)

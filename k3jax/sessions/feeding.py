@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from k3jax.layers.lora import AdapterBank
 from k3jax.sessions import batching, paged
 from k3jax.sessions.pools import DevicePools
 from k3jax.sessions.prefix import PrefixCache
@@ -49,7 +50,8 @@ class Feeder:
         self.chunk_size = model.config.kda.chunk_size
         self.counts = dict.fromkeys(("prefill_tokens", "decode_steps", "decode_tokens"), 0)
         self.gathered_decode = False
-        self.adapter_slots: dict[str, int] | None = None   # {tag: bank slot}; None: the model has no bank
+        # {adapter tag: bank slot}, the base on 0 (`serve_adapters`); None: the model has no adapter bank
+        self.adapter_slots = {"": 0} if any(isinstance(m, AdapterBank) for _, m in nnx.iter_modules(model)) else None
 
     def serve_adapters(self, model, slots: Mapping[str, int]) -> None:
         """Serve sessions tagged with an adapter from its slot of ``model``'s adapter banks

@@ -73,7 +73,7 @@ def references(runs):
     return {"wide": merged(runs["wide"]), "attn": merged(runs["attn"]), runs["base"].name: load_run(str(runs["base"])).model}
 
 
-def test_one_decode_batch_of_two_adapters_and_the_base_equals_each_merged_model(runs, references):
+def test_one_decode_batch_of_two_adapters_and_the_base_equals_each_merged_model(runs, references, tmp_path):
     run = load_run(str(runs["base"]))
     served = ServedAdapters.attach(run, {"wide": str(runs["wide"]), "attn": str(runs["attn"])})
     banks = [m for _, m in nnx.iter_modules(run.model) if isinstance(m, AdapterBank)]
@@ -94,6 +94,16 @@ def test_one_decode_batch_of_two_adapters_and_the_base_equals_each_merged_model(
         assert tokens[sid] == expected, name
         full = np.asarray(references[name](np.asarray(PROMPT + expected, np.int32)[None]).logits[0])
         np.testing.assert_allclose(np.stack(logits[sid]), full[len(PROMPT) - 1:], rtol=0, atol=2e-5)
+
+    # Saved and loaded, each session keeps its adapter; fed only once its adapter is served again.
+    store.save(tmp_path / "saved")
+    loaded = SessionStore.load(run.model, tmp_path / "saved")
+    assert [loaded.adapter(sid) for sid in sids] == [served.tag("wide"), "", served.tag("attn")]
+    with pytest.raises(ValueError, match="adapter 'wide' is not loaded"):
+        loaded.append(sids[0], [7])
+    loaded.serve_adapters(served.tags())
+    for sid in sids:
+        np.testing.assert_array_equal(loaded.append(sid, [7]), store.append(sid, [7]))
 
     # The training-shaped forward (no memory: MLA expanded) takes the rows too.
     rows = np.asarray([served.adapters["attn"].slot, 0], np.int32)
