@@ -94,7 +94,7 @@ def join_processes(args: argparse.Namespace) -> bool:
     if args.mesh is None:
         raise InputError("several processes run one model on a mesh: give --mesh (e.g. --mesh auto)")
     try:
-        return initialize_distributed(address, args.num_processes, args.process_id)
+        return initialize_distributed(address, args.num_processes, args.process_id, args.heartbeat_timeout)
     except Exception as error:  # noqa: BLE001 - JAX raises its own runtime errors
         raise InputError(f"cannot join the processes at {address}: {' '.join(str(error).split())[:300]}") from None
 

@@ -103,6 +103,9 @@ def add_process_flags(parser, joined: str) -> None:
                                                       "processes / hosts (default: $JAX_COORDINATOR_ADDRESS)")
     parser.add_argument("--num-processes", type=int, help="processes in all (default: $JAX_NUM_PROCESSES)")
     parser.add_argument("--process-id", type=int, help="this process, 0 … N-1 (default: $JAX_PROCESS_ID)")
+    parser.add_argument("--heartbeat-timeout", type=int, default=None, metavar="SECONDS",
+                        help="seconds without a process's heartbeat before the others stop, each with one line "
+                             "(default: 100; a lost coordinator stops them at once)")
 
 
 def process_flags(args) -> tuple[str | None, int | None]:
@@ -115,4 +118,6 @@ def process_flags(args) -> tuple[str | None, int | None]:
         raise ValueError(f"--num-processes must be at least 1, got {count}")
     if args.process_id is not None and count is not None and not 0 <= args.process_id < count:
         raise ValueError(f"--process-id must be in [0, {count}), got {args.process_id}")
+    if args.heartbeat_timeout is not None and args.heartbeat_timeout < 1:
+        raise ValueError(f"--heartbeat-timeout must be at least 1 second, got {args.heartbeat_timeout}")
     return args.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS"), count

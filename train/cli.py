@@ -25,7 +25,7 @@ import logging
 import os
 import sys
 
-from k3jax.host import add_process_flags
+from k3jax.host import add_process_flags, process_flags
 from k3jax.training.signals import StopRequested, StopSignals   # light: the handlers go in before JAX loads
 
 
@@ -35,7 +35,12 @@ def parse_args(argv):
     parser.add_argument("config", help="YAML config file, or a packaged config's name (e.g. configs/tiny.yaml, tiny)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value settings applied over the file")
     add_process_flags(parser, "a training run")
-    return parser.parse_intermixed_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    try:
+        process_flags(args)
+    except ValueError as error:
+        parser.error(str(error))
+    return args
 
 
 def one_line_failure(error: BaseException) -> str | None:
@@ -69,7 +74,8 @@ def main(argv=None) -> int:
 
             signals.check()
             config = load_config(resolve_config(args.config), args.overrides)
-            if not initialize_distributed(args.coordinator_address, args.num_processes, args.process_id):
+            if not initialize_distributed(args.coordinator_address, args.num_processes, args.process_id,
+                                          args.heartbeat_timeout):
                 use_cpu_cores(config)   # one process on CPU: a device per core, unless the mesh is set
             trainer = {"lm": Trainer, "grpo": RLTrainer}.get(config.train.objective, PreferenceTrainer)
             summary = trainer(config, signals).run()

@@ -119,7 +119,7 @@ def _join_import_processes(args):
                                f"JAX_COORDINATOR_ADDRESS): run the same command on every process")
         return None
     try:
-        initialize_distributed(address, args.num_processes, args.process_id)
+        initialize_distributed(address, args.num_processes, args.process_id, args.heartbeat_timeout)
     except Exception as error:  # noqa: BLE001 - JAX raises its own runtime errors
         raise ConvertError(f"cannot join the import's processes at {address}: {' '.join(str(error).split())[:300]}") from None
     return ImportGroup.joined()

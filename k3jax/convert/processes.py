@@ -16,8 +16,8 @@ service's key-value store (`ImportGroup`), under ``k3jax-convert-import/``:
 Every process looks at ``failed/`` between tensors and while it waits, so an error in one stops
 all of them within about a second; process 0 then waits (up to ``STOP_SECONDS``) for every other
 process to report that it stopped and removes the partial directory. A process killed outright
-reports nothing: JAX's coordination service ends the others after its heartbeat timeout (100 s),
-and the next import of the same OUT_DIR removes what was left (`PartialDirectory`).
+reports nothing: JAX's coordination service ends the others after ``--heartbeat-timeout`` seconds
+(at once if it was process 0), each with one line (`k3jax.sharding.lost_peers`), and the next import of the same OUT_DIR removes what was left (`PartialDirectory`).
 
 `PartialDirectory` is ``.<name>.partial-import`` beside OUT_DIR, owned by the import holding an
 exclusive ``flock`` on ``.<name>.partial-import.lock`` (which records its host, pid and start).

@@ -5,6 +5,7 @@
     expert_parallel.py the expert-parallel MoE dispatch (capacity / ragged all-to-all)
     parallelize.py     `parallelize(model, mesh, mesh_config)`: activation layouts and expert
                        dispatch stored on the model's modules
+    lost_peers.py      one line instead of JAX's fatal log when a peer process dies
 """
 from k3jax.sharding.expert_parallel import (DISPATCHES, ExpertDispatch, ExpertPlacement, expert_dispatch,
                                             expert_parallel_experts, expert_placement)

@@ -34,6 +34,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from k3jax.config import MESH_AXIS_NAMES, AxisRules, Config, ConfigError, MeshConfig
 from k3jax.ops.kda.blocks import chunk_length
+from k3jax.sharding.lost_peers import watch_for_lost_peers
 
 MESH_AXES = MESH_AXIS_NAMES
 AnyMesh = Mesh | AbstractMesh   # shardings are computed alike for concrete and abstract meshes
@@ -230,12 +231,14 @@ def to_host(x: jax.Array) -> np.ndarray:
 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None) -> bool:
+                           process_id: int | None = None, heartbeat_timeout_s: int | None = None) -> bool:
     """Join a multi-process run (call before anything touches a device); True if one was joined.
 
     Arguments left None come from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID;
     without a coordinator address (and outside clusters JAX detects by itself) this is one process.
-    CPU processes exchange data over gloo.
+    CPU processes exchange data over gloo. A peer that dies ends this process (at once if it was
+    the coordinator, else after ``heartbeat_timeout_s`` without its heartbeat; default JAX's 100 s)
+    with one line on stderr instead of JAX's fatal log (`k3jax.sharding.lost_peers`).
     """
     coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
     if num_processes is None and "JAX_NUM_PROCESSES" in os.environ:
@@ -245,10 +248,15 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     if coordinator_address is None:
         return False
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    heartbeat_timeout_s = HEARTBEAT_TIMEOUT_S if heartbeat_timeout_s is None else heartbeat_timeout_s
+    watch_for_lost_peers(process_id, num_processes, coordinator_address, heartbeat_timeout_s)
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id)
+                               process_id=process_id, heartbeat_timeout_seconds=heartbeat_timeout_s)
     return True
 
+
+# Seconds without a peer's heartbeat before the others end (JAX's default).
+HEARTBEAT_TIMEOUT_S = 100
 
 # How long a process waits at a barrier for the others: on a loaded host one process can finish
 # compiling a large program many minutes after another.

@@ -3,7 +3,8 @@ expert=4,tensor=2`` over its 8 devices) gives what one process on one device giv
 ``eval.generate``'s tokens, ``eval``'s perplexity, ``eval.chat``'s transcript with /fork and
 /rollback, and ``eval.serve``'s answers to the ``openai`` client (with speculative decoding, and LoRA
 adapters: one given at start decoding beside the base, one loaded and unloaded at run time). Process 0
-prints, writes and serves; process 1 runs the same steps silently."""
+prints, writes and serves; process 1 runs the same steps silently. A process killed outright stops
+the other with one line."""
 import concurrent.futures
 import json
 import re
@@ -190,5 +191,42 @@ def test_serve_across_processes_answers_as_one_process(runs):
         assert "stopping with process 0" in two[1].stderr_so_far()
     finally:
         for job in (one, *two):
+            if job.poll() is None:
+                job.kill()
+
+
+LOST_PEER = re.compile(r"error: process (\d) of 2 stopped: (.*); every process of the run stops \(JAX's log: (\S+)\)")
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["a follower", "the coordinator"])
+def test_a_killed_process_stops_the_other_with_one_line(runs, victim):
+    """kill -9 of one process of a 2-process server: the other ends (by JAX's abort) within the
+    heartbeat timeout, having written one line for JAX's fatal log."""
+    args = ["-m", "eval.serve", str(runs[1]), "--port", "0", "--compilation-cache", "none", "--max-model-len", "256",
+            *MESH, "--heartbeat-timeout", "5"]
+    address = f"127.0.0.1:{free_port()}"
+    jobs = [start([*args, "--coordinator-address", address, "--num-processes", "2", "--process-id", str(i)],
+                  devices=4) for i in range(2)]
+    survivor = jobs[1 - victim]
+    try:
+        served_url(jobs[0])
+        before = len(survivor.stderr_so_far())
+        jobs[victim].kill()
+        killed = time.monotonic()
+        survivor.communicate(timeout=120)
+        assert survivor.returncode == -signal.SIGABRT and time.monotonic() - killed < 60
+        deadline = time.monotonic() + 10    # the watcher writes the line as the process aborts
+        while not LOST_PEER.search(survivor.stderr_so_far()[before:]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        after = survivor.stderr_so_far()[before:]
+        lines = [line for line in after.splitlines() if line.strip()]
+        match = LOST_PEER.fullmatch(lines[-1]) if lines else None
+        assert match and len(lines) == 1, after[-3000:]
+        expected = (f"process 1 sent no heartbeat for 5 s" if victim == 1 else
+                    f"process 0, the coordinator at {address}, is gone")
+        assert match.group(1) == str(1 - victim) and match.group(2).startswith(expected), lines
+        assert "Terminating process because the JAX distributed service" in open(match.group(3)).read()
+    finally:
+        for job in jobs:
             if job.poll() is None:
                 job.kill()
