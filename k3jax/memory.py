@@ -30,8 +30,9 @@ in place, as `k3jax.sessions` keeps it): the bank is a `Memory` of
                        read as zeros and drop writes); length [N_mla, B] int32: tokens so far;
                        layer [N_mla] int32: the MLA layer's index into the latent pools
 
-A layer sees its own rows ``[B]`` / tables ``[B, P]``, length ``[B]`` and layer index with the
-whole pools; the model threads the pools through its layers (`split_pools`, `join_pools`). Layers
+Calls of several tokens (the session store's prefill pieces and `feed_rows`) pass a contiguous
+KDA bank (`KDAMemory` or `KDAPositions`) beside `MLAPages`. A layer sees its own rows ``[B]`` /
+tables ``[B, P]``, length ``[B]`` and layer index with the whole pools; the model threads the pools through its layers (`split_pools`, `join_pools`). Layers
 index the pools where they lie, never through a reshape of them: on TPU a reshape that merges the
 layer and page axes is free only in one layout, and the compiler then copies the whole pool into
 it and back on every step.
@@ -173,48 +174,69 @@ def check_memory(config: ModelConfig, memory: Memory, batch_size: int, new_token
     each (checked when its lengths are concrete, i.e. outside jit)."""
     if not isinstance(memory, Memory):
         raise ValueError(f"memory must be a k3jax.memory.Memory (from init_memory), got {type(memory).__name__}")
-    if isinstance(memory.kda, KDAPool) or isinstance(memory.mla, MLAPages):
-        _check_pooled_memory(config, memory, batch_size, new_tokens)
-        return
-    capacity = memory.mla.latent.shape[2] if memory.mla.latent.ndim == 4 else 0
+    if isinstance(memory.kda, KDAPool) and (not isinstance(memory.mla, MLAPages) or new_tokens != 1):
+        raise ValueError("a KDAPool bank decodes one token per call, beside MLAPages; got "
+                         f"{type(memory.mla).__name__} and {new_tokens} tokens")
+    capacity = 0 if isinstance(memory.mla, MLAPages) else memory.mla.latent.shape[2] if memory.mla.latent.ndim == 4 else 0
     expected = jax.eval_shape(lambda: init_memory(config, batch_size, capacity))
-    for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree.leaves(memory)):
-        if (tuple(got.shape), jnp.dtype(got.dtype)) != (want.shape, want.dtype):
-            raise ValueError(f"memory{jax.tree_util.keystr(path)} is {got.dtype}{list(got.shape)}, but this model "
-                             f"({batch_size} sequences) needs {want.dtype}{list(want.shape)}: a bank from another "
-                             f"config or batch")
-    if memory.mla.length.size and not isinstance(memory.mla.length, jax.core.Tracer):
+    if isinstance(memory.mla, MLAPages):
+        _check_pages(config, memory.mla, batch_size)
+    else:
+        _check_arrays(memory.mla, expected.mla, "mla", batch_size)
+    if isinstance(memory.kda, KDAPool):
+        _check_kda_pool(config, memory.kda, batch_size)
+    else:
+        _check_arrays(memory.kda, expected.kda, "kda", batch_size)
+    if (not isinstance(memory.mla, MLAPages) and memory.mla.length.size
+            and not isinstance(memory.mla.length, jax.core.Tracer)):
         used = int(jnp.max(memory.mla.length))
         if used + new_tokens > capacity:
             raise ValueError(f"the memory bank holds {capacity} tokens per sequence; {used} are used and "
                              f"{new_tokens} more do not fit (init_memory's max_length)")
 
 
-def _check_pooled_memory(config: ModelConfig, memory: Memory, batch_size: int, new_tokens: int) -> None:
-    """Raise ValueError unless ``memory`` is a pooled bank (module docstring) of ``config`` for one
-    decode token of ``batch_size`` sequences."""
-    kda, mla = config.kda, config.mla
-    num_mla = len(config.mla_layer_indices)
-    dtype = jnp.dtype(config.compute_dtype)
-    if not (isinstance(memory.kda, KDAPool) and isinstance(memory.mla, MLAPages)) or new_tokens != 1:
-        raise ValueError("a pooled bank needs both KDAPool and MLAPages and decodes one token per call; got "
-                         f"{type(memory.kda).__name__}, {type(memory.mla).__name__} and {new_tokens} tokens")
-    tables = memory.mla.tables
+def _check_arrays(part, expected, name: str, batch_size: int) -> None:
+    """Raise ValueError unless the arrays of ``part`` have ``expected``'s shapes and dtypes."""
+    for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree.leaves(part)):
+        if (tuple(got.shape), jnp.dtype(got.dtype)) != (want.shape, want.dtype):
+            raise ValueError(f"memory.{name}{jax.tree_util.keystr(path)} is {got.dtype}{list(got.shape)}, but this "
+                             f"model ({batch_size} sequences) needs {want.dtype}{list(want.shape)}: a bank from "
+                             f"another config or batch")
+
+
+def _check_kda_pool(config: ModelConfig, pool: KDAPool, batch_size: int) -> None:
+    """Raise ValueError unless ``pool`` is a `KDAPool` (module docstring) of ``config`` for
+    ``batch_size`` sequences."""
+    kda = config.kda
     expected = {
-        "kda.state": (memory.kda.state, (kda.num_value_heads, kda.head_dim, kda.head_dim), jnp.float32, 1),
-        "kda.conv": (memory.kda.conv, (kda.conv_size - 1, kda.conv_width), dtype, 1),
-        "kda.rows": (memory.kda.rows, (config.num_layers - num_mla, batch_size), jnp.int32, 0),
-        "mla.tables": (tables, (num_mla, batch_size), jnp.int32, None),
-        "mla.length": (memory.mla.length, (num_mla, batch_size), jnp.int32, 0),
+        "kda.state": (pool.state, (kda.num_value_heads, kda.head_dim, kda.head_dim), jnp.float32, 1),
+        "kda.conv": (pool.conv, (kda.conv_size - 1, kda.conv_width), jnp.dtype(config.compute_dtype), 1),
+        "kda.rows": (pool.rows, (config.num_layers - len(config.mla_layer_indices), batch_size), jnp.int32, 0),
     }
-    latent = memory.mla.latent
-    if (latent.ndim != 3 or latent.shape[0] != num_mla or latent.shape[-1] % mla.latent_width
-            or jnp.dtype(latent.dtype) != dtype):
+    _check_pooled(expected, batch_size)
+
+
+def _check_pages(config: ModelConfig, pages: MLAPages, batch_size: int) -> None:
+    """Raise ValueError unless ``pages`` is an `MLAPages` (module docstring) of ``config`` for
+    ``batch_size`` sequences."""
+    num_mla, width, dtype = len(config.mla_layer_indices), config.mla.latent_width, jnp.dtype(config.compute_dtype)
+    latent = pages.latent
+    if latent.ndim != 3 or latent.shape[0] != num_mla or latent.shape[-1] % width or jnp.dtype(latent.dtype) != dtype:
         raise ValueError(f"pooled memory mla.latent is {latent.dtype}{list(latent.shape)}; this model needs {dtype} "
-                         f"with shape [{num_mla}, pages, page * {mla.latent_width}]")
+                         f"with shape [{num_mla}, pages, page * {width}]")
+    _check_pooled({"mla.tables": (pages.tables, (num_mla, batch_size), jnp.int32, None),
+                   "mla.length": (pages.length, (num_mla, batch_size), jnp.int32, 0)}, batch_size)
+    if pages.tables.ndim != 3:
+        raise ValueError(f"pooled memory mla.tables is {pages.tables.dtype}{list(pages.tables.shape)}; this model "
+                         f"({batch_size} sequences) needs int32 with shape [{num_mla}, {batch_size}, pages]")
+
+
+def _check_pooled(expected: dict, batch_size: int) -> None:
+    """``{name: (array, shape, dtype, skip)}``: each array's shape after its first ``skip`` axes
+    (None: its first two axes) must be ``shape``, its dtype ``dtype``."""
     for name, (array, shape, want_dtype, skip) in expected.items():
         got = tuple(array.shape)[skip:] if skip is not None else tuple(array.shape)[:2]
-        if got != shape or jnp.dtype(array.dtype) != jnp.dtype(want_dtype) or (name == "mla.tables" and array.ndim != 3):
+        if got != shape or jnp.dtype(array.dtype) != jnp.dtype(want_dtype):
             raise ValueError(f"pooled memory {name} is {array.dtype}{list(array.shape)}; this model "
                              f"({batch_size} sequences) needs {jnp.dtype(want_dtype)} with shape ...{list(shape)}")
 

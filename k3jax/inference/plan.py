@@ -126,12 +126,17 @@ def _layer_of(path: str) -> str:
 class WeightBytes(NamedTuple):
     """One device's weight bytes: whole ``replicated`` arrays, its blocks of the ``sharded`` ones,
     ``cast``: its floating weights in the compute dtype when they are held in another (the casts
-    XLA may materialise), ``gathered``: the largest layer's fsdp-split weights whole (fsdp > 1)."""
+    XLA may materialise), ``gathered``: the largest layer's fsdp-split weights whole (fsdp > 1),
+    ``sliced``: the two largest routed-expert arrays of one scanned layer (this device's blocks),
+    which the scan slices out of the stacked weights into copies where the expert product is a
+    kernel (on TPU: the ragged dot, a Mosaic kernel, reads whole operands; the gate and up
+    projections are sliced together)."""
 
     replicated: float
     sharded: float
     cast: float
     gathered: float
+    sliced: float = 0.0
 
     @property
     def total(self) -> float:
@@ -145,6 +150,7 @@ def weight_bytes(weights: Sequence[WeightArray], mesh: AbstractMesh, dtype: str 
     weight: what ``model.moe.expert_format=mxfp4`` would hold)."""
     replicated = sharded = cast = 0.0
     layers: dict[str, float] = {}
+    routed: dict[str, list[float]] = {}
     compute = np.dtype(compute_dtype)
     for array in weights:
         spec = partition_spec(array.axes, array.shape, INFERENCE_RULES, mesh)
@@ -160,10 +166,13 @@ def weight_bytes(weights: Sequence[WeightArray], mesh: AbstractMesh, dtype: str 
             replicated += size
         else:
             sharded += size
+        depth = array.shape[0] if array.axes[:1] == ("layers",) else 1
         if any("fsdp" in ((entry,) if isinstance(entry, str) else entry or ()) for entry in spec):
-            depth = array.shape[0] if array.axes[:1] == ("layers",) else 1
             layers[_layer_of(array.path)] = layers.get(_layer_of(array.path), 0.0) + size * mesh.shape["fsdp"] / depth
-    return WeightBytes(replicated, sharded, cast, max(layers.values(), default=0.0))
+        if array.routed and depth > 1:
+            routed.setdefault(_layer_of(array.path), []).append(size / depth)
+    sliced = max((sum(sorted(sizes)[-2:]) for sizes in routed.values()), default=0.0)
+    return WeightBytes(replicated, sharded, cast, max(layers.values(), default=0.0), sliced)
 
 
 class Block(NamedTuple):
@@ -214,7 +223,7 @@ class StepShape(NamedTuple):
     rows: int         # R: sequences in the call (the decode batch bucket: padding rows run too)
     local_rows: int   # r: this device's rows (R split over data where it divides)
     tokens: int       # tau: this device's token rows
-    sequences: int    # s: sequences whose pages one MLA layer gathers here
+    sequences: int    # s: sequences whose pages one MLA layer reads here
     dispatched: int   # n: token rows this device sends into the expert dispatch
     slots: int        # S: cache slots of the page bucket
 
@@ -245,10 +254,17 @@ def _mla_layer(model: ModelConfig, mesh: AbstractMesh, shape: StepShape, a: int)
     mla = model.mla
     if not model.mla_layer_indices:
         return 0.0
-    per_token = 2 * mla.qk_head_dim + 2 * mla.latent_width + mla.value_head_dim + 2 * min(shape.slots,
-                                                                                        mla.attention_block_size)
-    return (3 * shape.sequences * shape.slots * mla.latent_width * a
+    block = key_block(model, shape.slots)
+    per_token = 2 * mla.qk_head_dim + 2 * mla.latent_width + mla.value_head_dim + 2 * block
+    return (2 * shape.sequences * block * mla.latent_width * a
             + shape.tokens * local_width("heads", mla.num_heads, mesh) * per_token * 4)
+
+
+def key_block(model: ModelConfig, slots: int) -> int:
+    """bk: the cache slots `k3jax.ops.attention.paged_attention` reads at a time over pages of the
+    session store's page size (c, the KDA chunk) for a page bucket of ``slots`` S."""
+    page = model.kda.chunk_size
+    return min(slots, max(1, model.mla.attention_block_size // page) * page)
 
 
 def _ffn_layer(model: ModelConfig, mesh: AbstractMesh, shape: StepShape, a: int) -> float:
@@ -279,7 +295,7 @@ def step_activations(model: ModelConfig, mesh: AbstractMesh, batch: int, context
     (the layers run one after another; XLA frees a layer's intermediates before the next) plus what
     the whole call holds,
 
-        step = stream + max(KDA, MLA, FFN) + logits + casts + gathered + sampling (decode) | bank (prefill)
+        step = stream + max(KDA, MLA, FFN) + logits + casts + gathered + sliced + sampling (decode) | bank (prefill)
 
     a the compute dtype's bytes; e, D the mesh's expert and data sizes; "/t" a width divided by the
     mesh axes its logical axis takes (heads, vocabulary, FFN and expert widths: tensor); R, r, tau,
@@ -293,11 +309,12 @@ def step_activations(model: ModelConfig, mesh: AbstractMesh, batch: int, context
                                                     the compute dtype and fp32
                    + 2 r HV/t K V 4                 decode: the rows' states read and written
                    + HV/t c (c + 4K) 4              prefill: one chunk's intra-chunk matrices
-        MLA      = 3 s S L a                        the pages gathered into a cache, that cache with
-                                                    the call's rows written, its keys in blocks
-                   + tau H/t (2(n+rho) + 2L + V + 2 min(S, blk)) 4   queries, absorbed queries,
-                                                    mixed latents, outputs, a key block's scores
-                                                    and weights
+        MLA      = 2 s bk L a                       one key block of pages read from the pool, and
+                                                    its value slice (bk = `key_block`: the pages of
+                                                    blk slots, at most S; the pages are read where
+                                                    they lie, never gathered whole)
+                   + tau H/t (2(n+rho) + 2L + V + 2 bk) 4   queries, absorbed queries, mixed
+                                                    latents, outputs, a key block's scores and weights
         FFN      = max(dense: tau (d + 3F/t) a,
                        MoE: tau (2E 4 + (2l + 3F_sh/t) a)   router scores, latent down/up, shared
                             + E n (4l + 3m/t) a     e > 1: the capacity dispatch at capacity factor
@@ -313,10 +330,16 @@ def step_activations(model: ModelConfig, mesh: AbstractMesh, batch: int, context
                                                     dtype, cast (XLA may hoist the casts of the
                                                     scanned layers' weights out of the loop)
         gathered = `WeightBytes.gathered`           fsdp > 1: one layer's weights all-gathered
+        sliced   = `WeightBytes.sliced`             a scanned layer's gate and up routed experts
+                                                    sliced out of the stacked weights (on TPU the
+                                                    expert product is a kernel, and XLA copies its
+                                                    operands out of the stack: 2 x 288 MiB of the
+                                                    609 MiB Kimi Linear's compiled decode step
+                                                    holds at tensor=4)
         sampling = 4 R V 4                          decode: the last logits sorted for top-k / top-p
-        bank     = 2 (N_kda HV/t K V 4 + N_kda (W-1) C a + N_mla S L a)   prefill: the session's
-                                                    memory gathered into a contiguous bank and the
-                                                    updated bank scattered back
+        bank     = 2 (N_kda HV/t K V 4 + N_kda (W-1) C a)   prefill: the session's KDA states and
+                                                    conv tails gathered and scattered back (its MLA
+                                                    pages are read and written in the pool)
 
     An estimate: compilers fuse and schedule differently. Against XLA:CPU's compiled programs
     (`compiled_activations`; the tiny and micro configs, 8 to 32 sessions of 1K to 4K tokens) it
@@ -326,7 +349,7 @@ def step_activations(model: ModelConfig, mesh: AbstractMesh, batch: int, context
     """
     a = np.dtype(model.compute_dtype).itemsize
     shape = step_shape(model, mesh, batch, context, prefill)
-    kda, mla = model.kda, model.mla
+    kda = model.kda
     num_mla = len(model.mla_layer_indices)
     num_kda = model.num_layers - num_mla
     sources = math.ceil(model.num_layers / model.attn_res.block_size) if model.attn_res.kind == "block" else 0
@@ -336,11 +359,10 @@ def step_activations(model: ModelConfig, mesh: AbstractMesh, batch: int, context
     logits = shape.tokens * local_width("vocab", model.vocab_size, mesh) * (a + 4)
     if prefill:
         value_heads = local_width("value_heads", kda.num_value_heads, mesh)
-        whole = 2 * (num_kda * value_heads * kda.head_dim * kda.head_dim * 4
-                     + num_kda * (kda.conv_size - 1) * kda.conv_width * a + num_mla * shape.slots * mla.latent_width * a)
+        whole = 2 * (num_kda * value_heads * kda.head_dim * kda.head_dim * 4 + num_kda * (kda.conv_size - 1) * kda.conv_width * a)
     else:
         whole = 4 * shape.rows * model.vocab_size * 4
-    return stream + layer + logits + weights.cast + weights.gathered + whole
+    return stream + layer + logits + weights.cast + weights.gathered + weights.sliced + whole
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,8 +32,8 @@ from k3jax.layers.linear import project
 from k3jax.layers.lora import AdapterBank, adapted_project, adapted_weight, adapter_bank
 from k3jax.layers.params import param, truncated_normal
 from k3jax.layers.scope import scoped
-from k3jax.memory import MLAMemory, MLAPages, page_rows, set_latent_rows
-from k3jax.ops.attention import KERNEL_IMPLEMENTATIONS, attention, resolved_implementation
+from k3jax.memory import MLAMemory, MLAPages, set_latent_rows
+from k3jax.ops.attention import KERNEL_IMPLEMENTATIONS, attention, paged_attention, resolved_implementation
 from k3jax.ops.norms import rms_norm
 
 
@@ -145,20 +145,26 @@ class MLALayer(nnx.Module):
         return run(q, keys, values, query_segments=segments, key_segments=segments, **options)
 
     def _attend_paged(self, q, latent, memory: MLAPages):
-        """The cached attention over a paged cache (one document per sequence): each sequence's
-        pages ``tables [B, P]`` are gathered from this layer's pool (``latent[layer]``) into its
-        contiguous cache for `_attend_cached`, and the call's rows are written into that pool at
-        positions [length, length + T) (page tables[t // page], row t % page; ids outside the pool drop)."""
+        """The absorbed attention over a paged cache (one document per sequence): the call's rows
+        are written into this layer's pool (``latent[layer]``) at positions [length, length + T)
+        (page tables[t // page], row t % page; ids outside the pool drop), then its queries attend
+        over the sequence's pages ``tables [B, P]`` where they lie (`paged_attention`: a key block
+        of pages at a time, never the whole cache). A sequence whose tokens do not fit its pages
+        gets NaN outputs, as `_attend_cached`'s do."""
+        cfg = self.config
         pool, tables, layer = memory.latent, memory.tables, memory.layer
         num_pages, page = pool.shape[1], pool.shape[2] // latent.shape[-1]
-        cache = page_rows(pool.at[layer, tables].get(mode="fill", fill_value=0), latent.shape[-1])
-        segments = jnp.zeros(q.shape[:2], jnp.int32)
-        o, cached = self._attend_cached(q, latent, MLAMemory(cache, memory.length, jnp.zeros_like(memory.length)),
-                                        segments)
         positions = memory.length[:, None] + jnp.arange(q.shape[1])                            # [B, T]
         pages = jnp.take_along_axis(tables, positions // page, axis=1, mode="fill", fill_value=num_pages)
         pool = set_latent_rows(pool, layer, pages, positions % page, latent)
-        return o, MLAPages(pool, tables, cached.length, layer)
+        bank = adapter_bank(self, "kv_b_proj")
+        queries, absorb = self._absorbed(q, bank)
+        block = tables.shape[1] * page if cfg.attention_implementation == "dense" else cfg.attention_block_size
+        mixed = paged_attention(queries, pool, layer, tables, positions, value_width=cfg.kv_lora_rank,
+                                scale=cfg.qk_head_dim**-0.5, block_size=block)          # dense: one block
+        overflow = memory.length + q.shape[1] > tables.shape[1] * page
+        o = jnp.where(overflow[:, None, None, None], jnp.nan, absorb(mixed))
+        return o, MLAPages(pool, tables, memory.length + q.shape[1], layer)
 
     def _attend_cached(self, q, latent, memory: MLAMemory, segments):
         """Write the call's [c~ | k_r] into the cache, attend over it in the absorbed form (blockwise
@@ -174,7 +180,26 @@ class MLALayer(nnx.Module):
         key_segments = jnp.where(slots >= memory.document_start[:, None], key_segments, jnp.iinfo(jnp.int32).min)
         positions = memory.length[:, None] + jnp.arange(length)
 
-        bank = adapter_bank(self, "kv_b_proj")
+        queries, absorb = self._absorbed(q, adapter_bank(self, "kv_b_proj"))
+        keys = cache.astype(self.dtype)[:, :, None, :]                                 # one shared head
+        implementation = "dense" if cfg.attention_implementation == "dense" else "xla"
+        mixed = attention(queries, keys, keys[..., : cfg.kv_lora_rank], scale=cfg.qk_head_dim**-0.5,
+                          query_positions=positions, key_positions=jnp.broadcast_to(slots, key_segments.shape),
+                          query_segments=segments, key_segments=key_segments,
+                          implementation=implementation, block_size=cfg.attention_block_size)
+        overflow = memory.length + length > cache.shape[1]
+        o = jnp.where(overflow[:, None, None, None], jnp.nan, absorb(mixed))
+
+        starts = jnp.concatenate([jnp.zeros_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+        last_start = jnp.max(jnp.where(starts, jnp.arange(length), 0), axis=1)
+        document_start = jnp.where(jnp.any(starts, axis=1), memory.length + last_start, memory.document_start)
+        return o, MLAMemory(cache, memory.length + length, document_start)
+
+    def _absorbed(self, q, bank: AdapterBank | None):
+        """The absorbed form's queries ``[q_lat | q_r] [B, T, H, kv_lora + r]`` and the function
+        taking the mixed latents ``[B, T, H, kv_lora]`` to the heads' outputs ``[B, T, H, V]``
+        (W_kvb's key and value parts; with ``bank``, each token's adapter terms beside them)."""
+        cfg = self.config
         kv_b = self._kv_b(bank)
         key_proj, value_proj = kv_b[..., : cfg.nope_head_dim], kv_b[..., cfg.nope_head_dim :]
         q_nope = q[..., : cfg.nope_head_dim]
@@ -183,24 +208,16 @@ class MLALayer(nnx.Module):
             weights = bank.row_weights(q.shape[:2], self.dtype)[:, :, None, :, None]       # [B, T, 1, N, 1]
             low = jnp.einsum("bthn,srhn->bthsr", q_nope, bank.b[...][..., : cfg.nope_head_dim].astype(self.dtype))
             q_latent = q_latent + jnp.einsum("bthsr,csr->bthc", low * weights, bank.a[...].astype(self.dtype))
-        queries = jnp.concatenate([q_latent, q[..., cfg.nope_head_dim :]], axis=-1)   # [B, T, H, kv_lora + r]
-        keys = cache.astype(self.dtype)[:, :, None, :]                                 # one shared head
-        implementation = "dense" if cfg.attention_implementation == "dense" else "xla"
-        mixed = attention(queries, keys, keys[..., : cfg.kv_lora_rank], scale=cfg.qk_head_dim**-0.5,
-                          query_positions=positions, key_positions=jnp.broadcast_to(slots, key_segments.shape),
-                          query_segments=segments, key_segments=key_segments,
-                          implementation=implementation, block_size=cfg.attention_block_size)
-        o = jnp.einsum("bthc,chv->bthv", mixed, value_proj)
-        if bank is not None:
-            low = jnp.einsum("bthc,csr->bthsr", mixed, bank.a[...].astype(self.dtype)) * weights
-            o = o + jnp.einsum("bthsr,srhv->bthv", low, bank.b[...][..., cfg.nope_head_dim :].astype(self.dtype))
-        overflow = memory.length + length > cache.shape[1]
-        o = jnp.where(overflow[:, None, None, None], jnp.nan, o)
+        queries = jnp.concatenate([q_latent, q[..., cfg.nope_head_dim :]], axis=-1)
 
-        starts = jnp.concatenate([jnp.zeros_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
-        last_start = jnp.max(jnp.where(starts, jnp.arange(length), 0), axis=1)
-        document_start = jnp.where(jnp.any(starts, axis=1), memory.length + last_start, memory.document_start)
-        return o, MLAMemory(cache, memory.length + length, document_start)
+        def absorb(mixed):
+            o = jnp.einsum("bthc,chv->bthv", mixed, value_proj)
+            if bank is not None:
+                low = jnp.einsum("bthc,csr->bthsr", mixed, bank.a[...].astype(self.dtype)) * weights
+                o = o + jnp.einsum("bthsr,srhv->bthv", low, bank.b[...][..., cfg.nope_head_dim :].astype(self.dtype))
+            return o
+
+        return queries, absorb
 
     def _kv_b(self, bank: AdapterBank | None) -> jax.Array:
         """W_kvb in ``dtype``: with its adapter merged in, or alone beside a ``bank`` (added per token)."""

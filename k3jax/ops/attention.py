@@ -20,6 +20,7 @@ Implementations (one entry point, ``attention(..., implementation=)``):
   ``cudnn``  ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU): causal self-attention
              without segment ids (its public API has none); V is zero-padded to the q/k width.
   ``splash`` the Pallas TPU splash-attention kernel: causal self-attention with segment ids.
+`paged_attention` runs the xla recurrence over a paged cache, fetching each key block from its pages.
 ``None`` picks by platform: cudnn on GPU (when there are no segments), splash on TPU, else xla;
 attention over a cache (explicit positions) always runs xla. Only dense and xla run on CPU (and
 splash interpreted, under `k3jax.ops.kda.pallas.forced_kernels("tpu")`, for tests). Splash is a
@@ -186,41 +187,91 @@ def _any_visible(q_pos, k_pos) -> jax.Array:
 def _forward_blocks(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block_size):
     """Output ``[B, T, H, Dv]``, log-sum-exp in blocks ``[nq, B, G, M, bq]`` (fp32, 0 where no key is
     visible) and where some key is visible (bool, in the same blocks)."""
+    bk = min(block_size, k.shape[1])
+    key_blocks = (_to_blocks(k, bk, 0), _to_blocks(v, bk, 0), _to_blocks(k_pos, bk, _NEVER_SEEN),
+                  _to_blocks(k_seg, bk, 0))
+    return _online_softmax(q, q_pos, q_seg, key_blocks, lambda block: block[2:], lambda block: block[:2],
+                           k.shape[2], v.shape[-1], v.dtype, scale, block_size)
+
+
+def _online_softmax(q, q_pos, q_seg, key_blocks, positions_of, keys_of, groups, value_dim, value_dtype, scale,
+                    block_size):
+    """The forward recurrence (module docstring) of q ``[B, T, H, D]`` over the key blocks
+    ``key_blocks`` (a pytree scanned over its leading axis): ``positions_of(block)`` gives a
+    block's key positions and segments ``[B, bk]``, ``keys_of(block)`` its keys ``[B, bk, G, D]``
+    and values ``[B, bk, G, Dv]``, only for a block some query can see. Returns as `_forward_blocks`."""
     batch, length, heads, dim = q.shape
-    groups, value_dim = k.shape[2], v.shape[-1]
-    bq, bk = min(block_size, length), min(block_size, k.shape[1])
+    bq = min(block_size, length)
     q_blocks = _to_blocks(q.reshape(batch, length, groups, heads // groups, dim), bq, 0)
-    keys = (_to_blocks(k, bk, 0), _to_blocks(v, bk, 0), _to_blocks(k_pos, bk, _NEVER_SEEN), _to_blocks(k_seg, bk, 0))
     query_blocks = (q_blocks, _to_blocks(q_pos, bq, -1), _to_blocks(q_seg, bq, 0))
 
     def one_query_block(query):
         q_block, qp, qs = query
         stats_shape = (batch, groups, heads // groups, bq)
 
-        def add_key_block(carry, key):
-            k_block, v_block, kp, ks = key
+        def add_key_block(carry, block):
+            kp, ks = positions_of(block)
 
             def update(carry):
                 m, l, acc = carry
+                k_block, v_block = keys_of(block)
                 scores, visible = _block_scores(q_block, k_block, scale, qp, kp, qs, ks)
                 m_new = jnp.maximum(m, jnp.max(jnp.where(visible, scores, -jnp.inf), axis=-1))
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
                 p = jnp.where(visible, jnp.exp(scores - m_safe[..., None]), 0.0)
                 decay = jnp.exp(m - m_safe)
-                pv = jnp.einsum("bgmqk,bkgd->bgmqd", p.astype(v.dtype), v_block, preferred_element_type=jnp.float32)
+                pv = jnp.einsum("bgmqk,bkgd->bgmqd", p.astype(value_dtype), v_block, preferred_element_type=jnp.float32)
                 return m_new, decay * l + jnp.sum(p, axis=-1), decay[..., None] * acc + pv
 
             return jax.lax.cond(_any_visible(qp, kp), update, lambda c: c, carry), None
 
         init = (jnp.full(stats_shape, -jnp.inf), jnp.zeros(stats_shape), jnp.zeros((*stats_shape, value_dim)))
-        (m, l, acc), _ = jax.lax.scan(add_key_block, init, keys)
+        (m, l, acc), _ = jax.lax.scan(add_key_block, init, key_blocks)
         seen = l > 0
         o = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
-        return jnp.einsum("bgmqd->bqgmd", o).astype(v.dtype), lse, seen
+        return jnp.einsum("bgmqd->bqgmd", o).astype(value_dtype), lse, seen
 
     o_blocks, lse, seen = jax.lax.map(one_query_block, query_blocks)
     return _from_blocks(o_blocks, length).reshape(batch, length, heads, value_dim), lse, seen
+
+
+def paged_attention(q: jax.Array, pool: jax.Array, layer, tables: jax.Array, query_positions: jax.Array, *,
+                    value_width: int, scale: float, block_size: int = 512) -> jax.Array:
+    """The absorbed MLA attention (one shared key head) of q ``[B, T, H, L]`` over the rows a paged
+    pool holds, read page by page where they lie: no sequence's cache is gathered whole.
+
+    ``pool [N, pages, page * L]`` (`k3jax.memory`: a page is one row of ``page`` tokens' L values),
+    ``layer`` its index, ``tables [B, P]`` each sequence's pages in order (ids outside the pool read
+    as zeros): token j of sequence b is row j % page of page tables[b, j // page], with key
+    k_j = its L values and value v_j = its first ``value_width``. Query t (position
+    ``query_positions[b, t]``) sees keys j <= its position:
+
+        o[b,t,h] = sum_{j <= pos_t} softmax_j(scale q[b,t,h] . k_j) v_j
+
+    by `_online_softmax` over key blocks of ``block_size // page`` pages (at least one, at most P),
+    gathered one block at a time; blocks after every query are skipped. Returns ``[B, T, H, value_width]`` in
+    q.dtype. Forward only (serving)."""
+    batch, width = q.shape[0], q.shape[-1]
+    num_pages, page = pool.shape[1], pool.shape[2] // width
+    per_block = max(1, min(block_size // page, tables.shape[1]))
+    blocks = -(-tables.shape[1] // per_block)
+    tables = jnp.pad(tables, [(0, 0), (0, blocks * per_block - tables.shape[1])], constant_values=num_pages)
+    key_blocks = (jnp.moveaxis(tables.reshape(batch, blocks, per_block), 1, 0), jnp.arange(blocks))  # [nk, B, pages]
+    bk = per_block * page
+
+    def positions_of(block):
+        positions = jnp.broadcast_to(block[1] * bk + jnp.arange(bk, dtype=jnp.int32), (batch, bk))
+        return positions, jnp.zeros((batch, bk), jnp.int32)
+
+    def keys_of(block):
+        rows = pool.at[layer, block[0]].get(mode="fill", fill_value=0).reshape(batch, bk, 1, width).astype(q.dtype)
+        return rows, rows[..., :value_width]
+
+    segments = jnp.zeros(query_positions.shape, jnp.int32)
+    o, _, _ = _online_softmax(q, query_positions.astype(jnp.int32), segments, key_blocks, positions_of, keys_of, 1,
+                              value_width, q.dtype, scale, block_size)
+    return o
 
 
 def _backward_blocks(q, k, v, q_pos, k_pos, q_seg, k_seg, o, lse, d_o, scale, block_size, d_lse=None):

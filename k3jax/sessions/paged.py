@@ -11,14 +11,16 @@ page table[b][t // page], row t % page. The batched decode step runs the model o
 themselves (`pooled_bank`: the KDA pools reshaped to rows, row slot * N_kda + layer, and the MLA
 layer's pages indexed as (layer, page), so every layer's kernels read and write only the rows and
 pages of the batch, in place in the donated pools, with the kernels of the model's ``kda.implementation``).
-Prefill (and the gather/decode/scatter baseline of `decode_step`) gathers the selected sequences
-into the contiguous bank of `k3jax.memory` (capacity P * page; pages past the table are index N_pages,
-read as zeros), runs the model, and scatters back what changed: the KDA states and conv tails
-of the slots and the latent rows at positions [length, length + T). Padding rows of a batch use
-page N_pages (reads are zeros, writes are dropped) and, for decode, a free slot of their own
-(its contents are garbage until the slot is next allocated, which overwrites it). The gathered
-bank equals the contiguous bank exactly on slots [0, length); later slots are masked by the
-causal mask, so the paged result is the contiguous one.
+Calls of several tokens (a prefill piece, `feed_rows`) gather the slots' KDA states and conv tails
+into a contiguous `KDAMemory` (the chunked KDA forms need one) and hand the model the MLA pools as
+they are (`paged_bank`); the states and tails are scattered back after. MLA attention, in both,
+writes the call's latent rows into their pages and reads each sequence's pages a key block at a
+time where they lie (`k3jax.ops.attention.paged_attention`): no program holds a session's whole
+cache. Padding rows of a batch use page N_pages (reads are zeros, writes are dropped) and a free
+slot of their own (its contents are garbage until the slot is next allocated, which overwrites
+it). Rows past a sequence's length are masked by the causal mask, so the paged result is the
+contiguous one. The private baseline of `decode_step` (``gathered``) and `read_value` still gather
+whole sequences into the contiguous bank of `k3jax.memory` (capacity P * page).
 
 Compiles are reused through fixed buckets: batch sizes and page counts are powers of two and
 prefill pieces are powers of two up to the KDA chunk size (`piece_lengths`).
@@ -28,7 +30,7 @@ last dimension is not a multiple of 128 (K3's and Kimi Linear's L = 576) with an
 minor-most -- [..., page, 576] with its pages minor-most -- and a gather of whole pages then
 copies the entire pool into row-major order and back on every decode step (seen in the compiled
 decode step for v5e, v5p and v6e: two copies of the pool among its temporaries). [..., page * 576]
-is row-major there, as on CPU and GPU, so pages are gathered and rows written where they lie.
+is row-major there, as on CPU and GPU, so pages are read and rows written where they lie.
 """
 from __future__ import annotations
 
@@ -171,6 +173,25 @@ def gather_bank(pools: Pools, slots: jax.Array, tables: jax.Array, lengths: jax.
                   mla=MLAMemory(latent, lengths, jnp.zeros_like(lengths)))
 
 
+def paged_bank(pools: Pools, slots: jax.Array, tables: jax.Array, lengths: jax.Array) -> Memory:
+    """The bank of B sequences for a call of several tokens: their KDA states and conv tails
+    gathered into a contiguous `KDAMemory` (a few MiB a sequence), the MLA latent pools as they
+    are with each layer's tables ``[B, P]`` (`MLAPages`: attention reads the pages where they
+    lie and writes the call's rows into them; no sequence's cache is gathered whole)."""
+    pooled = pooled_bank(pools, slots, tables, lengths)
+    state = pools.state.at[slots].get(mode="fill", fill_value=0)
+    conv = pools.conv.at[slots].get(mode="fill", fill_value=0)
+    return Memory(kda=KDAMemory(jnp.swapaxes(state, 0, 1), jnp.swapaxes(conv, 0, 1)), mla=pooled.mla)
+
+
+def scatter_paged(pools: Pools, slots, bank: Memory) -> Pools:
+    """Write back the KDA states and conv tails of a `paged_bank` the model returned; its latent
+    pools already hold the call's rows."""
+    return Pools(state=pools.state.at[slots].set(jnp.swapaxes(bank.kda.state, 0, 1), mode="drop"),
+                 conv=pools.conv.at[slots].set(jnp.swapaxes(bank.kda.conv, 0, 1), mode="drop"),
+                 latent=bank.mla.latent)
+
+
 def scatter_bank(pools: Pools, slots, tables, lengths, bank: Memory, new_tokens: int) -> Pools:
     """Write back the KDA states and conv tails of ``bank`` and its latent rows at positions
     [length, length + new_tokens) into the pages of each table (padding rows are dropped)."""
@@ -203,8 +224,8 @@ def prefill_piece(graph: StaticGraph, params, pools: Pools, slot, table, length,
     model has no adapter bank): -> (logits [T, vocab] fp32, pools)."""
     slots, tables, lengths = slot[None], table[None], length[None]
     model = model_for(graph, params, None if adapter is None else adapter[None], (1, tokens.shape[0]))
-    out = model(tokens[None], memory=gather_bank(pools, slots, tables, lengths, model.config.mla.latent_width))
-    return host_readable(model, out.logits[0]), scatter_bank(pools, slots, tables, lengths, out.memory, tokens.shape[0])
+    out = model(tokens[None], memory=paged_bank(pools, slots, tables, lengths))
+    return host_readable(model, out.logits[0]), scatter_paged(pools, slots, out.memory)
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "every_position"), donate_argnames=("pools",))
@@ -223,16 +244,15 @@ def feed_rows(graph: StaticGraph, params, pools: Pools, slots, tables, lengths, 
     if restore is not None:
         pools = set_slots(pools, slots, *restore)
     model = model_for(graph, params, adapters, tokens.shape)
-    bank = gather_bank(pools, slots, tables, lengths, model.config.mla.latent_width)
+    bank = paged_bank(pools, slots, tables, lengths)
     if not every_position:
         out = model(tokens, memory=bank)
         before = (jnp.swapaxes(bank.kda.state, 0, 1), jnp.swapaxes(bank.kda.conv, 0, 1))
-        return (host_readable(model, out.logits),
-                scatter_bank(pools, slots, tables, lengths, out.memory, tokens.shape[1]), before)
+        return host_readable(model, out.logits), scatter_paged(pools, slots, out.memory), before
     out = model(tokens, memory=bank._replace(kda=KDAPositions(*bank.kda)))
     after = (jnp.moveaxis(out.memory.kda.state, 0, 2), jnp.moveaxis(out.memory.kda.conv, 0, 2))   # [B, T, N_kda, ...]
     last = KDAMemory(*(jnp.swapaxes(array[:, -1], 0, 1) for array in after))
-    return host_readable(model, out.logits), scatter_bank(pools, slots, tables, lengths, out.memory._replace(kda=last), tokens.shape[1]), after
+    return host_readable(model, out.logits), scatter_paged(pools, slots, out.memory._replace(kda=last)), after
 
 
 def set_slots(pools: Pools, slots, state, conv) -> Pools:

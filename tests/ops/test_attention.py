@@ -1,11 +1,14 @@
 """Blockwise attention (k3jax.ops.attention, SPEC §2) against float64 NumPy dense attention:
-values and gradients with packed documents, grouped heads, cache positions and ragged blocks."""
+values and gradients with packed documents, grouped heads, cache positions and ragged blocks; the
+paged form over a pool's pages."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops.attention import attention
+from k3jax.ops.attention import attention, paged_attention
 from tests.helpers import rel_err
 
 
@@ -82,6 +85,29 @@ def test_cache_positions_and_invisible_rows_match_numpy():
         (_, o), grads = value_and_grads(q, k, v, implementation)
         for got, want in zip((o, *grads), expected):
             assert rel_err(got, want) <= 1e-5, implementation
+
+
+@pytest.mark.parametrize("block", [8, 12, 64])
+def test_paged_attention_reads_each_sequences_pages_where_they_lie(block):
+    """Two sequences over a shared pool of 4-token pages in scrambled order (layer 1 of 2): keys
+    and values are the rows their tables name (values: the first 3 of 5 values), queries at
+    positions [5, 6] and [10, 11] see the keys up to their own; blocks of 2 / 3 (ragged: P = 4
+    pages) / all pages; a table entry outside the pool reads zeros, after every query."""
+    rng = np.random.default_rng(block)
+    page, width, value_width, heads = 4, 5, 3, 2
+    pool = rng.standard_normal((2, 9, page * width)).astype(np.float32)
+    tables = np.array([[7, 2, 9, 9], [4, 0, 8, 9]], np.int32)                     # 9: outside the pool
+    positions = np.array([[5, 6], [10, 11]], np.int32)
+    q = rng.standard_normal((2, 2, heads, width)).astype(np.float32)
+    got = jax.jit(functools.partial(paged_attention, value_width=value_width, scale=0.6, block_size=block))(
+        q, pool, 1, tables, positions)
+    rows = np.concatenate([np.zeros((1, page * width), np.float32), pool[1]])[np.where(tables < 9, tables + 1, 0)]
+    keys = rows.reshape(2, -1, 1, width)                                           # [B, P * page, 1, L]
+    key_positions = np.broadcast_to(np.arange(keys.shape[1]), (2, keys.shape[1]))
+    zeros = np.zeros((2, keys.shape[1]), np.int32)
+    want = numpy_attention(q, keys, keys[..., :value_width], 0.6, positions, key_positions, zeros[:, :2], zeros,
+                           np.zeros((2, 2, heads, value_width)))[0]
+    assert rel_err(got, want) <= 1e-5
 
 
 def test_bf16_inputs_and_extreme_scores_stay_finite():

@@ -1,9 +1,11 @@
 """The paged pools against a NumPy construction: gather = the contiguous bank, scatter writes the new
-rows where the page tables say, padding rows read zeros and write nothing; prefill pieces."""
+rows where the page tables say, padding rows read zeros and write nothing; the paged bank of calls
+of several tokens (contiguous KDA states, the MLA pools as they are); prefill pieces."""
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.sessions.paged import Pools, gather_bank, piece_lengths, scatter_bank
+from k3jax.memory import MLAPages
+from k3jax.sessions.paged import Pools, gather_bank, paged_bank, piece_lengths, scatter_bank, scatter_paged
 from k3jax.sessions.pools import RefCounts
 
 SLOTS, PAGES, PAGE, WIDTH = 3, 5, 4, 2
@@ -50,6 +52,30 @@ def test_scatter_writes_new_rows_into_their_pages_only():
     expected_state = pools.state.copy()
     expected_state[1] = new_state[:, 0]
     np.testing.assert_array_equal(out.state, expected_state)   # the padding row wrote nothing
+
+
+def test_the_paged_bank_gathers_kda_states_only_and_scatters_them_back():
+    rng = np.random.default_rng(2)
+    pools = random_pools(rng)
+    slots, tables, lengths = np.array([2, SLOTS]), np.array([[4, 1], [PAGES, PAGES]]), np.array([6, 0])
+    jpools = Pools(*map(jnp.asarray, pools))
+    bank = paged_bank(jpools, jnp.asarray(slots), jnp.asarray(tables), jnp.asarray(lengths))
+    np.testing.assert_array_equal(bank.kda.state[:, 0], pools.state[2])
+    np.testing.assert_array_equal(bank.kda.conv[:, 1], 0)                       # the padding slot reads zeros
+    assert isinstance(bank.mla, MLAPages)
+    np.testing.assert_array_equal(bank.mla.latent, pools.latent)                # the pool itself, not a gather
+    np.testing.assert_array_equal(bank.mla.tables, tables[None])
+    np.testing.assert_array_equal(bank.mla.length, lengths[None])
+    new_state = rng.normal(size=bank.kda.state.shape).astype(np.float32)
+    new_latent = rng.normal(size=pools.latent.shape).astype(np.float32)
+    bank = bank._replace(kda=bank.kda._replace(state=jnp.asarray(new_state)),
+                         mla=bank.mla._replace(latent=jnp.asarray(new_latent)))
+    out = scatter_paged(jpools, jnp.asarray(slots), bank)
+    expected_state = pools.state.copy()
+    expected_state[2] = new_state[:, 0]
+    np.testing.assert_array_equal(out.state, expected_state)                    # the padding row wrote nothing
+    np.testing.assert_array_equal(out.conv, pools.conv)
+    np.testing.assert_array_equal(out.latent, new_latent)
 
 
 def test_pieces_are_powers_of_two_that_never_cross_a_chunk_boundary():
