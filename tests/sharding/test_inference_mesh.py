@@ -26,7 +26,9 @@ def test_eval_generate_and_sessions_equal_one_device(result):
     assert result["eval_keys"] and result["eval"] <= 1e-5, result["eval"]     # MQAR recall, perplexity
     assert result["generate"] and result["sampled"]
     assert result["store"] == {key: True for key in ("greedy", "sampled", "fork", "after_rollback", "after_load",
-                                                   "speculative")}
+                                                   "speculative", "tiers")}
+    assert result["tiers_counts"] == [dict.fromkeys(("spills_to_host", "spills_to_disk", "loads_from_host",
+                                                     "loads_from_disk", "prefix_hits"), True)] * 2
     # KDA states and conv tails over the heads, the MLA latent replicated; no program moved them
     assert result["pool_specs"] == ["P(None, None, 'tensor', None, None)",
                                     "P(None, None, None, 'tensor')", "P(None, None, None)"]

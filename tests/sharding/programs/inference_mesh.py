@@ -5,8 +5,8 @@ initialisation, loaded on the mesh: the per-device bytes. The runs: the same at 
 trained a few steps on MQAR, loaded on one device and on the mesh: how the mesh compares with one
 device on: the full forward's logits;
 eval's MQAR recall and perplexity; `generate` (greedy and sampled); the session store's batched
-decode with fork, snapshot and rollback, save and load, and its pools' shardings; speculative decoding by prompt
-lookup; the model in bfloat16 (``--dtype``) on the mesh against float32 on one device.
+decode with fork, snapshot and rollback, save and load, device -> host -> disk tiers and a prefix-cache
+hit, and its pools' shardings; speculative decoding by prompt lookup; the model in bfloat16 (``--dtype``) on the mesh against float32 on one device.
 ``eval.chat`` and ``eval.serve`` (driven by the ``openai`` client) on this mesh are checked against
 one device in tests/sharding/test_inference_processes.py, with the mesh's 8 devices in two processes:
 the same code as one process of 8 devices, and the processes' lockstep besides.
@@ -91,7 +91,30 @@ def session_work(model, speculate: bool) -> dict:
         speculator = Speculator.of(store, SpeculationConfig(prompt_lookup=3, k=3))
         sid = store.open(PROMPTS[0] * 3)
         out["speculative"] = store.generate([sid], 8, speculator=speculator)[0].tolist()
+    out.update(tiered_work(model))
     return out
+
+
+def tiered_work(model) -> dict:
+    """Tokens of sessions that move device -> host -> disk and back (a device budget of one
+    session, a host budget of one more, a disk tier) and of a prompt that resumes from a cached
+    prefix (in a store without budgets, which would drop the cache's entries first); the tiers'
+    and the cache's counters say they did."""
+    probe = SessionStore(model)
+    long_prompt = (PROMPTS[1] * 3)[:model.config.kda.chunk_size + 5]     # a whole chunk: a cached boundary
+    store = SessionStore(model, device_bytes=probe.slot_bytes + 2 * probe.page_bytes,
+                         host_bytes=probe.slot_bytes + 2 * probe.page_bytes, disk_dir=tempfile.mkdtemp())
+    sids = [store.open(prompt) for prompt in (long_prompt, PROMPTS[0], PROMPTS[2])]
+    tiers = [store.generate([sid], 4)[0].tolist() for sid in sids]          # each comes back on use
+    counts = store.stats()
+    cached = SessionStore(model)                                            # room for the prefix entries
+    cached.open(long_prompt)
+    resumed = cached.open(long_prompt[:model.config.kda.chunk_size] + [7, 7])
+    tiers.append(cached.generate([resumed], 4)[0].tolist())
+    counts["prefix_hits"] = cached.stats()["prefix_hits"]
+    return {"tiers": tiers, "tiers_counts": {key: counts[key] > 0 for key in
+                                             ("spills_to_host", "spills_to_disk", "loads_from_host",
+                                              "loads_from_disk", "prefix_hits")}}
 
 
 def largest_difference(a, b) -> float:
@@ -122,7 +145,8 @@ def main() -> None:
         "eval": max(abs(values[0][key] - values[1][key]) / max(abs(values[0][key]), 1e-30) for key in values[0]),
         "generate": generated[0] == generated[1], "sampled": sampled[0] == sampled[1],
         "store": {key: work[0][key] == work[1][key] for key in ("greedy", "sampled", "fork", "after_rollback",
-                                                                 "after_load", "speculative")},
+                                                                 "after_load", "speculative", "tiers")},
+        "tiers_counts": [one_work["tiers_counts"] for one_work in work],
         "store_logits": largest_difference(work[0]["logits"], work[1]["logits"]),
         "pool_specs": work[1]["pool_specs"], "pools_kept": work[1]["pools_kept"],
         "bf16_dtypes": sorted({str(leaf.dtype) for leaf in jax.tree.leaves(nnx.state(half.model))}),
