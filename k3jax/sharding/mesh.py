@@ -229,6 +229,9 @@ def to_host(x: jax.Array) -> np.ndarray:
 
 # --- several processes ---------------------------------------------------------------------------
 
+# Seconds without a peer's heartbeat before the others end (JAX's default).
+HEARTBEAT_TIMEOUT_S = 100
+
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None, heartbeat_timeout_s: int | None = None) -> bool:
@@ -254,9 +257,6 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
                                process_id=process_id, heartbeat_timeout_seconds=heartbeat_timeout_s)
     return True
 
-
-# Seconds without a peer's heartbeat before the others end (JAX's default).
-HEARTBEAT_TIMEOUT_S = 100
 
 # How long a process waits at a barrier for the others: on a loaded host one process can finish
 # compiling a large program many minutes after another.
