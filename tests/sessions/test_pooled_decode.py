@@ -66,7 +66,11 @@ def test_pooled_step_equals_the_gather_decode_scatter_step(kernels):
         tokens, logits, new_pools = run_step(model, params, pools, inputs, False)
     np.testing.assert_array_equal(tokens, tokens_ref)
     np.testing.assert_allclose(logits[:3], logits_ref[:3], rtol=1e-6, atol=1e-6)
+    # Slot 5 is the padding row's, garbage by design (`paged`): its latent row is dropped, which the
+    # gathered bank still attends to and the pages read in place do not, so its states differ.
+    kept = [0, 1, 2, 3, 4]
     for name, got, want, before in zip(paged.Pools._fields, new_pools, pools_ref, pools):
+        got, want, before = (np.asarray(a)[kept] if name != "latent" else a for a in (got, want, before))
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=name)
         assert not np.array_equal(got, before), f"the step wrote nothing into the {name} pool"
     untouched = [1, 3]                                     # slots of no row of the batch
