@@ -32,7 +32,8 @@ in place, as `k3jax.sessions` keeps it): the bank is a `Memory` of
 
 Calls of several tokens (the session store's prefill pieces and `feed_rows`) pass a contiguous
 KDA bank (`KDAMemory` or `KDAPositions`) beside `MLAPages`. A layer sees its own rows ``[B]`` /
-tables ``[B, P]``, length ``[B]`` and layer index with the whole pools; the model threads the pools through its layers (`split_pools`, `join_pools`). Layers
+tables ``[B, P]``, length ``[B]`` and layer index with the whole pools; the model threads the
+pools through its layers (`split_pools`, `join_pools`). Layers
 index the pools where they lie, never through a reshape of them: on TPU a reshape that merges the
 layer and page axes is free only in one layout, and the compiler then copies the whole pool into
 it and back on every step.
@@ -177,9 +178,10 @@ def check_memory(config: ModelConfig, memory: Memory, batch_size: int, new_token
     if isinstance(memory.kda, KDAPool) and (not isinstance(memory.mla, MLAPages) or new_tokens != 1):
         raise ValueError("a KDAPool bank decodes one token per call, beside MLAPages; got "
                          f"{type(memory.mla).__name__} and {new_tokens} tokens")
-    capacity = 0 if isinstance(memory.mla, MLAPages) else memory.mla.latent.shape[2] if memory.mla.latent.ndim == 4 else 0
+    pages = isinstance(memory.mla, MLAPages)
+    capacity = memory.mla.latent.shape[2] if not pages and memory.mla.latent.ndim == 4 else 0
     expected = jax.eval_shape(lambda: init_memory(config, batch_size, capacity))
-    if isinstance(memory.mla, MLAPages):
+    if pages:
         _check_pages(config, memory.mla, batch_size)
     else:
         _check_arrays(memory.mla, expected.mla, "mla", batch_size)
@@ -187,8 +189,7 @@ def check_memory(config: ModelConfig, memory: Memory, batch_size: int, new_token
         _check_kda_pool(config, memory.kda, batch_size)
     else:
         _check_arrays(memory.kda, expected.kda, "kda", batch_size)
-    if (not isinstance(memory.mla, MLAPages) and memory.mla.length.size
-            and not isinstance(memory.mla.length, jax.core.Tracer)):
+    if not pages and memory.mla.length.size and not isinstance(memory.mla.length, jax.core.Tracer):
         used = int(jnp.max(memory.mla.length))
         if used + new_tokens > capacity:
             raise ValueError(f"the memory bank holds {capacity} tokens per sequence; {used} are used and "

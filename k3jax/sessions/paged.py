@@ -164,13 +164,18 @@ def grown(pools: Pools, slots: int, pages: int, shardings: Pools | None = None) 
 def gather_bank(pools: Pools, slots: jax.Array, tables: jax.Array, lengths: jax.Array, width: int) -> Memory:
     """The contiguous bank of B sequences: slots ``[B]``, page tables ``[B, P]``, lengths ``[B]``;
     ``width``: L, a token's latent."""
-    state = pools.state.at[slots].get(mode="fill", fill_value=0)
-    conv = pools.conv.at[slots].get(mode="fill", fill_value=0)
     latent = page_rows(pools.latent.at[:, tables].get(mode="fill", fill_value=0), width)    # [N_mla, B, P * page, L]
     num_mla, batch = latent.shape[:2]
     lengths = jnp.broadcast_to(lengths, (num_mla, batch))
-    return Memory(kda=KDAMemory(jnp.swapaxes(state, 0, 1), jnp.swapaxes(conv, 0, 1)),
-                  mla=MLAMemory(latent, lengths, jnp.zeros_like(lengths)))
+    return Memory(kda=slot_states(pools, slots), mla=MLAMemory(latent, lengths, jnp.zeros_like(lengths)))
+
+
+def slot_states(pools: Pools, slots: jax.Array) -> KDAMemory:
+    """The KDA states and conv tails of slots ``[B]`` as a contiguous bank ``[N_kda, B, ...]``
+    (slots past the pool read as zeros)."""
+    state = pools.state.at[slots].get(mode="fill", fill_value=0)
+    conv = pools.conv.at[slots].get(mode="fill", fill_value=0)
+    return KDAMemory(jnp.swapaxes(state, 0, 1), jnp.swapaxes(conv, 0, 1))
 
 
 def paged_bank(pools: Pools, slots: jax.Array, tables: jax.Array, lengths: jax.Array) -> Memory:
@@ -178,18 +183,14 @@ def paged_bank(pools: Pools, slots: jax.Array, tables: jax.Array, lengths: jax.A
     gathered into a contiguous `KDAMemory` (a few MiB a sequence), the MLA latent pools as they
     are with each layer's tables ``[B, P]`` (`MLAPages`: attention reads the pages where they
     lie and writes the call's rows into them; no sequence's cache is gathered whole)."""
-    pooled = pooled_bank(pools, slots, tables, lengths)
-    state = pools.state.at[slots].get(mode="fill", fill_value=0)
-    conv = pools.conv.at[slots].get(mode="fill", fill_value=0)
-    return Memory(kda=KDAMemory(jnp.swapaxes(state, 0, 1), jnp.swapaxes(conv, 0, 1)), mla=pooled.mla)
+    return Memory(kda=slot_states(pools, slots), mla=pooled_bank(pools, slots, tables, lengths).mla)
 
 
 def scatter_paged(pools: Pools, slots, bank: Memory) -> Pools:
     """Write back the KDA states and conv tails of a `paged_bank` the model returned; its latent
     pools already hold the call's rows."""
-    return Pools(state=pools.state.at[slots].set(jnp.swapaxes(bank.kda.state, 0, 1), mode="drop"),
-                 conv=pools.conv.at[slots].set(jnp.swapaxes(bank.kda.conv, 0, 1), mode="drop"),
-                 latent=bank.mla.latent)
+    return set_slots(pools._replace(latent=bank.mla.latent), slots, jnp.swapaxes(bank.kda.state, 0, 1),
+                     jnp.swapaxes(bank.kda.conv, 0, 1))
 
 
 def scatter_bank(pools: Pools, slots, tables, lengths, bank: Memory, new_tokens: int) -> Pools:
@@ -201,11 +202,9 @@ def scatter_bank(pools: Pools, slots, tables, lengths, bank: Memory, new_tokens:
     pages = jnp.take_along_axis(tables, positions // page_size, axis=1, mode="fill", fill_value=pools.latent.shape[1])
     rows = jnp.take_along_axis(bank.mla.latent, positions[None, :, :, None], axis=2)   # [N_mla, B, T, L]
     layers = jnp.arange(num_mla)[:, None, None]
-    return Pools(
-        state=pools.state.at[slots].set(jnp.swapaxes(bank.kda.state, 0, 1), mode="drop"),
-        conv=pools.conv.at[slots].set(jnp.swapaxes(bank.kda.conv, 0, 1), mode="drop"),
-        latent=set_latent_rows(pools.latent, layers, pages, positions % page_size, rows),
-    )
+    latent = set_latent_rows(pools.latent, layers, pages, positions % page_size, rows)
+    return set_slots(pools._replace(latent=latent), slots, jnp.swapaxes(bank.kda.state, 0, 1),
+                     jnp.swapaxes(bank.kda.conv, 0, 1))
 
 
 def model_for(graph: StaticGraph, params, adapters, shape) -> nnx.Module:
