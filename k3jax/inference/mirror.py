@@ -34,12 +34,18 @@ import time
 import weakref
 from typing import Any, Iterable, Iterator, Mapping
 
+from k3jax.sharding.lost_peers import PeerLost
+
 log = logging.getLogger("k3jax.mirror")
 
 NAMESPACE = "k3jax/mirror/"
 WINDOW = 4096            # messages the slowest follower may be behind before the leader waits
 ACK_EVERY = 64           # a follower says how far it has read every this many messages
 POLL_MS = 1000           # a follower's wait for the next message, between checks of the channel
+# How long a follower that finds process 0 gone waits for JAX's coordination service to end it (the
+# service sees the same loss, usually within milliseconds, and `k3jax.sharding.lost_peers` turns its
+# fatal log into one line) before it raises `PeerLost` itself: one way for a run to stop, not two.
+SERVICE_STOP_GRACE_S = 10.0
 
 
 class Channel:
@@ -77,7 +83,8 @@ class Channel:
 
     def receive(self) -> bytes:
         """A follower: the next message, waiting as long as it takes. A lost coordinator (process
-        0 gone) ends the wait with `PeerLost`."""
+        0 gone) ends the wait: JAX's coordination service stops this process, or after
+        `SERVICE_STOP_GRACE_S` without that, `PeerLost`."""
         key = self._key(self._next)
         while True:
             try:
@@ -85,6 +92,7 @@ class Channel:
                 break
             except Exception as error:          # noqa: BLE001 - JAX raises its runtime error type
                 if "DEADLINE_EXCEEDED" not in str(error):
+                    time.sleep(SERVICE_STOP_GRACE_S)
                     raise PeerLost(f"process 0 is gone: {str(error).splitlines()[0][:200]}") from None
         self._next += 1
         if self._next % ACK_EVERY == 0:
@@ -135,10 +143,6 @@ def on_the_leader(channel: Channel | None, compute):
         raise
     channel.send(pickle.dumps(("value", value)))
     return value
-
-
-class PeerLost(RuntimeError):
-    """Another process of the run is gone; the message is one line."""
 
 
 class Leader:

@@ -18,6 +18,10 @@ If the process ends otherwise, or the held lines are not followed by the fatal m
 `HOLD_SECONDS`, they are passed on unchanged: nothing written to standard error is lost. The watcher
 ignores the signals a terminal or a scheduler sends (they are the process's to handle, and the
 process keeps its pid) and ends when the process's standard error closes, that is when it ends.
+
+Python code can see the loss first (a follower's read from process 0, `k3jax.inference.mirror`); it
+then waits for the service to stop the process, and raises `PeerLost` only if it does not.
+`report_peer_lost_in_one_line` makes an uncaught `PeerLost` one line too.
 """
 from __future__ import annotations
 
@@ -40,6 +44,23 @@ FATAL = b"Terminating process because the JAX distributed service detected fatal
 UNHEALTHY = re.compile(rb"stopped sending heartbeats\):\s*\n([\d\s,]+)")
 LEADER_GONE = (b"leader task was preempted/died", b"Failed to send RPC to coordination service")
 STATUS = re.compile(rb"absl::Status: (.*)")
+
+
+class PeerLost(RuntimeError):
+    """Another process of the run is gone; the message is one line."""
+
+
+def report_peer_lost_in_one_line(this_process) -> None:
+    """An uncaught `PeerLost` ends this process with one line, naming it ``this_process()``
+    (e.g. ``"process 1 of 2"``), instead of a traceback; other errors as before."""
+    previous = sys.excepthook
+
+    def hook(kind, error, trace):
+        if not issubclass(kind, PeerLost):
+            return previous(kind, error, trace)
+        print(f"error: {this_process()} stopped: {error}; every process of the run stops",
+              file=sys.stderr, flush=True)
+    sys.excepthook = hook
 
 
 def lost_peer_line(held: bytes, process_id: int | None, process_count: int | None, address: str,

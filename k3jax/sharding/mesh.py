@@ -34,7 +34,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from k3jax.config import MESH_AXIS_NAMES, AxisRules, Config, ConfigError, MeshConfig
 from k3jax.ops.kda.blocks import chunk_length
-from k3jax.sharding.lost_peers import watch_for_lost_peers
+from k3jax.sharding.lost_peers import report_peer_lost_in_one_line, watch_for_lost_peers
 
 MESH_AXES = MESH_AXIS_NAMES
 AnyMesh = Mesh | AbstractMesh   # shardings are computed alike for concrete and abstract meshes
@@ -255,6 +255,7 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     watch_for_lost_peers(process_id, num_processes, coordinator_address, heartbeat_timeout_s)
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id, heartbeat_timeout_seconds=heartbeat_timeout_s)
+    report_peer_lost_in_one_line(lambda: f"process {jax.process_index()} of {jax.process_count()}")
     return True
 
 

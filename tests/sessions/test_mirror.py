@@ -137,10 +137,13 @@ def test_the_leader_deletes_what_followers_read_and_waits_for_the_slowest(monkey
     assert len(sent) == 20
 
 
-def test_a_follower_says_in_one_line_that_process_zero_is_gone():
+def test_a_follower_says_in_one_line_that_process_zero_is_gone(monkeypatch):
     class Gone(KeyValueStore):
         def blocking_key_value_get_bytes(self, key, timeout_in_ms):
             raise RuntimeError("UNAVAILABLE: Failed to send RPC to coordination service.\nmore lines")
 
+    monkeypatch.setattr(mirror, "SERVICE_STOP_GRACE_S", 0.5)
+    started = time.monotonic()
     with pytest.raises(mirror.PeerLost, match=r"^process 0 is gone: UNAVAILABLE: Failed to send RPC[^\n]*$"):
         Channel(Gone(), 1, 2).receive()
+    assert time.monotonic() - started >= 0.5     # JAX's coordination service had its chance to stop it

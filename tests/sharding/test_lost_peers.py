@@ -9,7 +9,7 @@ import sys
 import textwrap
 import time
 
-from k3jax.sharding.lost_peers import lost_peer_line
+from k3jax.sharding.lost_peers import PeerLost, lost_peer_line, report_peer_lost_in_one_line
 
 HEARTBEAT_LOST = """\
 E1207 05:31:33.677484    5613 coordination_service.cc:1549] [8291124973497416935] Use error polling to propagate the following error to all tasks: UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):
@@ -102,3 +102,17 @@ def test_the_line_names_the_processes_that_stopped_their_heartbeats():
     other = lost_peer_line(b"F1207 client.h:80] " + b"Terminating process because the JAX distributed service "
                            b"detected fatal errors. absl::Status: INTERNAL: something else\nmore", 2, 4, "h:1", 100, "L")
     assert "process 2 of 4 stopped: JAX's distributed service failed: INTERNAL: something else;" in other
+
+
+def test_an_uncaught_peer_lost_is_one_line_and_other_errors_keep_their_traceback(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    report_peer_lost_in_one_line(lambda: "process 1 of 2")
+    sys.excepthook(PeerLost, PeerLost("process 0 is gone: UNAVAILABLE: Socket closed"), None)
+    assert capsys.readouterr().err == ("error: process 1 of 2 stopped: process 0 is gone: UNAVAILABLE: Socket "
+                                       "closed; every process of the run stops\n")
+    try:
+        raise ValueError("another error")
+    except ValueError as error:
+        sys.excepthook(ValueError, error, error.__traceback__)
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):") and err.endswith("ValueError: another error\n")
