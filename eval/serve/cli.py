@@ -20,7 +20,8 @@ A model too large for one host's devices is served by several processes over one
 with ``--coordinator-address``, ``--num-processes``, ``--process-id``, the same command on every
 host): each loads its shards; process 0 owns HTTP and the engine, and its store's and speculator's
 calls are mirrored to the others (`k3jax.inference.mirror`), which make the same calls on their own
-copies. SIGTERM on any process lets process 0 drain, then every process stops.
+copies. SIGTERM on any process lets process 0 drain, then every process stops. ``--state-dir`` is
+then one directory all processes read (a shared filesystem) and process 0 writes (`load_state_dir`).
 
 LoRA fine-tunes of the served run (``--lora NAME=RUN_DIR``, repeatable; `k3jax.inference.adapters`)
 are served beside it, a request's ``model`` choosing the base or an adapter by name, and requests
@@ -115,12 +116,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     try:
-        several_processes = process_flags(args)[0] is not None
+        process_flags(args)
     except ValueError as error:
         parser.error(str(error))
-    if args.state_dir is not None and several_processes:
-        parser.error("--state-dir is not supported across processes yet: every process would write the same "
-                     "session files; serve from one process to keep stored responses across restarts")
     args.speculation = speculation_settings(args)
     return args
 
@@ -184,17 +182,10 @@ def load_engine_parts(args: argparse.Namespace):
     adapters = load_adapters(args, run)
     draft = load_draft_model(args, run.config)
     budgets = dict(device_bytes=args.device_bytes, host_bytes=args.host_bytes)
-    state_dir = None if args.state_dir is None else pathlib.Path(args.state_dir)
-    try:
-        if state_dir is not None:
-            responses, store, notes = ResponseStore.load(run.model, state_dir, args.max_stored_responses, **budgets,
-                                                         disk_dir=state_dir / "tier")
-            for note in notes:
-                print(f"--state-dir {state_dir}: {note}", file=sys.stderr, flush=True)
-        else:
-            responses, store = ResponseStore(args.max_stored_responses), SessionStore(run.model, **budgets)
-    except (OSError, ValueError) as error:
-        raise InputError(f"--state-dir {state_dir}: {error}") from None
+    if args.state_dir is not None:
+        responses, store = load_state_dir(run.model, pathlib.Path(args.state_dir), args.max_stored_responses, budgets)
+    else:
+        responses, store = ResponseStore(args.max_stored_responses), SessionStore(run.model, **budgets)
     try:
         store.check_length(args.max_model_len)
     except ValueError as error:
@@ -203,6 +194,56 @@ def load_engine_parts(args: argparse.Namespace):
         store.serve_adapters(adapters.tags())
     speculator = None if args.speculation is None else Speculator.of(store, args.speculation, draft)
     return run, responses, store, speculator, adapters
+
+
+def load_state_dir(model, state_dir: pathlib.Path, capacity: int | None, budgets: dict):
+    """(responses, store) kept in ``--state-dir`` (`ResponseStore.load`; what it skipped or rebuilt
+    said on stderr). Across processes it is one directory that every process reads (on several
+    hosts, a shared filesystem) and process 0 alone writes; each process keeps its disk tier in
+    ``tier/process-N``. The processes first check that they read the same stored responses, and
+    all refuse in one line where one did not, before any of them runs a program."""
+    from .responses import ResponseStore, read_state_files
+    from k3jax.inference.mirror import Channel
+
+    channel = Channel.joined(namespace="k3jax/state-dir/")
+    process = 0 if channel is None else channel.process
+    try:
+        try:
+            files = read_state_files(state_dir)
+            said = f"read {files.digest()}"
+        except (OSError, ValueError) as error:
+            files, said = None, f"error {error}"
+        if channel is not None:
+            problem = disagreement(channel.said_by_every_process("read", said))
+            if problem is not None and files is not None:
+                raise ValueError(problem)
+        if files is None:
+            raise ValueError(said.removeprefix("error "))
+        tier = state_dir / "tier" if channel is None else state_dir / "tier" / f"process-{process}"
+        responses, store, notes = ResponseStore.load(model, state_dir, capacity, files=files, owner=process == 0,
+                                                     disk_dir=tier, **budgets)
+    except (OSError, ValueError) as error:
+        raise InputError(f"--state-dir {state_dir}: {error}") from None
+    for note in notes if process == 0 else ():
+        print(f"--state-dir {state_dir}: {note}", file=sys.stderr, flush=True)
+    return responses, store
+
+
+def disagreement(said: list[str]) -> str | None:
+    """Why processes that read a state directory cannot go on, from what each said (in process
+    order: ``"read DIGEST"`` or ``"error MESSAGE"``); None where every one read the same."""
+    failed = [process for process, text in enumerate(said) if text.startswith("error ")]
+    differ = [process for process, text in enumerate(said) if text != said[0]]
+    if failed:
+        return f"{_processes(failed)} of {len(said)} could not read it"
+    if differ:
+        return (f"{_processes(differ)} of {len(said)} read other stored responses there than process 0: every "
+                f"process must read one directory (on several hosts, a shared filesystem)")
+    return None
+
+
+def _processes(numbers: list[int]) -> str:
+    return f"process{'es' if len(numbers) > 1 else ''} {', '.join(map(str, numbers))}"
 
 
 def build(args: argparse.Namespace, parts=None, leader=None):

@@ -52,22 +52,24 @@ class Journal:
     def remove(self, response_id: str) -> None:
         (self.directory / f"{response_id}.json").unlink(missing_ok=True)
 
-    def read(self) -> tuple[dict[str, dict], list[str]]:
-        """({id: entry} of every readable file, the names of files that could not be read)."""
-        entries, damaged = {}, []
-        for path in sorted(self.directory.iterdir()):
-            match = _ENTRY.fullmatch(path.name)
-            if match is None:
-                continue
-            try:
-                entry = json.loads(path.read_text(encoding="utf-8"))
-                if not (isinstance(entry, dict) and entry.get("id") == match.group(1) and _well_formed(entry)):
-                    raise ValueError("unexpected layout")
-            except (OSError, ValueError, RecursionError):
-                damaged.append(path.name)
-                continue
-            entries[entry["id"]] = entry
-        return entries, damaged
+
+def read_journal(directory: pathlib.Path) -> tuple[dict[str, dict], list[str]]:
+    """({id: entry} of every readable file of the journal in ``directory``, the names of files that
+    could not be read)."""
+    entries, damaged = {}, []
+    for path in sorted((directory / JOURNAL_DIR).iterdir()):
+        match = _ENTRY.fullmatch(path.name)
+        if match is None:
+            continue
+        try:
+            entry = json.loads(path.read_text(encoding="utf-8"))
+            if not (isinstance(entry, dict) and entry.get("id") == match.group(1) and _well_formed(entry)):
+                raise ValueError("unexpected layout")
+        except (OSError, ValueError, RecursionError):
+            damaged.append(path.name)
+            continue
+        entries[entry["id"]] = entry
+    return entries, damaged
 
 
 def _well_formed(entry: dict) -> bool:

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import json
 import pathlib
 import re
 import shutil
 import time
 import uuid
+from typing import NamedTuple
 
 from k3jax.data import DataError
 from k3jax.data.chat_format import ReplyReader, reply_segments
@@ -41,7 +43,7 @@ from k3jax.sessions.tiers import remove_spill_files
 from .completions import tool_calls
 from .engine import PREFILL_TURN_TOKENS, Job, Sequence, open_in_turns
 from .errors import ServeError
-from .journal import JOURNAL_DIR, Journal, remove_interrupted_writes
+from .journal import JOURNAL_DIR, Journal, read_journal, remove_interrupted_writes
 from .limits import shown
 from .model import ServedModel
 from .protocol import FunctionCallOutputItem, MessageItem, ReasoningItem, ResponseRequest
@@ -131,31 +133,35 @@ class ResponseStore:
             shutil.rmtree(directory / previous["sessions"], ignore_errors=True)
 
     @classmethod
-    def load(cls, model, directory: pathlib.Path, capacity: int | None = None,
-             **budgets) -> tuple["ResponseStore", SessionStore, list[str]]:
+    def load(cls, model, directory: pathlib.Path, capacity: int | None = None, files: "StateFiles | None" = None,
+             owner: bool = True, **budgets) -> tuple["ResponseStore", SessionStore, list[str]]:
         """(responses, store, notes) from ``directory``: the stored responses its journal lists,
         each with its session from the last clean save (`save`) where that holds its tokens, else
         rebuilt by one prefill of them; temporary files of interrupted writes and spill files of
         the disk tier (``budgets["disk_dir"]``) removed first. A damaged journal or session file
         skips (or rebuilds) that response alone; ``notes`` are lines saying what was skipped,
-        rebuilt or removed. A directory of an older version (no journal) loads its saved state."""
-        notes = [f"removed {name} (an interrupted write)" for name in remove_interrupted_writes(directory)]
+        rebuilt or removed. A directory of an older version (no journal) loads its saved state.
+
+        ``files``: the directory's `read_state_files` (read here when None). ``owner`` False: a
+        process of a mesh other than 0, which makes the same store calls from the same ``files``
+        but writes and removes nothing in ``directory`` (process 0 does; its disk tier is its own)."""
+        notes = [f"removed {name} (an interrupted write)" for name in remove_interrupted_writes(directory)] if owner else []
         if budgets.get("disk_dir") is not None:
             spilled = remove_spill_files(pathlib.Path(budgets["disk_dir"]))
             notes += [f"removed {len(spilled)} spill files of an earlier run"] if spilled else []
-        state, journaled = _read_state(directory), (directory / JOURNAL_DIR).is_dir()
-        journal = Journal(directory)
+        files = read_state_files(directory) if files is None else files
+        journal = Journal(directory) if owner else None
         damaged: list[int] = []
-        if state is None:
+        if files.state is None:
             store, saved = SessionStore(model, **budgets), {}
         else:
-            store = SessionStore.load(model, directory / state["sessions"], damaged=damaged, **budgets)
-            saved = {item["id"]: StoredResponse(**item) for item in state["responses"]}
-        entries, unreadable = journal.read()
-        notes += [f"skipped {name}: an unreadable journal file" for name in unreadable]
-        if not journaled:         # written by a version without a journal: what it saved, journaled from now on
+            store = SessionStore.load(model, directory / files.state["sessions"], damaged=damaged, **budgets)
+            saved = {item["id"]: StoredResponse(**item) for item in files.state["responses"]}
+        entries = files.entries
+        notes += [f"skipped {name}: an unreadable journal file" for name in files.unreadable]
+        if not files.journaled:     # written by a version without a journal: what it saved, journaled from now on
             entries = {key: _entry(store, item) for key, item in saved.items() if item.sid in store.sessions()}
-            for entry in entries.values():
+            for entry in entries.values() if journal is not None else ():
                 journal.write(entry)
         notes += [f"skipped {key}: its session file is damaged" for key, item in saved.items()
                   if item.sid in damaged and key not in entries]
@@ -171,6 +177,27 @@ class ResponseStore:
         while capacity is not None and len(responses.items) > capacity:
             responses.remove(store, next(iter(responses.items)))
         return responses, store, notes
+
+
+class StateFiles(NamedTuple):
+    """What a state directory held when read: ``state.json`` (None: none yet), whether it has a
+    journal, the journal's entries by id and the names of its unreadable files."""
+
+    state: dict | None
+    journaled: bool
+    entries: dict[str, dict]
+    unreadable: list[str]
+
+    def digest(self) -> str:
+        """sha256 of the contents: equal where two processes read the same."""
+        return hashlib.sha256(json.dumps(self._asdict(), sort_keys=True).encode()).hexdigest()
+
+
+def read_state_files(directory: pathlib.Path) -> StateFiles:
+    """``directory``'s `StateFiles`; ValueError when its ``state.json`` is not a server's."""
+    journaled = (directory / JOURNAL_DIR).is_dir()
+    entries, unreadable = read_journal(directory) if journaled else ({}, [])
+    return StateFiles(_read_state(directory), journaled, entries, unreadable)
 
 
 def _restored(store: SessionStore, saved: StoredResponse | None, entry: dict) -> tuple[StoredResponse | None, str | None]:

@@ -99,6 +99,15 @@ class Channel:
             self.client.key_value_set(self._read_key(self.process), str(self._next), allow_overwrite=True)
         return payload
 
+    def said_by_every_process(self, name: str, text: str, timeout_s: float = 3600.0) -> list[str]:
+        """Every process's ``text`` for ``name`` (once per run), in process order, on every
+        process: each writes its own and waits for the others'. Unlike a device collective it lets
+        the processes arrive when they do -- one that failed early, one still reading -- so that all
+        can decide together what to do next."""
+        self.client.key_value_set(f"{self.namespace}said/{name}/{self.process}", text)
+        return [self.client.blocking_key_value_get(f"{self.namespace}said/{name}/{process}", int(timeout_s * 1000))
+                for process in range(self.count)]
+
     def _key(self, number: int) -> str:
         return f"{self.namespace}{number}"
 

@@ -48,9 +48,17 @@ def _snapshot_file(sid, serial) -> str:
 
 
 def save(directory, *, fingerprint: str, sessions: Mapping[int, Item], snapshots: Mapping[tuple[int, int], Item],
-         next_session: int, next_serial: int, saved: Callable[[Item], SavedValue]) -> None:
+         next_session: int, next_serial: int, saved: Callable[[Item], SavedValue], write: bool = True) -> None:
     """Write ``sessions`` and ``snapshots`` (each value as ``saved`` gives it, one at a time) and
-    the manifest into the new directory ``directory``."""
+    the manifest into the new directory ``directory``. ``write`` False: only read the values as
+    ``saved`` gives them, in the same order (a process other than 0 of a store spread over several:
+    its reads are collectives made together with process 0, which writes)."""
+    items = [(_session_file(sid), v) for sid, v in sessions.items()] + \
+            [(_snapshot_file(s, n), v) for (s, n), v in snapshots.items()]
+    if not write:
+        for _, value in items:
+            saved(value)
+        return
     target = pathlib.Path(directory)
     if target.exists():
         raise ValueError(f"{target} already exists; save writes a new directory")
@@ -59,8 +67,7 @@ def save(directory, *, fingerprint: str, sessions: Mapping[int, Item], snapshots
     temporary = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
     try:
         temporary.mkdir()
-        for name, value in [(_session_file(sid), v) for sid, v in sessions.items()] + \
-                           [(_snapshot_file(s, n), v) for (s, n), v in snapshots.items()]:
+        for name, value in items:
             item = saved(value)
             tagged = {"adapter": np.asarray(item.adapter)} if item.adapter else {}
             write_npz_atomically(temporary / name, **item.memory._asdict(), tokens=item.tokens, logits=item.logits,

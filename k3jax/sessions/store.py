@@ -341,11 +341,15 @@ class SessionStore:
 
     def save(self, directory) -> None:
         """Write every session and snapshot into the new directory ``directory`` (atomically:
-        a temporary directory renamed at the end; `k3jax.sessions.persist`). The store is unchanged."""
+        a temporary directory renamed at the end; `k3jax.sessions.persist`). The store is unchanged.
+        A store spread over several processes (each making the same calls, `k3jax.inference.mirror`)
+        is written by process 0; the others read its values with it and write nothing."""
         self._collect()
         registry = self._registry
+        writes = jax.process_index() == 0 or self._device.arrays.state.is_fully_addressable
         persist.save(directory, fingerprint=self.fingerprint, sessions=registry.sessions, snapshots=registry.snapshots,
-                     next_session=registry.next_session, next_serial=registry.next_serial, saved=self._saved)
+                     next_session=registry.next_session, next_serial=registry.next_serial, saved=self._saved,
+                     write=writes)
 
     @classmethod
     def load(cls, model, directory, device_bytes: int | None = None, host_bytes: int | None = None,

@@ -94,7 +94,10 @@ def test_bad_process_flags_are_one_line_before_joining(untrained_run, flags, mes
         join_processes(parse_args([str(untrained_run.path), "--prompt", "1", *flags]))
 
 
-def test_the_server_refuses_a_state_dir_across_processes():
-    from eval.serve.cli import parse_args
-    with pytest.raises(InputError, match="--state-dir is not supported across processes"):
-        parse_args(["run", "--state-dir", "state", "--coordinator-address", "127.0.0.1:1", "--mesh", "auto"])
+def test_processes_that_read_other_state_dirs_all_refuse_and_say_which():
+    from eval.serve.cli import disagreement
+    assert disagreement(["read ab", "read ab", "read ab"]) is None
+    assert disagreement(["read ab", "read cd", "read cd"]) == (
+        "processes 1, 2 of 3 read other stored responses there than process 0: every process must read one "
+        "directory (on several hosts, a shared filesystem)")
+    assert disagreement(["read ab", "error no such file", "read cd"]) == "process 1 of 3 could not read it"

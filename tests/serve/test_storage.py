@@ -116,6 +116,32 @@ def test_acknowledged_responses_survive_a_server_that_never_saved(chat_run, tmp_
     assert not (state / "tier" / "value-0123abcd.npz").exists()
 
 
+def test_a_process_other_than_0_loads_the_same_responses_and_changes_nothing_there(chat_run, tmp_path):
+    """A mesh over several processes: each loads the shared state directory from the same files (the
+    others as ``owner=False``); only process 0 removes leftovers and writes, and both stores hold the
+    same sessions (one saved, one rebuilt from the journal) under the same ids."""
+    from eval.serve.responses import ResponseStore, read_state_files
+
+    state = tmp_path / "state"
+    client, app = server_over(chat_run, "--state-dir", state)
+    respond(client, "3 hi")
+    app.state.server.engine.call(lambda store: app.state.server.responses.save(store, state)).result()
+    respond(client, "4 hi")
+    app.state.server.engine.shutdown(0)
+    (state / ".sessions-1.0123456789abcdef0123456789abcdef.tmp").mkdir()   # an interrupted save's leftovers
+    contents = lambda: {path: path.read_bytes() if path.is_file() else None for path in state.rglob("*")}
+    before, files = contents(), read_state_files(state)
+    model = app.state.server.served.model
+    follower, follower_store, notes = ResponseStore.load(model, state, files=files, owner=False,
+                                                         disk_dir=tmp_path / "tier-1")
+    assert contents() == before and follower.journal is None and any("rebuilt" in note for note in notes)
+    leader, leader_store, _ = ResponseStore.load(model, state, files=files, disk_dir=tmp_path / "tier-0")
+    assert contents() == {path: value for path, value in before.items() if ".tmp" not in path.name}
+    assert list(follower.items) == list(leader.items) and len(leader.items) == 2
+    assert [(item.sid, follower_store.tokens(item.sid).tolist()) for item in follower.items.values()] == \
+        [(item.sid, leader_store.tokens(item.sid).tolist()) for item in leader.items.values()]
+
+
 def test_a_damaged_file_skips_that_response_alone(chat_run, tmp_path, capsys):
     state = tmp_path / "state"
     client, app = server_over(chat_run, "--state-dir", state)

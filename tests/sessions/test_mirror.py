@@ -37,6 +37,8 @@ class KeyValueStore:
                 raise RuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key}")
             return self.values[key]
 
+    blocking_key_value_get = blocking_key_value_get_bytes
+
     def key_value_dir_get(self, prefix):
         with self.changed:
             return [(key, value) for key, value in self.values.items() if key.startswith(prefix)]
@@ -147,3 +149,17 @@ def test_a_follower_says_in_one_line_that_process_zero_is_gone(monkeypatch):
     with pytest.raises(mirror.PeerLost, match=r"^process 0 is gone: UNAVAILABLE: Failed to send RPC[^\n]*$"):
         Channel(Gone(), 1, 2).receive()
     assert time.monotonic() - started >= 0.5     # JAX's coordination service had its chance to stop it
+
+
+def test_every_process_hears_what_each_said_whenever_it_arrives():
+    client, heard = KeyValueStore(), {}
+
+    def say(process, delay):
+        time.sleep(delay)
+        heard[process] = Channel(client, process, 3).said_by_every_process("read", f"read {process % 2}")
+    threads = [threading.Thread(target=say, args=(process, delay)) for process, delay in ((0, 0.5), (1, 0), (2, 0.2))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert heard == {process: ["read 0", "read 1", "read 0"] for process in range(3)}

@@ -56,6 +56,15 @@ def test_save_writes_a_new_directory_or_nothing(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["saved"]          # no partial or temporary directory
 
 
+def test_a_process_that_does_not_write_reads_every_value_in_the_same_order_and_writes_nothing(tmp_path):
+    for write in (True, False):
+        read = []
+        persist.save(tmp_path / f"write-{write}", fingerprint="model", sessions=SESSIONS, snapshots=SNAPSHOTS,
+                     next_session=3, next_serial=2, saved=lambda value: read.append(value) or value, write=write)
+        assert read == [*SESSIONS.values(), *SNAPSHOTS.values()]        # the same reads, each once
+    assert [p.name for p in tmp_path.iterdir()] == ["write-True"]
+
+
 def rewrite_manifest(directory, **changes):
     manifest = json.loads((directory / "manifest.json").read_text())
     (directory / "manifest.json").write_text(json.dumps({**manifest, **changes}))

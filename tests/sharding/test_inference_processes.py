@@ -3,8 +3,8 @@ expert=4,tensor=2`` over its 8 devices) gives what one process on one device giv
 ``eval.generate``'s tokens, ``eval``'s perplexity, ``eval.chat``'s transcript with /fork and
 /rollback, and ``eval.serve``'s answers to the ``openai`` client (with speculative decoding, and LoRA
 adapters: one given at start decoding beside the base, one loaded and unloaded at run time). Process 0
-prints, writes and serves; process 1 runs the same steps silently. A process killed outright stops
-the other with one line."""
+prints, writes and serves; process 1 runs the same steps silently. A server's stored responses outlive
+a restart (``--state-dir``). A process killed outright stops the other with one line."""
 import concurrent.futures
 import json
 import re
@@ -191,6 +191,54 @@ def test_serve_across_processes_answers_as_one_process(runs):
         assert "stopping with process 0" in two[1].stderr_so_far()
     finally:
         for job in (one, *two):
+            if job.poll() is None:
+                job.kill()
+
+
+def two_servers(args) -> list:
+    address = f"127.0.0.1:{free_port()}"
+    return [start([*args, *MESH, "--coordinator-address", address, "--num-processes", "2", "--process-id", str(i)],
+                  devices=4) for i in range(2)]
+
+
+def stopped(jobs) -> list[str]:
+    """SIGTERM to each of a 2-process server (the follower first) -> their stderr; both ended by it."""
+    for job in (jobs[1], jobs[0]):
+        job.send_signal(signal.SIGTERM)
+    for job in jobs:
+        job.communicate(timeout=300)
+    errors = [job.stderr_so_far() for job in jobs]
+    assert [job.returncode for job in jobs] == [-signal.SIGTERM, 0], [error[-2000:] for error in errors]
+    return errors
+
+
+def test_serve_across_processes_keeps_stored_responses_across_restarts(runs, tmp_path):
+    """--state-dir across processes: what the first server stored (process 0 writes, both read the
+    values) the second continues from its saved sessions, as the first would have."""
+    state = tmp_path / "state"
+    args = ["-m", "eval.serve", str(runs[1]), "--port", "0", "--compilation-cache", "none", "--max-model-len", "256",
+            "--state-dir", str(state)]
+
+    def ask(jobs, **options):
+        client = openai.OpenAI(base_url=served_url(jobs[0]), api_key="unused", max_retries=0, timeout=600)
+        reply = client.responses.create(model=client.models.list().data[0].id, max_output_tokens=6, temperature=0,
+                                        **options)
+        return reply.id, reply.output_text, reply.usage.input_tokens
+
+    jobs = two_servers(args)
+    try:
+        first = ask(jobs, input="remember 42")
+        second = ask(jobs, input="and now?", previous_response_id=first[0])
+        errors = stopped(jobs)
+        assert "saved 2 stored responses" in errors[0] and "saved" not in errors[1]
+        assert sorted(path.name for path in (state / "tier").iterdir()) == ["process-0", "process-1"]
+        jobs = two_servers(args)
+        again = ask(jobs, input="and now?", previous_response_id=first[0])
+        assert again[1:] == second[1:] and again[0] != second[0]
+        errors = stopped(jobs)
+        assert "rebuilt" not in errors[0] and "saved 3 stored responses" in errors[0]
+    finally:
+        for job in jobs:
             if job.poll() is None:
                 job.kill()
 
