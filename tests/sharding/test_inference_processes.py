@@ -195,10 +195,11 @@ def test_serve_across_processes_answers_as_one_process(runs):
                 job.kill()
 
 
-def two_servers(args) -> list:
+def two_servers(args, *extra) -> list:
+    """The two processes of ``args`` (``extra[i]``: flags for process i alone)."""
     address = f"127.0.0.1:{free_port()}"
-    return [start([*args, *MESH, "--coordinator-address", address, "--num-processes", "2", "--process-id", str(i)],
-                  devices=4) for i in range(2)]
+    return [start([*args, *(extra[i] if extra else ()), *MESH, "--coordinator-address", address,
+                   "--num-processes", "2", "--process-id", str(i)], devices=4) for i in range(2)]
 
 
 def stopped(jobs) -> list[str]:
@@ -237,6 +238,16 @@ def test_serve_across_processes_keeps_stored_responses_across_restarts(runs, tmp
         assert again[1:] == second[1:] and again[0] != second[0]
         errors = stopped(jobs)
         assert "rebuilt" not in errors[0] and "saved 3 stored responses" in errors[0]
+        jobs = two_servers(args, (), ("--state-dir", str(tmp_path / "elsewhere")))   # as if a host's own disk
+        for job in jobs:
+            job.communicate(timeout=300)
+        lines = [job.stderr_so_far().strip().splitlines()[-1] for job in jobs]
+        assert [job.returncode for job in jobs] == [2, 2], lines
+        assert lines == [f"error: --state-dir {state}: process 1 of 2 read other stored responses there than "
+                         f"process 0: every process must read one directory (on several hosts, a shared filesystem)",
+                         f"error: --state-dir {tmp_path / 'elsewhere'}: process 1 of 2 read other stored responses "
+                         f"there than process 0: every process must read one directory (on several hosts, a shared "
+                         f"filesystem)"]
     finally:
         for job in jobs:
             if job.poll() is None:
