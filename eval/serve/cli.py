@@ -208,18 +208,16 @@ def load_state_dir(model, state_dir: pathlib.Path, capacity: int | None, budgets
     channel = Channel.joined(namespace="k3jax/state-dir/")
     process = 0 if channel is None else channel.process
     try:
-        try:
-            files = read_state_files(state_dir)
-            said = f"read {files.digest()}"
-        except (OSError, ValueError) as error:
-            files, said = None, f"error {error}"
-        if channel is not None:
-            problem = disagreement(channel.said_by_every_process("read", said))
-            if problem is not None and files is not None:
-                raise ValueError(problem)
-        if files is None:
-            raise ValueError(said.removeprefix("error "))
-        tier = state_dir / "tier" if channel is None else state_dir / "tier" / f"process-{process}"
+        files, failure = read_state_files(state_dir), None
+    except (OSError, ValueError) as error:
+        files, failure = None, str(error)
+    if channel is not None:
+        said = channel.said_by_every_process("read", f"error {failure}" if files is None else f"read {files.digest()}")
+        failure = failure or disagreement(said)
+    if failure is not None:
+        raise InputError(f"--state-dir {state_dir}: {failure}")
+    tier = state_dir / "tier" if channel is None else state_dir / "tier" / f"process-{process}"
+    try:
         responses, store, notes = ResponseStore.load(model, state_dir, capacity, files=files, owner=process == 0,
                                                      disk_dir=tier, **budgets)
     except (OSError, ValueError) as error:
